@@ -1,0 +1,100 @@
+// Per-row maths of the vocab-parallel logprob kernels, shared by the CPU and CUDA implementations.
+//
+// A row is one token's logits over this rank's vocab shard. Only the first `valid_cols` columns take part:
+// the rest is Megatron's vocab padding. Forward reduces a row to partials (max, sum of exps, optionally the
+// exp-weighted sum of logits for the entropy); partials from lanes, warps, blocks and TP ranks merge with
+// `merge`. Backward recomputes p = exp(x - lse) and needs no collective.
+//
+// Non-finite logits: -inf contributes nothing (top-k/top-p masking). NaN or +inf make the row's sum NaN, so
+// that row, and only that row, comes out NaN.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define MGRPO_HD __host__ __device__ __forceinline__
+#else
+#define MGRPO_HD inline
+#endif
+
+namespace megatron_grpo {
+
+// Element type of the logits; the maths is fp32 whatever it is.
+enum class LogitsDType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// Column layout of the stacked fp32 partials tensor [rows, kNumPartials(with_entropy)].
+enum PartialsColumn : int {
+  kColMax = 0,        // m   = max over valid columns
+  kColSumExp = 1,     // d   = sum exp(x - m)
+  kColTarget = 2,     // x_y = target logit, or -inf where another rank owns the target
+  kColSumExpX = 3,    // s   = sum exp(x - m) * (x - m)   (entropy only)
+};
+
+MGRPO_HD int num_partials(bool with_entropy) { return with_entropy ? 4 : 3; }
+
+MGRPO_HD float neg_inf() { return -INFINITY; }
+
+// Online-softmax state of a set of logits, relative to their max m:
+//   sum_exp = sum exp(x - m),   sum_exp_x = sum exp(x - m) * (x - m).
+// Keeping the logit moment relative to m (DESIGN.md's s = sum exp(x - m) * x, shifted) avoids the
+// cancellation of lse - E[x] for large logits: the entropy is log(sum_exp) - sum_exp_x / sum_exp.
+struct SoftmaxPartials {
+  float max;
+  float sum_exp;
+  float sum_exp_x;
+};
+
+MGRPO_HD SoftmaxPartials empty_partials() { return {neg_inf(), 0.0f, 0.0f}; }
+
+// Shift used for exponentials: the max, or 0 while nothing finite has been seen (avoids -inf - -inf = NaN).
+MGRPO_HD float safe_shift(float m) { return m == neg_inf() ? 0.0f : m; }
+
+// x * e with the convention that a logit of -inf (e == 0) contributes 0, not 0 * -inf = NaN.
+MGRPO_HD float weighted_logit(float e, float x) { return e == 0.0f ? 0.0f : e * x; }
+
+// NaN and +inf logits make their row NaN (a softmax over them is undefined); -inf is an ordinary masked logit.
+MGRPO_HD bool poisons_row(float x) { return x != x || x == INFINITY; }
+
+// Re-expresses a state relative to new_max >= p.max: sum_exp *= r, sum_exp_x = r * (sum_exp_x + (m - m') sum_exp).
+// A NaN or +inf max makes r NaN, which then poisons the sums.
+MGRPO_HD SoftmaxPartials rescale_to(const SoftmaxPartials& p, float new_max) {
+  const float r = expf(p.max - safe_shift(new_max));
+  if (r == 0.0f) return {new_max, 0.0f, 0.0f};
+  return {new_max, p.sum_exp * r, (p.sum_exp_x + (p.max - new_max) * p.sum_exp) * r};
+}
+
+// Merges two partial states (lanes, threads, blocks, TP ranks).
+MGRPO_HD SoftmaxPartials merge(const SoftmaxPartials& a, const SoftmaxPartials& b) {
+  const float m = a.max > b.max ? a.max : b.max;
+  const SoftmaxPartials ra = rescale_to(a, m);
+  const SoftmaxPartials rb = rescale_to(b, m);
+  return {m, ra.sum_exp + rb.sum_exp, ra.sum_exp_x + rb.sum_exp_x};
+}
+
+// Adds one logit: the state of a single logit x is {x, 1, 0}.
+MGRPO_HD SoftmaxPartials accumulate(const SoftmaxPartials& p, float x) { return merge(p, {x, 1.0f, 0.0f}); }
+
+// Gradient of one logit from its probability p = exp(x - lse), for kernels that pick their own exponential:
+//   dx = g_lp * (1[v == y] - p) + g_h * p * (E[x] - x).
+// The entropy term is skipped where it is 0 anyway: for -inf logits (p == 0, where p * x would be NaN) and
+// without entropy (g_h == 0, so a kernel specialised on g_h = 0 drops it at compile time).
+MGRPO_HD float prob_grad(float p, float x, bool is_target, float mean_x, float g_lp, float g_h) {
+  const float entropy_term = (p == 0.0f || g_h == 0.0f) ? 0.0f : g_h * p * (mean_x - x);
+  return g_lp * ((is_target ? 1.0f : 0.0f) - p) + entropy_term;
+}
+
+// Gradient of one logit (see prob_grad), p = exp(x - lse).
+// Callers pass g_lp = g_h = 0 for ignored rows and never call this for padding columns.
+MGRPO_HD float logit_grad(float x, bool is_target, float lse, float mean_x, float g_lp, float g_h) {
+  return prob_grad(expf(x - lse), x, is_target, mean_x, g_lp, g_h);
+}
+
+// Index of the target inside this shard's valid columns, or -1 when the target is ignored, lies on
+// another rank, or falls in the padding.
+MGRPO_HD int64_t local_target_column(int64_t target, int64_t vocab_start, int64_t valid_cols) {
+  const int64_t col = target - vocab_start;
+  return (target >= 0 && col >= 0 && col < valid_cols) ? col : -1;
+}
+
+}  // namespace megatron_grpo

@@ -1,0 +1,29 @@
+"""megatron-grpo: a Megatron-Core plugin for the GRPO/PPO policy-gradient step.
+
+The public names are imported lazily, so `import megatron_grpo` stays cheap and never imports megatron.core.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "ConfigError": "megatron_grpo.config",
+    "load_config": "megatron_grpo.config",
+    "vocab_parallel_logprobs": "megatron_grpo.ops",
+    "ClippedPGLoss": "megatron_grpo.loss",
+    "ClippedPGLossConfig": "megatron_grpo.loss",
+    "LogprobPlan": "megatron_grpo.scheduler",
+    "plan_logprob_passes": "megatron_grpo.scheduler",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'megatron_grpo' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

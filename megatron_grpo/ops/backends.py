@@ -1,0 +1,96 @@
+"""Chooses who computes the partials and the gradient: the fused kernels of `megatron_grpo._C`, or the
+plain-torch reference. Both honour the same contract; the reference also covers float64 and devices the
+extension was not built for. When `_C` cannot be used, a one-time warning says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Literal, Protocol
+
+import torch
+
+from . import reference
+
+Implementation = Literal["auto", "fused", "reference"]
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Kernels(Protocol):
+    def logprob_partials(
+        self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, with_entropy: bool
+    ) -> torch.Tensor: ...
+
+    def logprob_backward(
+        self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, lse: torch.Tensor,
+        mean_x: torch.Tensor | None, grad_logprob: torch.Tensor, grad_entropy: torch.Tensor | None,
+        grad_logits: torch.Tensor,
+    ) -> None: ...
+
+
+class FusedKernels:
+    """The C++/CUDA kernels, through `torch.ops.megatron_grpo`."""
+
+    def logprob_partials(self, logits, targets, vocab_start, valid_cols, with_entropy):
+        return torch.ops.megatron_grpo.logprob_partials(logits, targets, vocab_start, valid_cols, with_entropy)
+
+    def logprob_backward(self, logits, targets, vocab_start, valid_cols, lse, mean_x, grad_logprob, grad_entropy,
+                         grad_logits):
+        torch.ops.megatron_grpo.logprob_backward(
+            logits, targets, vocab_start, valid_cols, lse, mean_x, grad_logprob, grad_entropy, grad_logits
+        )
+
+
+class ReferenceKernels:
+    """The plain-torch kernels of `megatron_grpo.ops.reference`."""
+
+    logprob_partials = staticmethod(reference.logprob_partials)
+    logprob_backward = staticmethod(reference.logprob_backward)
+
+
+@functools.cache
+def extension_status() -> tuple[bool, str]:
+    """(loaded, reason): whether `megatron_grpo._C` is usable here, and why not when it is not."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return False, f"this CPU lacks AVX2 (torch reports {capability!r}); the kernels are built for x86-64-v3"
+    try:
+        from megatron_grpo import _C  # noqa: F401  (loading registers torch.ops.megatron_grpo)
+    except ImportError as err:
+        return False, f"megatron_grpo._C could not be imported ({err}); build it with `pip install -e .`"
+    return True, "loaded"
+
+
+def fused_supports(device: torch.device) -> bool:
+    """Whether the fused kernels exist for `device` in this build."""
+    loaded, _ = extension_status()
+    if not loaded:
+        return False
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and bool(torch.ops.megatron_grpo.compiled_with_cuda())
+
+
+@functools.cache
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(f"megatron_grpo: using the plain-torch reference logprob kernels: {reason}", stacklevel=3)
+
+
+def select_kernels(logits: torch.Tensor, implementation: Implementation) -> Kernels:
+    """The kernels for these logits; `auto` prefers fused and falls back to the reference with a warning."""
+    if implementation == "reference":
+        return ReferenceKernels()
+    if logits.dtype not in FUSED_DTYPES:
+        if implementation == "fused":
+            raise ValueError(f"the fused kernels support float32, bfloat16 and float16 logits, got {logits.dtype}")
+        return ReferenceKernels()
+    if fused_supports(logits.device):
+        return FusedKernels()
+    loaded, reason = extension_status()
+    if loaded:
+        reason = f"megatron_grpo._C was built without kernels for {logits.device.type} devices"
+    if implementation == "fused":
+        raise RuntimeError(f"fused logprob kernels unavailable: {reason}")
+    _warn_fallback(reason)
+    return ReferenceKernels()

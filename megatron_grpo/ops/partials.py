@@ -1,0 +1,72 @@
+"""Per-row softmax partials: their layout, the one all-gather across TP ranks, and the combine.
+
+Each rank reduces its vocab shard to `[rows, k]` partials (m, d, x_y[, s]); one all-gather of that small tensor
+gives every rank the full picture, and the combine turns it into log-sum-exp, logprob and entropy:
+
+    M = max_r m_r,  D = sum_r d_r exp(m_r - M),  lse = M + log D,  logprob = x_y(owner) - lse.
+
+The entropy moment is kept relative to the max, s_r = sum exp(x - m_r) (x - m_r), which moves to M as
+S = sum_r exp(m_r - M) (s_r + (m_r - M) d_r). Then E[x] = M + S / D and entropy = log D - S / D: no
+cancellation between two large numbers, unlike lse - E[x] with absolute moments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class Partials:
+    """Column indices of the stacked partials (must match PartialsColumn in csrc/logprob_common.h)."""
+
+    MAX = 0
+    SUM_EXP = 1
+    TARGET = 2
+    SUM_EXP_X = 3  # relative to the row max: sum exp(x - m) * (x - m)
+
+    @staticmethod
+    def width(with_entropy: bool) -> int:
+        return 4 if with_entropy else 3
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """What forward returns per row, and what backward needs back (lse, and E[x] with entropy)."""
+
+    logprob: torch.Tensor
+    lse: torch.Tensor
+    entropy: torch.Tensor | None
+    mean_x: torch.Tensor | None
+
+
+def gather_partials(partials: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All ranks' partials as [world, rows, k]: the op's single collective."""
+    if group is None or dist.get_world_size(group) == 1:
+        return partials.unsqueeze(0)
+    world = dist.get_world_size(group)
+    gathered = torch.empty((world, *partials.shape), dtype=partials.dtype, device=partials.device)
+    dist.all_gather_into_tensor(gathered, partials.contiguous(), group=group)
+    return gathered
+
+
+def combine_partials(gathered: torch.Tensor, targets: torch.Tensor, with_entropy: bool) -> RowStats:
+    """Turns all ranks' partials into per-row statistics; ignored rows (target < 0) come out as exactly 0."""
+    m = gathered[..., Partials.MAX]
+    global_max = m.amax(dim=0)
+    shift = torch.where(global_max == float("-inf"), torch.zeros_like(global_max), global_max)
+    scale = torch.exp(m - shift)
+    sum_exp = (gathered[..., Partials.SUM_EXP] * scale).sum(dim=0)
+    lse = shift + torch.log(sum_exp)
+    ignored = targets < 0
+    zero = torch.zeros_like(lse)
+    logprob = torch.where(ignored, zero, gathered[..., Partials.TARGET].amax(dim=0) - lse)
+    entropy = mean_x = None
+    if with_entropy:
+        d = gathered[..., Partials.SUM_EXP]
+        moved = torch.where(d == 0, torch.zeros_like(d), (m - shift) * d)
+        relative_mean = ((gathered[..., Partials.SUM_EXP_X] + moved) * scale).sum(dim=0) / sum_exp
+        mean_x = shift + relative_mean
+        entropy = torch.where(ignored, zero, torch.log(sum_exp) - relative_mean)
+    return RowStats(logprob=logprob, lse=lse, entropy=entropy, mean_x=mean_x)

@@ -1,0 +1,169 @@
+"""`vocab_parallel_logprobs`: per-token logprobs (and entropy) from tensor-parallel, vocab-sharded logits.
+
+Forward: one pass over each local row computes softmax partials, one all-gather of the `[rows, k]` partials
+combines them across ranks (see `partials`). Backward recomputes p from the logits and needs no collective;
+only lse (and E[x] with entropy) is kept per row. Padded vocab columns never enter the softmax and get a
+gradient of exactly 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .backends import Implementation, Kernels, select_kernels
+from .partials import combine_partials, gather_partials
+
+LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where this rank's columns sit in the global vocab, and how many of them are real (not padding)."""
+
+    vocab_start: int
+    valid_cols: int
+    true_vocab_size: int
+
+    @staticmethod
+    def resolve(
+        local_vocab: int, vocab_start_index: int | None, true_vocab_size: int | None, group: dist.ProcessGroup | None
+    ) -> "ShardLayout":
+        rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+        vocab_start = rank * local_vocab if vocab_start_index is None else int(vocab_start_index)
+        if vocab_start < 0:
+            raise ValueError(f"vocab_start_index must be >= 0, got {vocab_start}")
+        padded_vocab = world * local_vocab
+        if true_vocab_size is None:
+            true_vocab_size = max(padded_vocab, vocab_start + local_vocab)
+        true_vocab_size = int(true_vocab_size)
+        if true_vocab_size <= 0:
+            raise ValueError(f"true_vocab_size must be > 0, got {true_vocab_size}")
+        if vocab_start_index is None and true_vocab_size > padded_vocab:
+            raise ValueError(
+                f"true_vocab_size={true_vocab_size} exceeds the sharded vocab of {world} rank(s) x {local_vocab} "
+                f"columns = {padded_vocab}: some token ids would belong to no rank"
+            )
+        valid_cols = min(max(true_vocab_size - vocab_start, 0), local_vocab)
+        return ShardLayout(vocab_start=vocab_start, valid_cols=valid_cols, true_vocab_size=true_vocab_size)
+
+
+class VocabParallelLogprobs(torch.autograd.Function):
+    """Autograd wrapper around the kernels; the functional API below validates and reshapes."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, layout: ShardLayout, group, with_entropy, inplace_backward, kernels: Kernels):
+        partials = kernels.logprob_partials(logits, targets, layout.vocab_start, layout.valid_cols, with_entropy)
+        stats = combine_partials(gather_partials(partials, group), targets, with_entropy)
+        ctx.save_for_backward(logits, targets, stats.lse, stats.mean_x)
+        ctx.layout, ctx.inplace_backward, ctx.kernels = layout, inplace_backward, kernels
+        if with_entropy:
+            return stats.logprob, stats.entropy
+        return stats.logprob
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy=None):
+        logits, targets, lse, mean_x = ctx.saved_tensors
+        rows = logits.shape[0]
+        grad_logprob = _row_gradient(grad_logprob, rows, lse)
+        if mean_x is not None:
+            grad_entropy = _row_gradient(grad_entropy, rows, lse)
+        else:
+            grad_entropy = None
+        grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
+        ctx.kernels.logprob_backward(
+            logits, targets, ctx.layout.vocab_start, ctx.layout.valid_cols, lse, mean_x, grad_logprob,
+            grad_entropy, grad_logits,
+        )
+        if ctx.inplace_backward:
+            # Anyone else who saved these logits now fails loudly at unpack instead of reading gradients.
+            torch.autograd.graph.increment_version(logits)
+        return grad_logits, None, None, None, None, None, None
+
+
+def _row_gradient(grad: torch.Tensor | None, rows: int, like: torch.Tensor) -> torch.Tensor:
+    """The upstream gradient of a per-row output as a contiguous [rows] tensor in the stats' dtype."""
+    if grad is None:
+        return torch.zeros(rows, dtype=like.dtype, device=like.device)
+    return grad.reshape(rows).to(like.dtype).contiguous()
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_start_index: int | None = None,
+    true_vocab_size: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    with_entropy: bool = False,
+    inplace_backward: bool = False,
+    check_inputs: bool = True,
+    implementation: Implementation = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of `targets` under softmax(logits) over the whole (sharded, unpadded) vocab.
+
+    Args:
+        logits: `[..., V_local]` float32/bfloat16/float16 (float64 on the reference path): this rank's shard.
+        targets: `[...]` integer global token ids; `< 0` means ignore (logprob, entropy and gradient are 0).
+        vocab_start_index: global id of column 0; default `rank(group) * V_local`.
+        true_vocab_size: ids `>=` this are padding and take no part; default: no padding.
+        group: tensor-parallel process group; None means the vocab is not sharded.
+        with_entropy: also return the exact entropy of each row's distribution.
+        inplace_backward: write the gradient into the logits' buffer (saves a `[..., V_local]` allocation).
+            The logits must not be needed afterwards; autograd's version counter enforces this loudly.
+        check_inputs: check target ids against the vocab (a host sync); pass False in hot loops.
+        implementation: "auto" (fused kernels where available), "fused" or "reference".
+
+    Returns:
+        float32 logprobs `[...]` (float64 for float64 logits), or `(logprobs, entropy)` with `with_entropy`.
+    """
+    _check_tensors(logits, targets)
+    layout = ShardLayout.resolve(logits.shape[-1], vocab_start_index, true_vocab_size, group)
+    if check_inputs:
+        _check_target_ids(targets, layout)
+    batch_shape = targets.shape
+    rows_logits = logits.reshape(-1, logits.shape[-1])
+    if rows_logits.stride(-1) != 1 or (rows_logits.shape[0] > 1 and rows_logits.stride(0) < rows_logits.shape[1]):
+        rows_logits = rows_logits.contiguous()
+    rows_targets = targets.reshape(-1).to(torch.int64).contiguous()
+    kernels = select_kernels(rows_logits, implementation)
+    out = VocabParallelLogprobs.apply(
+        rows_logits, rows_targets, layout, group, with_entropy, inplace_backward, kernels
+    )
+    if with_entropy:
+        logprob, entropy = out
+        return logprob.reshape(batch_shape), entropy.reshape(batch_shape)
+    return out.reshape(batch_shape)
+
+
+def _check_tensors(logits: torch.Tensor, targets: torch.Tensor) -> None:
+    """Shape, dtype and device checks: free, so they always run."""
+    if not isinstance(logits, torch.Tensor) or not isinstance(targets, torch.Tensor):
+        raise ValueError("logits and targets must be torch.Tensors")
+    if logits.dtype not in LOGITS_DTYPES:
+        raise ValueError(f"logits must be float32, bfloat16, float16 or float64, got {logits.dtype}")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise ValueError(f"targets must hold integer token ids, got dtype {targets.dtype}")
+    if logits.dim() < 1 or logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal the logits shape without its vocab dim, "
+            f"got logits {tuple(logits.shape)}"
+        )
+    if logits.shape[-1] == 0:
+        raise ValueError("logits have an empty vocab dim (V_local = 0)")
+    if logits.device != targets.device:
+        raise ValueError(f"logits are on {logits.device} but targets on {targets.device}")
+
+
+def _check_target_ids(targets: torch.Tensor, layout: ShardLayout) -> None:
+    """Target ids beyond the true vocab are an error, never a silent -inf."""
+    if targets.numel() == 0:
+        return
+    largest = int(targets.max())
+    if largest >= layout.true_vocab_size:
+        raise ValueError(
+            f"targets contain token id {largest}, which is >= true_vocab_size={layout.true_vocab_size} "
+            f"(ids at or beyond it are vocab padding and cannot be targets)"
+        )

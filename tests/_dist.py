@@ -1,0 +1,65 @@
+"""Run a test function on N gloo ranks in fresh processes and collect what each rank returns.
+
+Usage: `results = run_on_ranks(world_size, fn, *args)`, where `fn(rank, world_size, *args)` is a module-level
+function. Rank 0..N-1 results come back in order; any rank's exception fails the test with its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        queue.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - the traceback goes back to the test
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(world_size: int, fn: Callable, *args: Any) -> list[Any]:
+    """Runs `fn(rank, world_size, *args)` on `world_size` gloo ranks; returns the per-rank results."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    try:
+        for _ in procs:
+            rank, ok, value = queue.get(timeout=TIMEOUT_S)
+            if ok:
+                results[rank] = value
+            else:
+                failures.append(f"rank {rank} failed:\n{value}")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return [results[r] for r in range(world_size)]
