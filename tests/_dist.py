@@ -6,6 +6,7 @@ function. Rank 0..N-1 results come back in order; any rank's exception fails the
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -24,13 +25,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _to_bytes(value: Any) -> bytes:
+    """Results travel as bytes: tensors sent through a queue vanish with the process that shared them."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        queue.put((rank, True, fn(rank, world_size, *args)))
+        queue.put((rank, True, _to_bytes(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - the traceback goes back to the test
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -52,7 +60,7 @@ def run_on_ranks(world_size: int, fn: Callable, *args: Any) -> list[Any]:
         for _ in procs:
             rank, ok, value = queue.get(timeout=TIMEOUT_S)
             if ok:
-                results[rank] = value
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 failures.append(f"rank {rank} failed:\n{value}")
     finally:

@@ -46,9 +46,13 @@ def gather_partials(partials: torch.Tensor, group: dist.ProcessGroup | None) -> 
     if group is None or dist.get_world_size(group) == 1:
         return partials.unsqueeze(0)
     world = dist.get_world_size(group)
-    gathered = torch.empty((world, *partials.shape), dtype=partials.dtype, device=partials.device)
-    dist.all_gather_into_tensor(gathered, partials.contiguous(), group=group)
-    return gathered
+    # gloo wants the output as the ranks' inputs concatenated along dim 0, not stacked in a new dim
+    gathered = torch.empty((world * partials.shape[0], *partials.shape[1:]), dtype=partials.dtype,
+                           device=partials.device)
+    # torch 2.13 renamed all_gather_into_tensor (which now warns) to all_gather_single.
+    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather_single(gathered, partials.contiguous(), group=group)
+    return gathered.view(world, *partials.shape)
 
 
 def combine_partials(gathered: torch.Tensor, targets: torch.Tensor, with_entropy: bool) -> RowStats:

@@ -1,0 +1,79 @@
+"""Float64 anchor for the logprob op tests: log_softmax over the full, unpadded vocab, written independently
+of `megatron_grpo.ops` (no partials, no combine, no kernels), with autograd for the gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Elementwise gradient tolerance: relative rounding of the gradient into the logits' dtype, plus fp32 maths.
+GRAD_RTOL = {torch.float32: 2e-5, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float64: 1e-12}
+GRAD_ATOL = {torch.float32: 1e-6, torch.bfloat16: 1e-6, torch.float16: 1e-6, torch.float64: 1e-12}
+
+
+@dataclass
+class Expected:
+    logprob: torch.Tensor   # float64 [T]
+    entropy: torch.Tensor   # float64 [T]
+    grad: torch.Tensor      # float64 [T, V_padded]; padding columns 0
+
+
+def expected_logprobs(
+    full_logits: torch.Tensor,
+    targets: torch.Tensor,
+    true_vocab_size: int,
+    grad_logprob: torch.Tensor | None = None,
+    grad_entropy: torch.Tensor | None = None,
+) -> Expected:
+    """Logprob, entropy and d(sum g_lp * logprob + g_H * entropy)/d(logits), ignoring rows with target < 0."""
+    x = full_logits.detach().to(torch.float64)[:, :true_vocab_size].clone().requires_grad_(True)
+    log_p = torch.log_softmax(x, dim=-1)
+    kept = targets >= 0
+    logprob = torch.where(kept, log_p.gather(1, targets.clamp(min=0)[:, None]).squeeze(1), torch.zeros(()))
+    p = log_p.exp()
+    # p * where(...) rather than where(p > 0, p * log_p, 0): the latter's backward is 0 * log_p = NaN at -inf logits.
+    entropy = torch.where(kept, -(p * torch.where(p > 0, log_p, torch.zeros(()))).sum(-1), torch.zeros(()))
+    objective = torch.zeros((), dtype=torch.float64)
+    if grad_logprob is not None:
+        objective = objective + (logprob * grad_logprob.to(torch.float64)).sum()
+    if grad_entropy is not None:
+        objective = objective + (entropy * grad_entropy.to(torch.float64)).sum()
+    grad = torch.zeros(full_logits.shape, dtype=torch.float64)
+    if objective.requires_grad:
+        (g,) = torch.autograd.grad(objective, x)
+        grad[:, :true_vocab_size] = g
+    return Expected(logprob=logprob.detach(), entropy=entropy.detach(), grad=grad)
+
+
+def torch_fp32_logprob_error(full_logits: torch.Tensor, targets: torch.Tensor, true_vocab_size: int,
+                             expected: Expected) -> float:
+    """How far torch's own fp32-upcast log_softmax lands from the float64 anchor on the same input."""
+    log_p = torch.log_softmax(full_logits[:, :true_vocab_size].float(), dim=-1)
+    lp = log_p.gather(1, targets.clamp(min=0)[:, None]).squeeze(1).double()
+    lp = torch.where(targets >= 0, lp, torch.zeros(()))
+    return float((lp - expected.logprob).abs().max()) if lp.numel() else 0.0
+
+
+def assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, roundings: int = 1) -> None:
+    """Elementwise |actual - expected| <= roundings * (half an ulp of dtype, relative) + atol."""
+    err = (actual.double() - expected).abs()
+    bound = roundings * GRAD_RTOL[dtype] * expected.abs() + GRAD_ATOL[dtype]
+    worst = int(torch.argmax(err - bound)) if err.numel() else 0
+    assert bool((err <= bound).all()), (
+        f"gradient off by {err.flatten()[worst]:.3g} at flat index {worst} "
+        f"(expected {expected.flatten()[worst]:.6g}, got {actual.double().flatten()[worst]:.6g}, dtype {dtype})"
+    )
+
+
+def make_case(rows: int, padded_vocab: int, true_vocab_size: int, dtype: torch.dtype, seed: int,
+              ignore_every: int = 4, padding_value: float = 1e4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random logits (scale 3) whose padding columns hold a huge value, so any leak shows; some ignored rows."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, padded_vocab, generator=gen, dtype=torch.float64) * 3
+    logits[:, true_vocab_size:] = padding_value
+    targets = torch.randint(0, true_vocab_size, (rows,), generator=gen)
+    if ignore_every:
+        targets[::ignore_every] = -1
+    return logits.to(dtype), targets

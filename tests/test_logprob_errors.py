@@ -1,0 +1,99 @@
+"""Bad input to vocab_parallel_logprobs: a ValueError that names the problem, never a silent wrong answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_grpo.ops import vocab_parallel_logprobs
+
+
+def logits_and_targets(rows=4, vocab=10):
+    return torch.randn(rows, vocab), torch.randint(0, vocab, (rows,))
+
+
+def test_target_at_or_beyond_true_vocab_names_the_id():
+    logits, targets = logits_and_targets()
+    targets[2] = 8
+    with pytest.raises(ValueError, match=r"token id 8.*true_vocab_size=8"):
+        vocab_parallel_logprobs(logits, targets, true_vocab_size=8)
+
+
+def test_target_beyond_the_padded_vocab_names_the_id():
+    logits, targets = logits_and_targets()
+    targets[0] = 10
+    with pytest.raises(ValueError, match=r"token id 10.*true_vocab_size=10"):
+        vocab_parallel_logprobs(logits, targets)
+
+
+def test_check_inputs_false_skips_only_the_value_check():
+    logits, targets = logits_and_targets()
+    targets[1] = 9
+    logprob = vocab_parallel_logprobs(logits, targets, true_vocab_size=8, check_inputs=False)
+    assert logprob[1] == float("-inf")  # an unowned id: documented behaviour when the check is off
+    with pytest.raises(ValueError, match="integer token ids"):
+        vocab_parallel_logprobs(logits, targets.float(), check_inputs=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool])
+def test_non_integer_targets(dtype):
+    logits, targets = logits_and_targets()
+    with pytest.raises(ValueError, match=f"targets must hold integer token ids, got dtype {dtype}"):
+        vocab_parallel_logprobs(logits, targets.to(dtype))
+
+
+def test_int32_targets_are_accepted():
+    logits, targets = logits_and_targets()
+    torch.testing.assert_close(
+        vocab_parallel_logprobs(logits, targets.int()), vocab_parallel_logprobs(logits, targets)
+    )
+
+
+def test_mismatched_shapes():
+    logits, targets = logits_and_targets()
+    with pytest.raises(ValueError, match=r"targets shape \(3,\) must equal the logits shape .* got logits \(4, 10\)"):
+        vocab_parallel_logprobs(logits, targets[:3])
+
+
+def test_unsupported_logits_dtype():
+    logits, targets = logits_and_targets()
+    with pytest.raises(ValueError, match="logits must be float32, bfloat16, float16 or float64, got torch.int64"):
+        vocab_parallel_logprobs(logits.long(), targets)
+
+
+def test_fused_refuses_float64():
+    logits, targets = logits_and_targets()
+    with pytest.raises(ValueError, match="fused kernels support float32, bfloat16 and float16 logits"):
+        vocab_parallel_logprobs(logits.double(), targets, implementation="fused")
+
+
+def test_true_vocab_larger_than_the_sharded_vocab():
+    logits, targets = logits_and_targets()
+    with pytest.raises(ValueError, match=r"true_vocab_size=12 exceeds the sharded vocab of 1 rank\(s\) x 10"):
+        vocab_parallel_logprobs(logits, targets, true_vocab_size=12)
+
+
+def test_negative_vocab_start():
+    logits, targets = logits_and_targets()
+    with pytest.raises(ValueError, match="vocab_start_index must be >= 0, got -3"):
+        vocab_parallel_logprobs(logits, targets, vocab_start_index=-3, true_vocab_size=10)
+
+
+def test_empty_vocab_dim():
+    with pytest.raises(ValueError, match="empty vocab dim"):
+        vocab_parallel_logprobs(torch.randn(3, 0), torch.zeros(3, dtype=torch.long))
+
+
+def test_all_rows_ignored_gives_zeros_and_zero_gradient():
+    logits = torch.randn(5, 9, requires_grad=True)
+    logprob, entropy = vocab_parallel_logprobs(logits, torch.full((5,), -1), with_entropy=True)
+    (logprob.sum() + entropy.sum()).backward()
+    assert torch.equal(logprob, torch.zeros(5)) and torch.equal(entropy, torch.zeros(5))
+    assert torch.equal(logits.grad, torch.zeros(5, 9))
+
+
+def test_zero_rows():
+    logits = torch.randn(0, 9, requires_grad=True)
+    logprob = vocab_parallel_logprobs(logits, torch.zeros(0, dtype=torch.long))
+    logprob.sum().backward()
+    assert logprob.shape == (0,) and logits.grad.shape == (0, 9)

@@ -1,0 +1,219 @@
+"""vocab_parallel_logprobs on one rank (TP shards emulated with vocab_start_index) against the float64 anchor."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from logprob_reference import assert_grad_close, expected_logprobs, make_case, torch_fp32_logprob_error
+from megatron_grpo.ops import extension_status, vocab_parallel_logprobs
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+IMPLEMENTATIONS = ["fused", "reference"]
+# Odd shapes; the 50257-wide vocab runs with fewer rows to keep the float64 anchor cheap.
+SHAPES = [(t, v) for t, v in itertools.product([1, 7, 257], [1, 3, 1000])] + [(1, 50257), (7, 50257), (65, 50257)]
+LOGPROB_ATOL_FP32 = 1e-5
+ENTROPY_ATOL = 1e-5
+
+
+def test_fused_kernels_are_built():
+    loaded, reason = extension_status()
+    assert loaded, reason
+
+
+def run_op(logits, targets, implementation, *, with_entropy=True, seed=0, **kwargs):
+    """Op output and gradient for random upstream gradients on both outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    g_lp = torch.randn(targets.shape, generator=gen)
+    g_h = torch.randn(targets.shape, generator=gen)
+    x = logits.clone().requires_grad_(True)
+    out = vocab_parallel_logprobs(x, targets, with_entropy=with_entropy, implementation=implementation, **kwargs)
+    logprob, entropy = out if with_entropy else (out, None)
+    objective = (logprob * g_lp).sum() + ((entropy * g_h).sum() if with_entropy else 0)
+    objective.backward()
+    return logprob, entropy, x.grad, g_lp, (g_h if with_entropy else None)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,vocab", SHAPES)
+def test_matches_float64_anchor(rows, vocab, dtype, implementation):
+    true_vocab = max(1, vocab - vocab // 7)  # a padded tail whenever vocab > 1
+    logits, targets = make_case(rows, vocab, true_vocab, dtype, seed=rows * 1000 + vocab)
+    logprob, entropy, grad, g_lp, g_h = run_op(
+        logits, targets, implementation, true_vocab_size=true_vocab, seed=rows
+    )
+    expected = expected_logprobs(logits, targets, true_vocab, g_lp, g_h)
+
+    assert logprob.dtype == torch.float32 and entropy.dtype == torch.float32
+    logprob_err = float((logprob.detach().double() - expected.logprob).abs().max())
+    if dtype == torch.float32:
+        assert logprob_err <= LOGPROB_ATOL_FP32
+    else:
+        assert logprob_err <= torch_fp32_logprob_error(logits, targets, true_vocab, expected) + 2e-6
+    assert float((entropy.detach().double() - expected.entropy).abs().max()) <= ENTROPY_ATOL * max(
+        1.0, float(expected.entropy.abs().max())
+    )
+    assert grad.dtype == dtype
+    assert bool((grad[:, true_vocab:] == 0).all()), "padding columns must get exactly zero gradient"
+    assert bool((grad[targets < 0] == 0).all()), "ignored rows must get exactly zero gradient"
+    assert_grad_close(grad, expected.grad, dtype)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_shard_at_an_offset_normalises_over_its_own_real_columns(implementation):
+    """Without a group, a shard at vocab_start_index is its own softmax: owned targets finite, others -inf."""
+    rows, v_local, start, true_vocab = 33, 7, 14, 19  # global ids 14..20, of which 19 and 20 are padding
+    logits, targets = make_case(rows, v_local, v_local, torch.float32, seed=5, ignore_every=0)
+    targets = torch.randint(0, true_vocab, (rows,), generator=torch.Generator().manual_seed(1))
+    logprob = vocab_parallel_logprobs(
+        logits, targets, vocab_start_index=start, true_vocab_size=true_vocab, implementation=implementation
+    )
+    owned = (targets >= start) & (targets < true_vocab)
+    assert bool(owned.any()) and bool((~owned).any())
+    local = torch.log_softmax(logits[:, : true_vocab - start].double(), dim=-1)
+    expected = local.gather(1, (targets - start).clamp(0, true_vocab - start - 1)[:, None]).squeeze(1)
+    torch.testing.assert_close(logprob[owned].double(), expected[owned], atol=1e-6, rtol=0)
+    assert bool((logprob[~owned] == float("-inf")).all())
+
+
+def test_float64_gradcheck_with_padding_ignored_rows_and_entropy():
+    logits, targets = make_case(5, 6, 4, torch.float64, seed=3, ignore_every=3, padding_value=0.5)
+    x = logits.clone().requires_grad_(True)
+
+    def both(x):
+        logprob, entropy = vocab_parallel_logprobs(x, targets, true_vocab_size=4, with_entropy=True)
+        return logprob, entropy
+
+    assert torch.autograd.gradcheck(both, (x,), eps=1e-6, atol=1e-8)
+    assert torch.autograd.gradcheck(
+        lambda x: vocab_parallel_logprobs(x, targets, vocab_start_index=2, true_vocab_size=6), (x,)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_and_reference_agree(dtype):
+    logits, targets = make_case(129, 2053, 2000, dtype, seed=11)
+    fused = run_op(logits, targets, "fused", true_vocab_size=2000)
+    ref = run_op(logits, targets, "reference", true_vocab_size=2000)
+    torch.testing.assert_close(fused[0], ref[0], atol=2e-6, rtol=0)
+    torch.testing.assert_close(fused[1], ref[1], atol=2e-5, rtol=0)
+    assert_grad_close(fused[2], ref[2].double(), dtype, roundings=2)  # both sides rounded into dtype
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_inplace_backward_gives_the_same_gradient(implementation):
+    logits, targets = make_case(65, 1000, 990, torch.bfloat16, seed=2)
+    grads = []
+    for inplace in (False, True):
+        base = logits.clone().requires_grad_(True)
+        x = base * 1  # a non-leaf buffer the op may overwrite
+        logprob, entropy = vocab_parallel_logprobs(
+            x, targets, true_vocab_size=990, with_entropy=True, inplace_backward=inplace,
+            implementation=implementation,
+        )
+        (logprob.sum() - 0.3 * entropy.sum()).backward()
+        grads.append(base.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=0, rtol=0)
+
+
+def test_inplace_backward_fails_loudly_when_logits_are_still_needed():
+    """x * x saves x for its own backward; if the op overwrites x first, autograd must refuse, not corrupt."""
+    logits, targets = make_case(9, 31, 31, torch.float32, seed=4)
+    base = logits.clone().requires_grad_(True)
+    x = base * 1
+    squares = (x * x).sum()  # recorded before the op, so its backward runs after the op's
+    logprob = vocab_parallel_logprobs(x, targets, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (squares + logprob.sum()).backward()
+
+
+def test_inplace_backward_is_exact_when_other_users_of_the_logits_ran_first():
+    logits, targets = make_case(9, 31, 31, torch.float32, seed=4)
+    grads = []
+    for inplace in (False, True):
+        base = logits.clone().requires_grad_(True)
+        x = base * 1
+        logprob = vocab_parallel_logprobs(x, targets, inplace_backward=inplace)
+        ((x * x).sum() + logprob.sum()).backward()  # x * x is recorded later, so its backward runs first
+        grads.append(base.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_input_logits_are_never_written(implementation):
+    logits, targets = make_case(17, 300, 280, torch.float32, seed=6)
+    x = logits.clone().requires_grad_(True)
+    before = x.detach().clone()
+    logprob, entropy = vocab_parallel_logprobs(
+        x, targets, true_vocab_size=280, with_entropy=True, implementation=implementation
+    )
+    (logprob.sum() + entropy.sum()).backward()
+    assert torch.equal(x.detach(), before)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_padding_only_shard_is_legal_and_finite(implementation):
+    logits, targets = make_case(8, 5, 5, torch.float32, seed=7, ignore_every=0)
+    x = logits.clone().requires_grad_(True)
+    logprob, entropy = vocab_parallel_logprobs(
+        x, targets + 100, vocab_start_index=200, true_vocab_size=150, with_entropy=True,
+        implementation=implementation,
+    )
+    # Alone, a shard without real vocab has an empty softmax; what matters is that it adds nothing and no NaN.
+    (torch.nan_to_num(logprob, neginf=0.0).sum() + torch.nan_to_num(entropy, neginf=0.0).sum()).backward()
+    assert not bool(torch.isnan(x.grad).any())
+    assert bool((x.grad == 0).all())
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_minus_inf_logits_are_legal(implementation):
+    logits, targets = make_case(6, 50, 50, torch.float32, seed=8, ignore_every=0)
+    masked = logits.clone()
+    masked[:, ::3] = float("-inf")
+    masked[torch.arange(6), targets] = 1.0  # targets stay unmasked
+    logprob, entropy, grad, g_lp, g_h = run_op(masked, targets, implementation)
+    expected = expected_logprobs(masked, targets, 50, g_lp, g_h)
+    assert bool(torch.isfinite(logprob).all() and torch.isfinite(entropy).all() and torch.isfinite(grad).all())
+    torch.testing.assert_close(logprob.double(), expected.logprob, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy.double(), expected.entropy, atol=1e-5, rtol=0)
+    assert bool((grad[:, ::3][masked[:, ::3] == float("-inf")] == 0).all())
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_nan_or_inf_poisons_only_its_own_row(implementation, poison):
+    logits, targets = make_case(40, 700, 700, torch.float32, seed=9, ignore_every=0)
+    bad = logits.clone()
+    bad[3, 517] = poison
+    logprob, entropy, grad, *_ = run_op(bad, targets, implementation)
+    clean, clean_entropy, clean_grad, *_ = run_op(logits, targets, implementation)
+    assert bool(torch.isnan(logprob[3])) and bool(torch.isnan(entropy[3]))
+    others = torch.arange(40) != 3
+    torch.testing.assert_close(logprob[others], clean[others], atol=0, rtol=0)
+    torch.testing.assert_close(entropy[others], clean_entropy[others], atol=0, rtol=0)
+    torch.testing.assert_close(grad[others], clean_grad[others], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_non_contiguous_and_batched_inputs(implementation):
+    logits, targets = make_case(2 * 9, 401, 401, torch.float32, seed=10)
+    wide = torch.cat([torch.zeros(18, 3), logits, torch.zeros(18, 2)], dim=1)
+    strided = wide[:, 3:404]  # rows start mid-buffer: unaligned, stride 406
+    assert not strided.is_contiguous()
+    batched = strided.reshape(2, 9, 401)
+    out = vocab_parallel_logprobs(batched, targets.reshape(2, 9), implementation=implementation)
+    transposed = logits.reshape(9, 2, 401).transpose(0, 1)  # non-contiguous in the batch dims
+    out_t = vocab_parallel_logprobs(transposed, targets.reshape(9, 2).t(), implementation=implementation)
+    expected = expected_logprobs(logits, targets, 401).logprob
+    torch.testing.assert_close(out.reshape(-1).double(), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out_t.t().reshape(-1).double(), expected, atol=1e-5, rtol=0)
+
+
+def test_only_logprob_gradient_when_entropy_is_not_requested():
+    logits, targets = make_case(31, 257, 250, torch.float16, seed=12)
+    logprob, _, grad, g_lp, _ = run_op(logits, targets, "fused", with_entropy=False, true_vocab_size=250)
+    expected = expected_logprobs(logits, targets, 250, g_lp, None)
+    assert_grad_close(grad, expected.grad, torch.float16)
