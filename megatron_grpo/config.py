@@ -121,8 +121,13 @@ def _build_dataclass(cls: Any, data: Any, path: str, problems: list[str]) -> Any
 
 
 def _describe(tp: Any) -> str:
-    args = typing.get_args(tp)
-    return " or ".join("null" if a is type(None) else getattr(a, "__name__", repr(a)) for a in args)
+    """Human words for a type: `'a' | 'b' | null`, `number or null`."""
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(map(repr, typing.get_args(tp)))
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    names = {type(None): "null", float: "a number", int: "an integer", bool: "true or false", str: "a string"}
+    return names.get(tp, getattr(tp, "__name__", repr(tp)))
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,131 @@
+"""The loss's batch contract (DESIGN.md, data contracts): validation, the trained-token mask, valid counts.
+
+Every problem is a `ValueError` that names the offending batch key. Per-token float inputs come back as float32
+with zeros off the trained-token mask, so garbage in padding (e.g. -inf logprobs) can never reach a NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+OPTIONAL_LOGPROB_KEYS = ("generation_logprobs", "prev_logprobs", "reference_policy_logprobs")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRequirements:
+    """Which optional per-token inputs this loss call needs, each with the reason shown when it is missing."""
+
+    prev_logprobs: str | None
+    generation_logprobs: str | None
+    reference_policy_logprobs: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class LossBatch:
+    """A validated batch, all per-token tensors `[B, S]` aligned with `input_ids`."""
+
+    input_ids: torch.Tensor  # int64
+    mask: torch.Tensor  # float32, 1 where a token is trained; position 0 is always 0
+    advantages: torch.Tensor  # float32, broadcast over tokens when given per sequence
+    prev_logprobs: torch.Tensor | None  # float32
+    generation_logprobs: torch.Tensor | None  # float32
+    reference_policy_logprobs: torch.Tensor | None  # float32
+
+
+def validate_batch(
+    batch: Mapping[str, torch.Tensor], logits: torch.Tensor, requirements: BatchRequirements
+) -> LossBatch:
+    """Checks `batch` against `logits [B, S, V_local]` and returns it in the loss's working form."""
+    mask = trained_token_mask(batch)
+    batch_size, seq_len = mask.shape
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != (batch_size, seq_len):
+        raise ValueError(
+            f"logits: expected shape [{batch_size}, {seq_len}, V_local] to match input_ids, got {_shape(logits)}"
+        )
+    if not logits.dtype.is_floating_point:
+        raise ValueError(f"logits: expected a floating dtype, got {logits.dtype}")
+    advantages = _advantages(batch, batch_size, seq_len)
+    logprobs = {}
+    for key in OPTIONAL_LOGPROB_KEYS:
+        reason = getattr(requirements, key)
+        if key not in batch:
+            if reason is not None:
+                raise ValueError(f"batch[{key!r}] is missing: it is required {reason}")
+            logprobs[key] = None
+            continue
+        tensor = _tensor(batch, key)
+        _check_shape(key, tensor, [(batch_size, seq_len)])
+        _check_floating(key, tensor)
+        logprobs[key] = _on_mask(tensor, mask)
+    return LossBatch(input_ids=batch["input_ids"], mask=mask, advantages=_on_mask(advantages, mask), **logprobs)
+
+
+def trained_token_mask(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """float32 `[B, S]`: `token_mask * sample_mask`, position 0 excluded (it has no logprob)."""
+    input_ids = _tensor(batch, "input_ids")
+    if input_ids.dim() != 2:
+        raise ValueError(f"batch['input_ids']: expected shape [B, S], got {_shape(input_ids)}")
+    if input_ids.dtype != torch.int64:
+        raise ValueError(f"batch['input_ids']: expected dtype torch.int64, got {input_ids.dtype}")
+    batch_size, seq_len = input_ids.shape
+    token_mask = _tensor(batch, "token_mask")
+    sample_mask = _tensor(batch, "sample_mask")
+    _check_shape("token_mask", token_mask, [(batch_size, seq_len)])
+    _check_shape("sample_mask", sample_mask, [(batch_size,)])
+    for key, tensor in (("token_mask", token_mask), ("sample_mask", sample_mask)):
+        if tensor.dtype.is_complex:
+            raise ValueError(f"batch[{key!r}]: expected a bool, integer or floating dtype, got {tensor.dtype}")
+    mask = (token_mask != 0) & (sample_mask != 0)[:, None]
+    mask[:, 0] = False
+    return mask.to(torch.float32)
+
+
+def count_valid(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(trained tokens, sequences with at least one trained token) of one microbatch, as float32 scalars.
+
+    Sum these over the microbatches and data-parallel ranks of an optimizer step to get the loss's
+    `global_valid_tokens` and `global_valid_seqs`.
+    """
+    mask = trained_token_mask(batch)
+    return mask.sum(), (mask.sum(dim=1) > 0).sum().to(torch.float32)
+
+
+def _advantages(batch: Mapping[str, torch.Tensor], batch_size: int, seq_len: int) -> torch.Tensor:
+    advantages = _tensor(batch, "advantages")
+    _check_shape("advantages", advantages, [(batch_size, seq_len), (batch_size,)])
+    _check_floating("advantages", advantages)
+    if not bool(torch.isfinite(advantages).all()):
+        raise ValueError("batch['advantages']: contains NaN or infinite values")
+    return advantages[:, None].expand(batch_size, seq_len) if advantages.dim() == 1 else advantages
+
+
+def _on_mask(tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """float32 copy of `tensor` with zeros where `mask` is 0, whatever was there (NaN and inf included)."""
+    return torch.where(mask.bool(), tensor.to(torch.float32), torch.zeros((), dtype=torch.float32, device=mask.device))
+
+
+def _tensor(batch: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
+    if key not in batch:
+        raise ValueError(f"batch[{key!r}] is missing")
+    value = batch[key]
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"batch[{key!r}]: expected a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _check_shape(key: str, tensor: torch.Tensor, allowed: list[tuple[int, ...]]) -> None:
+    if tuple(tensor.shape) not in allowed:
+        expected = " or ".join(str(list(shape)) for shape in allowed)
+        raise ValueError(f"batch[{key!r}]: expected shape {expected}, got {_shape(tensor)}")
+
+
+def _check_floating(key: str, tensor: torch.Tensor) -> None:
+    if not tensor.dtype.is_floating_point:
+        raise ValueError(f"batch[{key!r}]: expected a floating dtype, got {tensor.dtype}")
+
+
+def _shape(tensor: torch.Tensor) -> list[int]:
+    return list(tensor.shape)

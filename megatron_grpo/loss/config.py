@@ -1,0 +1,204 @@
+"""`ClippedPGLossConfig`: the `loss_fn:` section, strict whether built from YAML or from keyword arguments.
+
+`ClippedPGLossConfig(**yaml_cfg["loss_fn"])`, `ClippedPGLossConfig.from_mapping(...)` and the config loader's
+`build_section(ClippedPGLossConfig, data, "loss_fn")` all run the same checks: every missing or unknown key and
+every wrongly typed value is one `ConfigError` naming `loss_fn.<key>`, and so is every cross-field conflict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal, TypeVar
+
+from megatron_grpo.config import ConfigError, build_section
+
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+KLType = Literal["k1", "k2", "k3"]
+TruncationType = Literal["tis", "icepop", "seq-mask-tis"]
+
+SectionT = TypeVar("SectionT", bound="StrictSection")
+
+
+class StrictSection:
+    """Base of frozen config dataclasses whose keyword construction is as strict as `build_section`.
+
+    Subclasses are `@dataclass(frozen=True, init=False)` with every field required and a `SECTION` path.
+    Keyword construction type-checks each value with `build_section` (so plain dicts become nested
+    sections and YAML ints become floats), then asks `conflicts()` for cross-field problems.
+    """
+
+    SECTION: ClassVar[str]
+
+    def __init__(self, **values: Any) -> None:
+        problems = self._assign_fields(values)
+        if problems:
+            raise ConfigError(problems)
+        conflicts = self.conflicts()
+        if conflicts:
+            raise ConfigError(conflicts)
+
+    @classmethod
+    def from_mapping(cls: type[SectionT], data: Mapping[str, Any]) -> SectionT:
+        """Builds the section from a plain mapping, e.g. one parsed from YAML."""
+        return build_section(cls, data, cls.SECTION)
+
+    def conflicts(self) -> list[str]:
+        """Cross-field problems, one line each naming the keys involved; none by default."""
+        return []
+
+    def _assign_fields(self, values: Mapping[str, Any]) -> list[str]:
+        hints = typing.get_type_hints(type(self))
+        names = [field.name for field in dataclasses.fields(self)]  # type: ignore[arg-type]
+        problems = [
+            f"{self.SECTION}.{key}: unknown key (allowed: {', '.join(names)})" for key in values if key not in names
+        ]
+        for name in names:
+            path = f"{self.SECTION}.{name}"
+            if name not in values:
+                problems.append(f"{path}: missing key")
+                continue
+            try:
+                object.__setattr__(self, name, _checked_value(hints[name], values[name], path))
+            except ConfigError as err:
+                problems.extend(err.problems)
+        return problems
+
+
+def _checked_value(field_type: Any, value: Any, path: str) -> Any:
+    """The value converted to `field_type`; a nested section that is already built passes as it is."""
+    if dataclasses.is_dataclass(field_type) and isinstance(value, field_type):
+        return value
+    return build_section(field_type, value, path)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class TruncatedImportanceSamplingConfig(StrictSection):
+    """Truncation of the importance-sampling weights `exp(prev - generation)`.
+
+    - `tis`: token weights clamped to at most `ratio_max`.
+    - `icepop`: tokens whose weight lies outside `[ratio_min, ratio_max]` get weight 0.
+    - `seq-mask-tis`: sequences whose geometric-mean weight lies outside `[ratio_min, ratio_max]` get weight 0;
+      kept sequences keep their untruncated token weights.
+    """
+
+    SECTION: ClassVar[str] = "loss_fn.truncated_importance_sampling"
+
+    type: TruncationType | None
+    ratio_min: float | None
+    ratio_max: float | None
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class ClippedPGLossConfig(StrictSection):
+    """Every option of `ClippedPGLoss`; see the `loss_fn:` section of `configs/grpo_tiny_cpu.yaml`."""
+
+    SECTION: ClassVar[str] = "loss_fn"
+
+    ratio_clip_min: float
+    ratio_clip_max: float
+    ratio_clip_c: float | None
+    disable_ppo_ratio: bool
+    loss_agg_mode: LossAggMode
+    max_response_length: int | None
+    sequence_level_importance_ratio: bool
+    reference_policy_kl_penalty: float
+    reference_policy_kl_type: KLType
+    kl_input_clamp_value: float | None
+    kl_output_clamp_value: float | None
+    use_kl_in_reward: bool
+    use_on_policy_kl_approximation: bool
+    use_importance_sampling_correction: bool
+    truncated_importance_sampling: TruncatedImportanceSamplingConfig
+    force_on_policy_ratio: bool
+    entropy_coef: float
+
+    @property
+    def kl_in_loss(self) -> bool:
+        """Whether the loss itself carries the reference-policy KL term."""
+        return self.reference_policy_kl_penalty > 0 and not self.use_kl_in_reward
+
+    def conflicts(self) -> list[str]:
+        """Every contradictory combination of fields, each naming the `loss_fn.<key>`s involved."""
+        return [
+            *self._clipping_conflicts(),
+            *self._aggregation_conflicts(),
+            *self._kl_conflicts(),
+            *self._importance_sampling_conflicts(),
+        ]
+
+    def _clipping_conflicts(self) -> list[str]:
+        problems = []
+        for key in ("ratio_clip_min", "ratio_clip_max"):
+            if getattr(self, key) < 0:
+                problems.append(f"loss_fn.{key}: must be >= 0, got {getattr(self, key)}")
+        if self.ratio_clip_c is not None and self.ratio_clip_c <= 1:
+            problems.append(f"loss_fn.ratio_clip_c: dual clipping needs a value > 1 (or null), got {self.ratio_clip_c}")
+        if self.force_on_policy_ratio and self.disable_ppo_ratio:
+            problems.append(
+                "loss_fn.force_on_policy_ratio and loss_fn.disable_ppo_ratio: a forced ratio of 1 needs the ratio "
+                "that disable_ppo_ratio removes; set at most one"
+            )
+        if self.sequence_level_importance_ratio and self.disable_ppo_ratio:
+            problems.append(
+                "loss_fn.sequence_level_importance_ratio and loss_fn.disable_ppo_ratio: GSPO's sequence ratio needs "
+                "the ratio that disable_ppo_ratio removes; set at most one"
+            )
+        return problems
+
+    def _aggregation_conflicts(self) -> list[str]:
+        problems = []
+        if self.sequence_level_importance_ratio and self.loss_agg_mode == "token-mean":
+            problems.append(
+                "loss_fn.sequence_level_importance_ratio and loss_fn.loss_agg_mode: GSPO needs a seq-mean-* "
+                "loss_agg_mode, got token-mean"
+            )
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.max_response_length is None:
+            problems.append(
+                "loss_fn.max_response_length and loss_fn.loss_agg_mode: seq-mean-token-sum-norm divides by "
+                "max_response_length, which is null"
+            )
+        if self.max_response_length is not None and self.max_response_length <= 0:
+            problems.append(f"loss_fn.max_response_length: must be > 0 (or null), got {self.max_response_length}")
+        return problems
+
+    def _kl_conflicts(self) -> list[str]:
+        problems = []
+        if self.reference_policy_kl_penalty < 0:
+            problems.append(
+                f"loss_fn.reference_policy_kl_penalty: must be >= 0, got {self.reference_policy_kl_penalty}"
+            )
+        for key in ("kl_input_clamp_value", "kl_output_clamp_value"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                problems.append(f"loss_fn.{key}: must be > 0 (or null), got {value}")
+        if self.use_on_policy_kl_approximation and self.use_kl_in_reward:
+            problems.append(
+                "loss_fn.use_on_policy_kl_approximation and loss_fn.use_kl_in_reward: the approximation weights the "
+                "KL term of the loss, which use_kl_in_reward removes; set at most one"
+            )
+        return problems
+
+    def _importance_sampling_conflicts(self) -> list[str]:
+        tis = self.truncated_importance_sampling
+        problems = []
+        if tis.type is not None and not self.use_importance_sampling_correction:
+            problems.append(
+                "loss_fn.truncated_importance_sampling.type and loss_fn.use_importance_sampling_correction: "
+                f"truncation {tis.type!r} needs the importance-sampling correction, which is off"
+            )
+        if tis.type is not None and tis.ratio_max is None:
+            problems.append(f"loss_fn.truncated_importance_sampling.ratio_max: {tis.type!r} needs it, got null")
+        if tis.type in ("icepop", "seq-mask-tis") and tis.ratio_min is None:
+            problems.append(f"loss_fn.truncated_importance_sampling.ratio_min: {tis.type!r} needs it, got null")
+        if tis.ratio_min is not None and tis.ratio_min < 0:
+            problems.append(f"loss_fn.truncated_importance_sampling.ratio_min: must be >= 0, got {tis.ratio_min}")
+        if tis.ratio_max is not None and tis.ratio_max <= 0:
+            problems.append(f"loss_fn.truncated_importance_sampling.ratio_max: must be > 0, got {tis.ratio_max}")
+        if tis.ratio_min is not None and tis.ratio_max is not None and tis.ratio_min > tis.ratio_max:
+            problems.append(
+                "loss_fn.truncated_importance_sampling.ratio_min and loss_fn.truncated_importance_sampling.ratio_max: "
+                f"ratio_min {tis.ratio_min} > ratio_max {tis.ratio_max}"
+            )
+        return problems

@@ -1,0 +1,101 @@
+"""The loss's metrics, each declared with how it aggregates over microbatches and data-parallel ranks.
+
+A microbatch's metrics dict holds detached 0-dim tensors. `token_mean` metrics are means over that
+microbatch's trained tokens; they are combined weighted by its `num_valid_tokens`, so the aggregate is the
+mean over every trained token of the step whatever the split.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+import torch
+import torch.distributed as dist
+
+
+class Aggregation(enum.Enum):
+    SUM = "sum"
+    TOKEN_MEAN = "token_mean"
+    MIN = "min"
+    MAX = "max"
+    PER_TOKEN = "per_token"  # a [B, S] tensor for the training loop, not a scalar; aggregation skips it
+
+
+METRIC_AGGREGATION: Mapping[str, Aggregation] = MappingProxyType(
+    {
+        "loss": Aggregation.SUM,  # already globally normalised: the step's loss is the sum
+        "num_valid_tokens": Aggregation.SUM,
+        "num_valid_samples": Aggregation.SUM,
+        "probs_ratio": Aggregation.TOKEN_MEAN,
+        "probs_ratio_min": Aggregation.MIN,
+        "probs_ratio_max": Aggregation.MAX,
+        "probs_ratio_clamped": Aggregation.TOKEN_MEAN,
+        "clip_fraction_lower": Aggregation.TOKEN_MEAN,
+        "clip_fraction_upper": Aggregation.TOKEN_MEAN,
+        "kl_penalty": Aggregation.TOKEN_MEAN,
+        "entropy": Aggregation.TOKEN_MEAN,
+        "token_mult_prob_error": Aggregation.TOKEN_MEAN,
+        "gen_kl_error": Aggregation.TOKEN_MEAN,
+        "sampling_importance_ratio": Aggregation.TOKEN_MEAN,
+        "is_oob_ratio": Aggregation.TOKEN_MEAN,
+        "curr_logprobs": Aggregation.PER_TOKEN,
+    }
+)
+
+TOKEN_WEIGHT = "num_valid_tokens"
+
+
+def aggregate_metrics(
+    per_microbatch: Sequence[Mapping[str, torch.Tensor]], group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
+    """Combines the scalar metrics of a step's microbatches, and over the ranks of `group` when given.
+
+    Every rank of `group` must call this with the same metric names. One all-reduce per aggregation kind.
+    """
+    if not per_microbatch:
+        raise ValueError("aggregate_metrics: no microbatch metrics to aggregate")
+    names = _scalar_metric_names(per_microbatch)
+    stacked = {name: torch.stack([m[name].detach().to(torch.float64) for m in per_microbatch]) for name in names}
+    by_kind = {kind: [name for name in names if METRIC_AGGREGATION[name] is kind] for kind in Aggregation}
+    token_weights = stacked[TOKEN_WEIGHT]
+    sums = [stacked[name].sum() for name in by_kind[Aggregation.SUM]]
+    weighted_sums = [(stacked[name] * token_weights).sum() for name in by_kind[Aggregation.TOKEN_MEAN]]
+    summed = _all_reduced(sums + weighted_sums, dist.ReduceOp.SUM, group)
+    result = dict(zip(by_kind[Aggregation.SUM] + by_kind[Aggregation.TOKEN_MEAN], summed, strict=True))
+    total_tokens = max(result[TOKEN_WEIGHT], 1.0)
+    for name in by_kind[Aggregation.TOKEN_MEAN]:
+        result[name] /= total_tokens
+    for kind, op, reduce in (
+        (Aggregation.MIN, dist.ReduceOp.MIN, torch.amin),
+        (Aggregation.MAX, dist.ReduceOp.MAX, torch.amax),
+    ):
+        extremes = _all_reduced([reduce(stacked[name]) for name in by_kind[kind]], op, group)
+        result.update(zip(by_kind[kind], extremes, strict=True))
+    return {name: result[name] for name in names}
+
+
+def _all_reduced(values: list[torch.Tensor], op: dist.ReduceOp, group: dist.ProcessGroup | None) -> list[float]:
+    """`values` reduced element-wise over `group` (as they are without one), in one collective."""
+    if not values:
+        return []
+    stacked = torch.stack(values)
+    if group is not None:
+        dist.all_reduce(stacked, op=op, group=group)
+    return stacked.tolist()
+
+
+def _scalar_metric_names(per_microbatch: Sequence[Mapping[str, torch.Tensor]]) -> list[str]:
+    names = list(per_microbatch[0])
+    for index, metrics in enumerate(per_microbatch[1:], start=1):
+        if set(metrics) != set(names):
+            raise ValueError(
+                f"aggregate_metrics: microbatch {index} has metrics {sorted(metrics)}, microbatch 0 has {sorted(names)}"
+            )
+    undeclared = [name for name in names if name not in METRIC_AGGREGATION]
+    if undeclared:
+        raise ValueError(f"aggregate_metrics: metrics without a declared aggregation: {undeclared}")
+    if TOKEN_WEIGHT not in names:
+        raise ValueError(f"aggregate_metrics: {TOKEN_WEIGHT!r} is missing; token means are weighted by it")
+    return [name for name in names if METRIC_AGGREGATION[name] is not Aggregation.PER_TOKEN]
