@@ -60,7 +60,8 @@ MGRPO_HD bool poisons_row(float x) { return x != x || x == INFINITY; }
 // A NaN or +inf max makes r NaN, which then poisons the sums.
 MGRPO_HD SoftmaxPartials rescale_to(const SoftmaxPartials& p, float new_max) {
   const float r = expf(p.max - safe_shift(new_max));
-  if (r == 0.0f) return {new_max, 0.0f, 0.0f};
+  // Nothing left to move (an empty state, or one that underflows); multiplying keeps a NaN sum NaN.
+  if (r == 0.0f) return {new_max, p.sum_exp * r, p.sum_exp_x * r};
   return {new_max, p.sum_exp * r, (p.sum_exp_x + (p.max - new_max) * p.sum_exp) * r};
 }
 

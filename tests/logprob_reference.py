@@ -69,11 +69,11 @@ def assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch
 
 def make_case(rows: int, padded_vocab: int, true_vocab_size: int, dtype: torch.dtype, seed: int,
               ignore_every: int = 4, padding_value: float = 1e4) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random logits (scale 3) whose padding columns hold a huge value, so any leak shows; some ignored rows."""
+    """Random logits (scale 3) whose padding columns hold a huge value, so any leak shows; rows 1, 1+k, ... ignored."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, padded_vocab, generator=gen, dtype=torch.float64) * 3
     logits[:, true_vocab_size:] = padding_value
     targets = torch.randint(0, true_vocab_size, (rows,), generator=gen)
     if ignore_every:
-        targets[::ignore_every] = -1
+        targets[1::ignore_every] = -1  # row 0 stays trained, so single-row cases test a real row
     return logits.to(dtype), targets

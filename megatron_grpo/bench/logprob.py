@@ -255,7 +255,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_grpo bench logprob", description=__doc__)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--quick", action="store_true", help="small shapes, TP=1 and 2, fp32 and bf16, 3 runs")
-    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--tp", type=int, nargs="+", default=None,
+                        help="TP sizes; default 1 and 2 (on CUDA, 2 only with two GPUs)")
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--v-local", type=int, default=32768)
@@ -266,7 +267,8 @@ def main(argv: list[str]) -> int:
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 5)
     device = torch.device(args.device)
     results = []
-    for tp in args.tp:
+    tp_sizes = args.tp or ([1, 2] if args.device == "cpu" or torch.cuda.device_count() >= 2 else [1])
+    for tp in tp_sizes:
         setups = [Setup(tp=tp, dtype=d, tokens=tokens, v_local=v_local) for d in args.dtypes]
         results += run_tp(tp, setups, args.device, repeats)
     bandwidth = copy_bandwidth_bytes_per_s(device, 2**30 if not args.quick else 2**27, repeats)
