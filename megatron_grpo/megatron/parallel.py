@@ -1,0 +1,92 @@
+"""Process groups and seeding: torch.distributed from the torchrun environment, then Megatron's TP/PP/DP groups.
+
+NCCL with CUDA, gloo without it (and then the CPU support module). One configured timeout,
+`distributed.timeout_seconds`, reaches both the default group and every Megatron group, so a hung peer fails the
+job after that long instead of Megatron's default 30 minutes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from megatron_grpo.config import Config
+from megatron_grpo.megatron.cpu_support import apply_cpu_support
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Where this process sits: global rank and world, and its TP/PP/DP ranks and sizes."""
+
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    device: torch.device
+
+
+def init_parallel(cfg: Config) -> ParallelLayout:
+    """Initialises torch.distributed (unless a launcher already did) and Megatron's groups, then seeds all RNGs.
+
+    Rank and world come from torchrun's RANK / WORLD_SIZE / LOCAL_RANK. DP = world / (TP * PP).
+    """
+    on_cpu = apply_cpu_support()
+    timeout = timedelta(seconds=cfg.distributed.timeout_seconds)
+    if not dist.is_initialized():
+        if not on_cpu:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(
+            backend="gloo" if on_cpu else "nccl",
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+        )
+    tp, pp = cfg.policy.tensor_model_parallel_size, cfg.policy.pipeline_model_parallel_size
+    world_size = dist.get_world_size()
+    if world_size % (tp * pp):
+        raise ValueError(f"world size {world_size} is not a multiple of policy.tensor_model_parallel_size ({tp}) "
+                         f"× policy.pipeline_model_parallel_size ({pp})")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        distributed_timeout_minutes=cfg.distributed.timeout_seconds / 60,  # same keyword in 0.16 and 0.19
+    )
+    seed_all(cfg.seed, on_cpu)
+    return current_layout()
+
+
+def seed_all(seed: int, on_cpu: bool) -> None:
+    """Seeds torch and Megatron's model-parallel RNG tracker (the inference tracker on CPU: see cpu_support)."""
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=on_cpu)
+
+
+def current_layout() -> ParallelLayout:
+    """The layout of this process; needs init_parallel first."""
+    return ParallelLayout(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"),
+    )
+
+
+def destroy_parallel() -> None:
+    """Tears down Megatron's groups and the default group."""
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

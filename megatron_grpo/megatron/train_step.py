@@ -1,0 +1,353 @@
+"""The GRPO training step on a Megatron-Core model, driven by Megatron's own pipeline schedule.
+
+- `make_forward_step` returns a Megatron-compatible `forward_step(data_iterator, model)` for
+  `get_forward_backward_func()` (and for Megatron-LM training scripts). Its loss is normalised over the whole
+  optimizer step; the schedule divides each microbatch's loss by the number of microbatches, so the loss
+  handed to it is scaled up by exactly that number.
+- `compute_logprobs` is a forward-only logprob pass through the same schedule (for prev or reference).
+- `train_step` runs the logprob passes the plan asks for, then one optimizer step per global batch of the
+  rollout, and returns curr logprobs, prev logprobs (backfilled from curr when the pass was skipped) and
+  the passes it ran. The sync and async loops both call it.
+
+Batches follow DESIGN.md's contract: dicts of `[B, S]` tensors aligned with `input_ids` (position 0 has no
+logprob). A batch given to these functions is this data-parallel rank's share.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+from megatron_grpo.config import Config, OptimizerConfig
+from megatron_grpo.loss import aggregate_metrics, count_valid
+from megatron_grpo.ops import vocab_parallel_logprobs
+from megatron_grpo.scheduler import LogprobPlan
+
+log = logging.getLogger(__name__)
+
+Batch = Mapping[str, torch.Tensor]
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+ForwardStep = Callable[[Iterator[Batch], torch.nn.Module], tuple[torch.Tensor, Callable]]
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Which columns of the padded vocabulary this TP rank's logits hold, and where the padding starts."""
+
+    start_index: int
+    true_vocab_size: int
+    group: dist.ProcessGroup | None
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> VocabShard:
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        local_size = model.padded_vocab_size // tp_size
+        return cls(
+            start_index=parallel_state.get_tensor_model_parallel_rank() * local_size,
+            true_vocab_size=model.true_vocab_size,
+            group=parallel_state.get_tensor_model_parallel_group() if tp_size > 1 else None,
+        )
+
+
+@dataclass(frozen=True)
+class TrainStepResult:
+    """What one call of `train_step` did. Per-token tensors are `[B, S]` in the order of the batch given."""
+
+    curr_logprobs: torch.Tensor  # from the training forward, detached
+    prev_logprobs: torch.Tensor  # from the prev pass, or curr_logprobs when the plan skipped it
+    reference_policy_logprobs: torch.Tensor | None  # None when the plan skipped the reference pass
+    step_metrics: list[dict[str, float]]  # per optimizer step: the loss's metrics aggregated over microbatches
+    #   and DP ranks (on the last pipeline stage only), and `grad_norm` (before clipping) on every rank
+    passes_run: dict[str, int]  # logprob passes that ran this call, by name ("reference", "prev"); none = {}
+
+
+def make_forward_step(
+    loss_fn: LossFn,
+    plan: LogprobPlan,
+    *,
+    num_microbatches: int,
+    global_valid_tokens: torch.Tensor | float,
+    global_valid_seqs: torch.Tensor | float,
+    vocab: VocabShard,
+) -> ForwardStep:
+    """A `forward_step(data_iterator, model) -> (output_tensor, loss_func)` for one optimizer step.
+
+    `global_valid_*` count the whole optimizer step (all microbatches, all DP ranks); the loss is already
+    normalised by them, so the per-microbatch losses sum to the step's loss. With pipeline parallelism the
+    schedule calls `loss_func` on the last stage only.
+    """
+
+    def loss_func(batch: Batch, output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, metrics = loss_fn(
+            output_tensor,
+            batch,
+            global_valid_tokens=global_valid_tokens,
+            global_valid_seqs=global_valid_seqs,
+            vocab_start_index=vocab.start_index,
+            true_vocab_size=vocab.true_vocab_size,
+            group=vocab.group,
+            prev_logprobs_from_current=plan.prev_from_current,
+        )
+        # Megatron divides the returned loss in place by num_microbatches: hand it a scaled copy, and keep
+        # an unscaled clone for the metrics.
+        metrics = {**metrics, "loss": loss.detach().clone()}
+        return loss * num_microbatches, metrics
+
+    def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
+        batch = next(data_iterator)
+        return model_forward(model, batch["input_ids"]), partial(loss_func, batch)
+
+    return forward_step
+
+
+def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int) -> torch.Tensor:
+    """float32 `[B, S]` logprobs of `batch["input_ids"]` under `model` in eval mode; position 0 is 0.
+
+    A forward-only pass through Megatron's schedule; with pipeline parallelism the last stage broadcasts the
+    result to the other stages.
+    """
+    input_ids = batch["input_ids"]
+    vocab = VocabShard.of(model)
+    microbatches = _split(batch, micro_batch_size)
+
+    def logprob_func(ids: torch.Tensor, output_tensor: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
+        return shifted_logprobs(output_tensor, ids, vocab)
+
+    def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
+        ids = next(data_iterator)["input_ids"]
+        return model_forward(model, ids), partial(logprob_func, ids)
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            outputs = _run_schedule(forward_step, model, microbatches, forward_only=True)
+    finally:
+        model.train(was_training)
+    logprobs = torch.cat(outputs) if outputs else torch.empty(input_ids.shape, dtype=torch.float32,
+                                                              device=input_ids.device)
+    return _from_last_stage(logprobs)
+
+
+def shifted_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, vocab: VocabShard) -> torch.Tensor:
+    """float32 `[B, S]`: the logprob of `input_ids[:, t]` from `logits[:, t-1]`, with 0 at position 0."""
+    logprobs = vocab_parallel_logprobs(
+        logits[:, :-1],
+        input_ids[:, 1:],
+        vocab_start_index=vocab.start_index,
+        true_vocab_size=vocab.true_vocab_size,
+        group=vocab.group,
+    )
+    return torch.nn.functional.pad(logprobs, (1, 0))
+
+
+def model_forward(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """GPTModel forward over positions 0..S-1 with an explicit causal mask (True = masked out).
+
+    Passing the mask keeps it on the batch's device: Megatron's default causal mask is built on "cuda".
+    """
+    seq_len = input_ids.shape[1]
+    position_ids = torch.arange(seq_len, device=input_ids.device).expand_as(input_ids)
+    causal_mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=input_ids.device).triu(diagonal=1)
+    return model(input_ids, position_ids, attention_mask=causal_mask[None, None])
+
+
+def train_step(
+    cfg: Config,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    plan: LogprobPlan,
+    batch: Batch,
+    *,
+    reference_model: torch.nn.Module | None = None,
+) -> TrainStepResult:
+    """Trains on one rollout batch (this DP rank's share): the planned logprob passes, then the optimizer steps.
+
+    The rollout holds rollout / train_global_batch_size optimizer steps, each of
+    train_global_batch_size / DP sequences on this rank, in microbatches of train_micro_batch_size.
+    `reference_model` is needed only when `plan.compute_reference_logprobs`.
+    """
+    if plan.compute_reference_logprobs and reference_model is None:
+        raise ValueError("reference_model: the plan computes reference logprobs, but none was given")
+    micro_batch_size = cfg.policy.train_micro_batch_size
+    step_rows = _rows_per_optimizer_step(cfg, batch["input_ids"].shape[0])
+    batch = dict(batch)
+    passes_run: dict[str, int] = {}
+    if plan.compute_reference_logprobs:
+        batch["reference_policy_logprobs"] = compute_logprobs(reference_model, batch, micro_batch_size=micro_batch_size)
+        passes_run["reference"] = 1
+    if plan.compute_prev_logprobs:
+        batch["prev_logprobs"] = compute_logprobs(model, batch, micro_batch_size=micro_batch_size)
+        passes_run["prev"] = 1
+    if passes_run:
+        log.info("logprob passes run: %s", ", ".join(f"{name} x{count}" for name, count in passes_run.items()))
+
+    step_metrics, microbatch_metrics = [], []
+    for start in range(0, batch["input_ids"].shape[0], step_rows):
+        step_batch = {key: value[start:start + step_rows] for key, value in batch.items()}
+        metrics = _forward_backward(model, optimizer, loss_fn, plan, step_batch, micro_batch_size)
+        grad_norm = clip_grad_norm(model, cfg.policy.optimizer.clip_grad)
+        optimizer.step()
+        step_metrics.append({**_aggregate(metrics), "grad_norm": grad_norm})
+        microbatch_metrics.extend(metrics)
+
+    curr_logprobs = _from_last_stage(
+        torch.cat([m["curr_logprobs"] for m in microbatch_metrics]) if microbatch_metrics
+        else torch.empty(batch["input_ids"].shape, dtype=torch.float32, device=batch["input_ids"].device))
+    return TrainStepResult(
+        curr_logprobs=curr_logprobs,
+        prev_logprobs=batch["prev_logprobs"] if plan.compute_prev_logprobs else curr_logprobs,
+        reference_policy_logprobs=batch.get("reference_policy_logprobs"),
+        step_metrics=step_metrics,
+        passes_run=passes_run,
+    )
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimizerConfig) -> torch.optim.Optimizer:
+    """Adam with decoupled weight decay, as Megatron's optimizer (works on CPU and GPU; see cpu_support)."""
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=optim.lr,
+        betas=(optim.adam_beta1, optim.adam_beta2),
+        eps=optim.adam_eps,
+        weight_decay=optim.weight_decay,
+    )
+
+
+def _forward_backward(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    plan: LogprobPlan,
+    batch: Batch,
+    micro_batch_size: int,
+) -> list[dict[str, torch.Tensor]]:
+    """Fresh gradients of one optimizer step: Megatron's schedule over the microbatches, then the DP sum.
+
+    Returns the loss's metrics of each microbatch (none on pipeline stages other than the last).
+    """
+    microbatches = _split(batch, micro_batch_size)
+    tokens, seqs = _global_valid_counts(microbatches)
+    forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches), global_valid_tokens=tokens,
+                                     global_valid_seqs=seqs, vocab=VocabShard.of(model))
+    optimizer.zero_grad()
+    model.train()
+    metrics = _run_schedule(forward_step, model, microbatches, forward_only=False)
+    _sum_grads_over_data_parallel(model)
+    return metrics
+
+
+def _aggregate(microbatch_metrics: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """The loss's scalar metrics of one optimizer step, over its microbatches and the DP ranks."""
+    if not microbatch_metrics:  # a pipeline stage that is not the last
+        return {}
+    group = parallel_state.get_data_parallel_group()
+    return aggregate_metrics(microbatch_metrics, group=group if group.size() > 1 else None)
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Clips to a total norm over the whole model-parallel model (TP duplicates counted once); 0 = no clipping.
+
+    Returns the norm before clipping.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    squares = [p.grad.float().square().sum() for p in params if param_is_not_tensor_parallel_duplicate(p)]
+    total = torch.stack(squares).sum() if squares else torch.zeros((), device=_device(model))
+    if parallel_state.get_model_parallel_group().size() > 1:
+        dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
+    norm = total.sqrt().item()
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params:
+            p.grad.mul_(scale)
+    return norm
+
+
+def _run_schedule(forward_step: ForwardStep, model: torch.nn.Module, microbatches: list[Batch],
+                  *, forward_only: bool) -> list:
+    """One call of Megatron's forward/backward schedule; returns what the last stage's loss_func produced.
+
+    Megatron-Core 0.16 and 0.19 take these keywords; `get_forward_backward_func()` without arguments reads the
+    pipeline layout from parallel_state in both.
+    """
+    batch_size, seq_length = microbatches[0]["input_ids"].shape
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(microbatches),
+        model=model,
+        num_microbatches=len(microbatches),
+        seq_length=seq_length,
+        micro_batch_size=batch_size,
+        forward_only=forward_only,
+        collect_non_loss_data=forward_only,
+    )
+
+
+def _split(batch: Batch, micro_batch_size: int) -> list[Batch]:
+    rows = batch["input_ids"].shape[0]
+    if rows == 0 or rows % micro_batch_size:
+        raise ValueError(f"batch['input_ids']: {rows} sequences are not a positive multiple of "
+                         f"policy.train_micro_batch_size ({micro_batch_size})")
+    return [{key: value[start:start + micro_batch_size] for key, value in batch.items()}
+            for start in range(0, rows, micro_batch_size)]
+
+
+def _rows_per_optimizer_step(cfg: Config, rollout_rows: int) -> int:
+    """This DP rank's sequences per optimizer step; the rollout must hold a whole number of steps."""
+    dp_size = parallel_state.get_data_parallel_world_size()
+    global_batch = cfg.policy.train_global_batch_size
+    if global_batch % (dp_size * cfg.policy.train_micro_batch_size):
+        raise ValueError(f"policy.train_global_batch_size ({global_batch}) is not a multiple of the data-parallel "
+                         f"size ({dp_size}) × policy.train_micro_batch_size ({cfg.policy.train_micro_batch_size})")
+    step_rows = global_batch // dp_size
+    if rollout_rows % step_rows:
+        raise ValueError(f"batch['input_ids']: {rollout_rows} sequences on this rank are not a multiple of "
+                         f"policy.train_global_batch_size / DP = {step_rows}")
+    return step_rows
+
+
+def _global_valid_counts(microbatches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trained tokens and sequences of the whole optimizer step: all microbatches, all DP ranks."""
+    counts = torch.stack([torch.stack(count_valid(mb)) for mb in microbatches]).sum(dim=0)
+    counts = _sum_over_data_parallel(counts)
+    return counts[0], counts[1]
+
+
+def _sum_over_data_parallel(tensor: torch.Tensor) -> torch.Tensor:
+    group = parallel_state.get_data_parallel_group()
+    if group.size() > 1:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def _sum_grads_over_data_parallel(model: torch.nn.Module) -> None:
+    """The loss is normalised over the global batch, so the DP gradient is the sum of the ranks' gradients."""
+    group = parallel_state.get_data_parallel_group()
+    if group.size() > 1:
+        for param in model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=group)
+
+
+def _from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
+    """With pipeline parallelism, only the last stage computes losses and logprobs: broadcast them."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    dist.broadcast(tensor, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                   group=parallel_state.get_pipeline_model_parallel_group())
+    return tensor
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device

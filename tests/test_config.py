@@ -1,0 +1,156 @@
+"""load_config: the exemplar configs load into typed sections; every bad key or value is named by its dotted path."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from _configs import CONFIGS, TINY, drop_key, set_key, tiny
+
+from megatron_grpo.config import Config, ConfigError, load_config
+from megatron_grpo.loss.config import ClippedPGLossConfig
+
+
+def problems_of(data: dict) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        load_config(data)
+    return err.value.problems
+
+
+def test_tiny_config_loads_with_yaml_names_and_types():
+    cfg = load_config(TINY)
+    assert isinstance(cfg, Config)
+    assert cfg.policy.model.hidden_size == 64
+    assert cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt == 128
+    assert cfg.generation.temperature == 1.0 and cfg.generation.top_k is None
+    assert cfg.task.name == "reverse"
+    assert cfg.checkpoint.every_n_steps == 50
+    assert isinstance(cfg.distributed.timeout_seconds, float)  # YAML's int 60 becomes a float
+    assert isinstance(cfg.loss_fn, ClippedPGLossConfig)
+    assert cfg.logprob_passes.prev == "auto"
+
+
+def test_file_and_mapping_give_the_same_config():
+    assert load_config(TINY) == load_config(tiny()) == load_config(str(TINY))
+
+
+def test_config_is_frozen():
+    cfg = load_config(TINY)
+    with pytest.raises(AttributeError):
+        cfg.policy.model.hidden_size = 128  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_has_the_tiny_key_set(path):
+    load_config(path)
+    assert _key_paths(yaml.safe_load(path.read_text())) == _key_paths(tiny())
+
+
+def test_gpu_example_is_tensor_parallel_bf16():
+    cfg = load_config(CONFIGS / "grpo_gpt_gpu.yaml")
+    assert cfg.policy.tensor_model_parallel_size >= 2
+    assert cfg.policy.precision == "bf16"
+    assert cfg.policy.model.hidden_size > load_config(TINY).policy.model.hidden_size
+
+
+def test_missing_and_unknown_keys_are_all_named_at_once():
+    data = drop_key(tiny(), "policy.model.hidden_dropout")
+    data = drop_key(data, "checkpoint")
+    data = set_key(data, "grpo.epochs", 2)
+    data = set_key(data, "loss_fn.truncated_importance_sampling.ratio", 1.0)
+    problems = problems_of(data)
+    assert any(p.startswith("policy.model.hidden_dropout: missing key") for p in problems)
+    assert any(p.startswith("checkpoint: missing key") for p in problems)
+    assert any(p.startswith("grpo.epochs: unknown key") for p in problems)
+    assert any(p.startswith("loss_fn.truncated_importance_sampling.ratio: unknown key") for p in problems)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("policy.precision", "fp64"),
+        ("task.name", "sort"),
+        ("logprob_passes.prev", "maybe"),
+        ("policy.model.position_embedding_type", "alibi"),
+        ("generation.top_k", 2.5),
+        ("grpo.seq_logprob_error_threshold", "high"),
+        ("logging.progress_bar", "yes"),
+    ],
+)
+def test_wrong_type_or_choice_names_the_key(key, value):
+    assert any(p.startswith(f"{key}:") for p in problems_of(set_key(tiny(), key, value)))
+
+
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("distributed.timeout_seconds", 0, "must be > 0"),
+        ("policy.train_micro_batch_size", 0, "must be > 0"),
+        ("policy.model.num_layers", -1, "must be > 0"),
+        ("policy.optimizer.lr", 0.0, "must be > 0"),
+        ("generation.temperature", 0.0, "must be > 0"),
+        ("grpo.num_generations_per_prompt", 0, "must be > 0"),
+        ("grpo.max_rollout_staleness", -1, "must be >= 0"),
+        ("checkpoint.every_n_steps", -5, "must be >= 0"),
+        ("policy.optimizer.clip_grad", -1.0, "must be >= 0"),
+        ("policy.model.hidden_dropout", 1.0, "must be in [0, 1)"),
+        ("policy.optimizer.adam_beta2", 1.5, "must be in [0, 1)"),
+        ("generation.top_k", 0, "must be null or >= 1"),
+        ("grpo.seq_logprob_error_threshold", 0.0, "must be null or > 0"),
+    ],
+)
+def test_out_of_range_value_names_the_key(key, value, expected):
+    problems = problems_of(set_key(tiny(), key, value))
+    assert any(p.startswith(f"{key}:") and expected in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "key, value, divisor_key, dividend_key",
+    [
+        ("policy.tensor_model_parallel_size", 3, "policy.tensor_model_parallel_size",
+         "policy.model.num_attention_heads"),
+        ("policy.model.ffn_hidden_size", 255, "policy.tensor_model_parallel_size", "policy.model.ffn_hidden_size"),
+        ("policy.model.hidden_size", 66, "policy.model.num_attention_heads", "policy.model.hidden_size"),
+        ("policy.pipeline_model_parallel_size", 3, "policy.pipeline_model_parallel_size", "policy.model.num_layers"),
+        ("policy.train_micro_batch_size", 48, "policy.train_micro_batch_size", "policy.train_global_batch_size"),
+    ],
+)
+def test_divisibility_conflicts_name_both_keys(key, value, divisor_key, dividend_key):
+    problems = problems_of(set_key(tiny(), key, value))
+    assert any(p.startswith(divisor_key) and f"must divide {dividend_key}" in p for p in problems), problems
+
+
+def test_range_problems_are_reported_together():
+    data = set_key(tiny(), "generation.temperature", -1.0)
+    data = set_key(data, "policy.model.num_attention_heads", 3)
+    data = set_key(data, "checkpoint.every_n_steps", -1)
+    problems = problems_of(data)
+    assert len(problems) == 4, problems  # temperature, every_n_steps, TP ∤ heads, heads ∤ hidden
+
+
+def test_loss_fn_conflicts_surface_through_load_config():
+    problems = problems_of(set_key(tiny(), "loss_fn.ratio_clip_c", 0.5))
+    assert any("loss_fn.ratio_clip_c" in p for p in problems)
+
+
+def test_invalid_yaml_file_is_a_config_error_naming_the_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("policy: [unclosed\n")
+    with pytest.raises(ConfigError, match="broken.yaml"):
+        load_config(path)
+
+
+def test_non_mapping_top_level_is_a_config_error(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- seed\n- 1\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(path)
+
+
+def _key_paths(data: dict, prefix: str = "") -> set[str]:
+    paths = set()
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else key
+        paths.add(path)
+        if isinstance(value, dict):
+            paths |= _key_paths(value, path)
+    return paths

@@ -1,0 +1,381 @@
+"""Megatron train-step hooks on a tiny GPTModel, TP=2 over gloo on the CPU.
+
+One spawn of two ranks runs every scenario (Megatron's import and init dominate the cost); the tests below
+assert on what the ranks report. References are float64 computations written here, from TP-gathered logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+
+import pytest
+import torch
+from _configs import config_with
+from _dist import run_on_ranks
+
+VOCAB = 13  # odd, padded to 16 (divisible_by 8 × TP 2): rank 1 holds 3 real columns and 5 padding columns
+ROWS, SEQ = 8, 7
+PROMPT = 3
+TINY_MODEL = {
+    "policy.model.num_layers": 2,
+    "policy.model.hidden_size": 24,
+    "policy.model.num_attention_heads": 4,
+    "policy.model.ffn_hidden_size": 40,
+    "policy.model.max_position_embeddings": SEQ,
+    "policy.model.make_vocab_size_divisible_by": 8,
+    "policy.train_global_batch_size": ROWS,
+    "policy.train_micro_batch_size": 2,
+    "grpo.num_prompts_per_step": 2,
+    "grpo.num_generations_per_prompt": ROWS // 2,
+}
+MICROBATCH_COUNTS = (1, 2, 4)
+
+
+def make_batch(seed: int) -> dict[str, torch.Tensor]:
+    """Random rollouts: a 3-token prompt, a ragged response, one dropped sequence, per-sequence advantages."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
+    lengths = torch.randint(1, SEQ - PROMPT + 1, (ROWS,), generator=gen)
+    positions = torch.arange(SEQ)
+    token_mask = ((positions >= PROMPT) & (positions < PROMPT + lengths[:, None])).to(torch.float32)
+    sample_mask = torch.ones(ROWS)
+    sample_mask[5] = 0
+    advantages = torch.randn(ROWS, generator=gen)
+    return {"input_ids": input_ids, "token_mask": token_mask, "sample_mask": sample_mask, "advantages": advantages}
+
+
+def reference_logprobs64(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """float64 [B, S] logprobs from a plain forward: all-gathered vocab shards, padding dropped, position 0 = 0."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    seq_len = input_ids.shape[1]
+    position_ids = torch.arange(seq_len).expand_as(input_ids)
+    causal_mask = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(diagonal=1)[None, None]
+    logits = gather_from_tensor_model_parallel_region(model(input_ids, position_ids, attention_mask=causal_mask))
+    logprobs = torch.log_softmax(logits[..., :VOCAB].double(), dim=-1)
+    picked = logprobs[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(picked, (1, 0))
+
+
+def reference_on_policy_loss64(model, batch) -> torch.Tensor:
+    """On-policy clipped PG, token-mean: the ratio exp(lp - sg(lp)) is 1 (inside the clip range), its gradient
+    is that of lp, so the loss is -sum(A * ratio) / trained tokens."""
+    mask = (batch["token_mask"] * batch["sample_mask"][:, None]).double()
+    mask[:, 0] = 0
+    logprobs = reference_logprobs64(model, batch["input_ids"])
+    ratio = torch.exp(logprobs - logprobs.detach())
+    return -(batch["advantages"].double()[:, None] * ratio * mask).sum() / mask.sum()
+
+
+def grads_of(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def count_forwards(model) -> list[int]:
+    calls = [0]
+    model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def build(cfg):
+    from megatron_grpo.megatron import build_gpt_model
+
+    torch.manual_seed(cfg.seed)  # identical initial weights for every model built with this config
+    return build_gpt_model(cfg, VOCAB)
+
+
+def scenario_microbatches(cfg) -> dict:
+    """Megatron's schedule with 1, 2, 4 microbatches vs. a plain float64 full-batch gradient."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_grpo.loss import ClippedPGLoss, count_valid
+    from megatron_grpo.megatron import compute_logprobs, make_forward_step
+    from megatron_grpo.megatron.train_step import VocabShard
+    from megatron_grpo.scheduler import plan_logprob_passes
+
+    model, batch = build(cfg), make_batch(seed=11)
+    position_ids = torch.arange(SEQ).expand(ROWS, SEQ)
+    causal_mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(diagonal=1)[None, None]
+    logits_shape = tuple(model(batch["input_ids"], position_ids, attention_mask=causal_mask).shape)
+    reference_on_policy_loss64(model, batch).backward()
+    expected, plan = grads_of(model), plan_logprob_passes(cfg)
+    tokens, seqs = count_valid(batch)
+    errors, losses = {}, {}
+    for count in MICROBATCH_COUNTS:
+        model.zero_grad()
+        rows = ROWS // count
+        microbatches = [{k: v[i * rows:(i + 1) * rows] for k, v in batch.items()} for i in range(count)]
+        forward_step = make_forward_step(ClippedPGLoss(cfg.loss_fn), plan, num_microbatches=count,
+                                         global_valid_tokens=tokens, global_valid_seqs=seqs, vocab=VocabShard.of(model))
+        metrics = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(microbatches),
+                                              model=model, num_microbatches=count, seq_length=SEQ,
+                                              micro_batch_size=rows, forward_only=False)
+        got = grads_of(model)
+        errors[count] = max((got[n] - expected[n]).abs().max().item() for n in expected)
+        losses[count] = sum(m["loss"].item() for m in metrics)
+    with torch.no_grad():
+        logprob_error = (compute_logprobs(model, batch, micro_batch_size=2).double()
+                         - reference_logprobs64(model, batch["input_ids"])).abs().max().item()
+    return {"logits_shape": logits_shape, "vocab_sizes": (model.true_vocab_size, model.padded_vocab_size),
+            "grad_errors": errors, "losses": losses, "reference_loss": reference_on_policy_loss64(model, batch).item(),
+            "grad_scale": max(g.abs().max().item() for g in expected.values()), "logprob_error": logprob_error}
+
+
+def scenario_skipped_prev(cfg) -> dict:
+    """The same step with the prev pass skipped and computed: identical update, and prev reported both ways."""
+    from megatron_grpo.loss import ClippedPGLoss
+    from megatron_grpo.megatron import build_optimizer, train_step
+    from megatron_grpo.scheduler import plan_logprob_passes
+
+    computed_cfg = dataclasses.replace(cfg, logprob_passes=dataclasses.replace(cfg.logprob_passes, prev="compute"))
+    batch = make_batch(seed=12)
+    outcome = {}
+    for name, run_cfg in (("skipped", cfg), ("computed", computed_cfg)):
+        model = build(run_cfg)
+        forwards = count_forwards(model)
+        plan = plan_logprob_passes(run_cfg)
+        result = train_step(run_cfg, model, build_optimizer(model, run_cfg.policy.optimizer),
+                            ClippedPGLoss(run_cfg.loss_fn), plan, batch)
+        outcome[name] = {"params": [p.detach().clone() for p in model.parameters()], "result": result,
+                         "forwards": forwards[0], "plan": plan}
+    mask = (batch["token_mask"] * batch["sample_mask"][:, None]).bool()
+    mask[:, 0] = False
+    skipped, computed = outcome["skipped"], outcome["computed"]
+    return {
+        "update_error": max((a - b).abs().max().item() for a, b in zip(skipped["params"], computed["params"])),
+        "weights_moved": max((a - b).abs().max().item()
+                             for a, b in zip(skipped["params"], [p.detach() for p in build(cfg).parameters()])),
+        "prev_error_on_mask": (skipped["result"].prev_logprobs - computed["result"].prev_logprobs)[mask].abs().max().item(),
+        "skipped_prev_is_curr": bool(torch.equal(skipped["result"].prev_logprobs, skipped["result"].curr_logprobs)),
+        "passes_run": {name: o["result"].passes_run for name, o in outcome.items()},
+        "forwards": {name: o["forwards"] for name, o in outcome.items()},
+        "plans": {name: o["plan"] for name, o in outcome.items()},
+        "step_metrics": {name: o["result"].step_metrics for name, o in outcome.items()},
+    }
+
+
+def scenario_reference(cfg) -> dict:
+    """KL 0: no reference model is asked for and none runs; KL > 0: the reference runs one logprob pass."""
+    from megatron_grpo.loss import ClippedPGLoss
+    from megatron_grpo.megatron import build_optimizer, train_step
+    from megatron_grpo.scheduler import plan_logprob_passes
+
+    kl_cfg = dataclasses.replace(cfg, loss_fn=dataclasses.replace(cfg.loss_fn, reference_policy_kl_penalty=0.1))
+    batch = make_batch(seed=13)
+    outcome = {}
+    for name, run_cfg in (("kl0", cfg), ("kl", kl_cfg)):
+        plan = plan_logprob_passes(run_cfg)
+        policy = build(run_cfg)
+        reference = build(run_cfg) if plan.build_reference_model else None
+        policy_forwards = count_forwards(policy)
+        reference_forwards = count_forwards(reference) if reference is not None else None
+        result = train_step(run_cfg, policy, build_optimizer(policy, run_cfg.policy.optimizer),
+                            ClippedPGLoss(run_cfg.loss_fn), plan, batch, reference_model=reference)
+        outcome[name] = {"plan": plan, "policy_forwards": policy_forwards[0],
+                         "reference_forwards": None if reference_forwards is None else reference_forwards[0],
+                         "passes_run": result.passes_run,
+                         "has_reference_logprobs": result.reference_policy_logprobs is not None}
+    return outcome
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def cpu_support_is_idempotent() -> bool:
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron_grpo.megatron import apply_cpu_support
+
+    patched = (schedules.torch, torch.cuda.current_device)
+    return apply_cpu_support() and (schedules.torch, torch.cuda.current_device) == patched
+
+
+def run_all_scenarios(rank: int, world_size: int) -> dict:
+    from megatron_grpo.megatron import destroy_parallel, init_parallel
+
+    records = _Records()
+    logger = logging.getLogger("megatron_grpo.megatron.train_step")
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    cfg = config_with(TINY_MODEL)
+    layout = init_parallel(cfg)
+    try:
+        results = {"layout": layout, "cpu_support_idempotent": cpu_support_is_idempotent(),
+                   "microbatches": scenario_microbatches(cfg)}
+        records.messages.clear()
+        results["skipped_prev"] = scenario_skipped_prev(cfg)
+        results["skipped_prev_log"] = list(records.messages)
+        results["reference"] = scenario_reference(cfg)
+        return results
+    finally:
+        destroy_parallel()
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_on_ranks(2, run_all_scenarios)
+
+
+def test_layout_is_tp2_dp1(ranks):
+    assert [(r["layout"].tp_rank, r["layout"].tp_size, r["layout"].dp_size) for r in ranks] == [(0, 2, 1), (1, 2, 1)]
+    assert all(r["cpu_support_idempotent"] for r in ranks)
+
+
+def test_model_logits_are_vocab_parallel_with_padded_vocab(ranks):
+    for rank in ranks:
+        assert rank["microbatches"]["vocab_sizes"] == (VOCAB, 16)
+        assert rank["microbatches"]["logits_shape"] == (ROWS, SEQ, 16 // 2)
+
+
+@pytest.mark.parametrize("count", MICROBATCH_COUNTS)
+def test_schedule_gradient_matches_full_batch_float64(ranks, count):
+    for rank in ranks:
+        result = rank["microbatches"]
+        assert result["grad_scale"] > 1e-3  # a real gradient, not zeros
+        assert result["grad_errors"][count] < 1e-6
+        assert result["losses"][count] == pytest.approx(result["reference_loss"], abs=1e-6)
+
+
+def test_compute_logprobs_matches_float64_reference(ranks):
+    assert all(rank["microbatches"]["logprob_error"] < 1e-5 for rank in ranks)
+
+
+def test_skipped_prev_gives_the_same_update_as_computed_prev(ranks):
+    for rank in ranks:
+        result = rank["skipped_prev"]
+        assert result["weights_moved"] > 1e-4  # the step really changed the weights
+        assert result["update_error"] < 1e-6
+        assert result["prev_error_on_mask"] < 1e-6
+        assert result["skipped_prev_is_curr"]  # backfilled from curr, no zero placeholder
+
+
+def test_prev_pass_runs_only_when_planned_and_is_counted_and_logged(ranks):
+    for rank in ranks:
+        result = rank["skipped_prev"]
+        assert (result["plans"]["skipped"].compute_prev_logprobs, result["plans"]["computed"].compute_prev_logprobs) \
+            == (False, True)
+        assert result["passes_run"] == {"skipped": {}, "computed": {"prev": 1}}
+        microbatches = ROWS // TINY_MODEL["policy.train_micro_batch_size"]
+        assert result["forwards"] == {"skipped": microbatches, "computed": 2 * microbatches}
+        assert rank["skipped_prev_log"] == ["logprob passes run: prev x1"]  # nothing about the skipped run
+
+
+def test_step_metrics_are_aggregated_with_grad_norm(ranks):
+    for rank in ranks:
+        for metrics in rank["skipped_prev"]["step_metrics"].values():
+            (step,) = metrics
+            assert step["probs_ratio"] == pytest.approx(1.0, abs=1e-6)
+            assert step["num_valid_tokens"] > 0 and step["grad_norm"] > 0
+
+
+def test_kl_zero_builds_no_reference_model_and_runs_no_reference_forward(ranks):
+    microbatches = ROWS // TINY_MODEL["policy.train_micro_batch_size"]
+    for rank in ranks:
+        kl0, kl = rank["reference"]["kl0"], rank["reference"]["kl"]
+        assert not kl0["plan"].build_reference_model and kl0["reference_forwards"] is None
+        assert kl0["passes_run"] == {} and not kl0["has_reference_logprobs"]
+        assert kl0["policy_forwards"] == microbatches  # the training forward only
+        assert kl["plan"].build_reference_model
+        assert kl["reference_forwards"] == microbatches and kl["passes_run"] == {"reference": 1}
+        assert kl["has_reference_logprobs"] and kl["policy_forwards"] == microbatches
+
+
+def megatron_lm_padded_vocab(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Megatron-LM's _vocab_size_with_padding, as a loop."""
+    padded = vocab_size
+    while padded % (divisible_by * tp_size):
+        padded += 1
+    return padded
+
+
+@pytest.mark.parametrize("vocab_size", [1, 13, 127, 128, 129, 50257])
+@pytest.mark.parametrize("divisible_by, tp_size", [(1, 1), (8, 2), (128, 1), (128, 4)])
+def test_padded_vocab_follows_megatron_lm(vocab_size, divisible_by, tp_size):
+    from megatron_grpo.megatron.model import padded_vocab_size
+
+    assert padded_vocab_size(vocab_size, divisible_by, tp_size) == megatron_lm_padded_vocab(vocab_size, divisible_by,
+                                                                                            tp_size)
+
+
+def test_transformer_engine_that_raises_runtime_error_is_not_usable(tmp_path, monkeypatch):
+    from megatron_grpo.megatron import model as model_module
+
+    package = tmp_path / "transformer_engine"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise RuntimeError('libcuda.so.1: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "transformer_engine", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not model_module.transformer_engine_usable()
+
+
+def test_init_parallel_passes_the_timeout_to_torch_and_megatron(monkeypatch):
+    """Wiring only: rank and world from torchrun's environment, gloo without CUDA, one timeout everywhere."""
+    from datetime import timedelta
+
+    from megatron_grpo.megatron import parallel
+
+    calls = {}
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(parallel, "apply_cpu_support", lambda: True)
+    monkeypatch.setattr(parallel.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(parallel.dist, "init_process_group", lambda **kw: calls.setdefault("init", kw))
+    monkeypatch.setattr(parallel.dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(parallel.parallel_state, "initialize_model_parallel",
+                        lambda **kw: calls.setdefault("megatron", kw))
+    monkeypatch.setattr(parallel, "seed_all", lambda seed, on_cpu: calls.setdefault("seed", (seed, on_cpu)))
+    monkeypatch.setattr(parallel, "current_layout", lambda: "layout")
+    cfg = config_with({**TINY_MODEL, "distributed.timeout_seconds": 45})
+
+    assert parallel.init_parallel(cfg) == "layout"
+    assert calls["init"] == {"backend": "gloo", "rank": 3, "world_size": 4, "timeout": timedelta(seconds=45)}
+    assert calls["megatron"] == {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
+                                 "distributed_timeout_minutes": 0.75}
+    assert calls["seed"] == (cfg.seed, True)
+
+
+def test_init_parallel_rejects_a_world_that_tp_times_pp_does_not_divide(monkeypatch):
+    from megatron_grpo.megatron import parallel
+
+    monkeypatch.setattr(parallel, "apply_cpu_support", lambda: True)
+    monkeypatch.setattr(parallel.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(parallel.dist, "get_world_size", lambda: 3)
+    with pytest.raises(ValueError, match="policy.tensor_model_parallel_size"):
+        parallel.init_parallel(config_with(TINY_MODEL))
+
+
+def test_train_step_without_the_planned_reference_model_names_it():
+    from megatron_grpo.megatron import train_step
+    from megatron_grpo.scheduler import plan_logprob_passes
+
+    cfg = config_with({**TINY_MODEL, "loss_fn.reference_policy_kl_penalty": 0.1})
+    with pytest.raises(ValueError, match="reference_model"):
+        train_step(cfg, torch.nn.Linear(1, 1), None, None, plan_logprob_passes(cfg), make_batch(seed=1))
+
+
+@pytest.mark.parametrize("rows, dp_size, expected", [
+    (ROWS - 2, 1, "not a multiple of policy.train_global_batch_size / DP"),
+    (ROWS, 3, "not a multiple of the data-parallel size"),
+])
+def test_batch_that_is_no_whole_number_of_steps_names_the_keys(monkeypatch, rows, dp_size, expected):
+    module = importlib.import_module("megatron_grpo.megatron.train_step")  # the package exports a function of that name
+    monkeypatch.setattr(module.parallel_state, "get_data_parallel_world_size", lambda: dp_size)
+    with pytest.raises(ValueError, match=expected):
+        module._rows_per_optimizer_step(config_with(TINY_MODEL), rows)
+
+
+def test_microbatch_split_names_the_micro_batch_size_key():
+    from megatron_grpo.megatron.train_step import _split
+
+    with pytest.raises(ValueError, match="policy.train_micro_batch_size"):
+        _split(make_batch(seed=1), micro_batch_size=3)

@@ -1,0 +1,179 @@
+"""plan_logprob_passes: a table of configs with the expected plan or the expected ConfigError, plus the CLI."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import yaml
+from _configs import TINY, config_with, set_key, tiny
+
+from megatron_grpo.config import ConfigError, load_config
+from megatron_grpo.scheduler import LogprobPlan, plan_logprob_passes
+from megatron_grpo.scheduler_cli import main as plan_main
+
+ROLLOUT_X2 = {"grpo.num_prompts_per_step": 32}  # 32 × 8 = 256 = 2 × train_global_batch_size (128)
+KL = {"loss_fn.reference_policy_kl_penalty": 0.05}
+KL_IN_REWARD = {**KL, "loss_fn.use_kl_in_reward": True}
+STALE = {"grpo.max_rollout_staleness": 1}
+THRESHOLD = {"grpo.seq_logprob_error_threshold": 2.0}
+DROPOUT = {"policy.model.hidden_dropout": 0.1}
+FORCE = {"loss_fn.force_on_policy_ratio": True}
+
+
+# (id, overrides, compute_reference_logprobs, compute_prev_logprobs, words the prev reason must contain)
+PLANS = [
+    ("tiny-default", {}, False, False, ["on-policy"]),
+    ("kl-in-loss", KL, True, False, ["on-policy"]),
+    ("kl-in-reward-needs-prev", KL_IN_REWARD, True, True, ["loss_fn.use_kl_in_reward"]),
+    ("two-steps-per-rollout", ROLLOUT_X2, False, True, ["policy.train_global_batch_size"]),
+    ("stale-rollouts", STALE, False, True, ["grpo.max_rollout_staleness"]),
+    ("hidden-dropout", DROPOUT, False, True, ["policy.model.hidden_dropout"]),
+    ("attention-dropout", {"policy.model.attention_dropout": 0.1}, False, True, ["policy.model.attention_dropout"]),
+    ("error-threshold-needs-prev", THRESHOLD, False, True, ["grpo.seq_logprob_error_threshold"]),
+    ("force-on-policy-with-dropout", {**FORCE, **DROPOUT}, False, False, ["loss_fn.force_on_policy_ratio"]),
+    ("force-on-policy-with-threshold", {**FORCE, **THRESHOLD}, False, True, ["grpo.seq_logprob_error_threshold"]),
+    ("prev-compute-override", {"logprob_passes.prev": "compute"}, False, True, ["logprob_passes.prev = compute"]),
+    ("prev-skip-when-safe", {"logprob_passes.prev": "skip"}, False, False, ["logprob_passes.prev = skip"]),
+    ("reference-compute-override", {"logprob_passes.reference": "compute"}, True, False, ["on-policy"]),
+    ("reference-skip-when-safe", {"logprob_passes.reference": "skip"}, False, False, ["on-policy"]),
+]
+
+
+@pytest.mark.parametrize("overrides, reference, prev, prev_words", [row[1:] for row in PLANS],
+                         ids=[row[0] for row in PLANS])
+def test_plan_table(overrides, reference, prev, prev_words):
+    plan = plan_logprob_passes(config_with(overrides))
+    assert (plan.compute_reference_logprobs, plan.compute_prev_logprobs) == (reference, prev)
+    assert plan.build_reference_model == reference
+    assert plan.prev_from_current == (not prev)
+    reference_reason, prev_reason = plan.reasons
+    assert reference_reason.startswith("reference logprobs " + ("computed" if reference else "and reference model"))
+    assert prev_reason.startswith("prev logprobs " + ("computed" if prev else "skipped"))
+    for word in prev_words:
+        assert word in prev_reason, prev_reason
+
+
+def test_reference_reason_names_the_kl_key():
+    on, off = plan_logprob_passes(config_with(KL)), plan_logprob_passes(config_with({}))
+    assert "loss_fn.reference_policy_kl_penalty = 0.05" in on.reasons[0]
+    assert "loss_fn.reference_policy_kl_penalty = 0" in off.reasons[0]
+
+
+# (id, overrides, fragments: each problem must be matched by one listed line holding all of a fragment's words)
+CONFLICTS = [
+    ("force-on-policy-two-steps", {**FORCE, **ROLLOUT_X2},
+     [["loss_fn.force_on_policy_ratio", "policy.train_global_batch_size", "grpo.num_prompts_per_step"]]),
+    ("force-on-policy-stale", {**FORCE, **STALE}, [["loss_fn.force_on_policy_ratio", "grpo.max_rollout_staleness"]]),
+    ("prev-skip-stale", {"logprob_passes.prev": "skip", **STALE},
+     [["logprob_passes.prev", "grpo.max_rollout_staleness"]]),
+    ("prev-skip-threshold", {"logprob_passes.prev": "skip", **THRESHOLD},
+     [["logprob_passes.prev", "grpo.seq_logprob_error_threshold"]]),
+    ("prev-skip-kl-in-reward", {"logprob_passes.prev": "skip", **KL_IN_REWARD},
+     [["logprob_passes.prev", "loss_fn.use_kl_in_reward", "loss_fn.reference_policy_kl_penalty"]]),
+    ("prev-skip-dropout", {"logprob_passes.prev": "skip", **DROPOUT},
+     [["logprob_passes.prev", "policy.model.hidden_dropout"]]),
+    ("prev-skip-two-steps", {"logprob_passes.prev": "skip", **ROLLOUT_X2},
+     [["logprob_passes.prev", "grpo.num_prompts_per_step", "policy.train_global_batch_size"]]),
+    ("reference-skip-with-kl", {"logprob_passes.reference": "skip", **KL},
+     [["logprob_passes.reference", "loss_fn.reference_policy_kl_penalty"]]),
+    ("kl-in-reward-without-kl", {"loss_fn.use_kl_in_reward": True},
+     [["loss_fn.use_kl_in_reward", "loss_fn.reference_policy_kl_penalty"]]),
+    ("rollout-not-a-multiple", {"grpo.num_prompts_per_step": 12},
+     [["multiple", "grpo.num_prompts_per_step", "grpo.num_generations_per_prompt",
+       "policy.train_global_batch_size"]]),
+    ("every-conflict-at-once",
+     {"logprob_passes.prev": "skip", "logprob_passes.reference": "skip", **FORCE, **STALE, **THRESHOLD, **DROPOUT,
+      **KL, "grpo.num_prompts_per_step": 12},
+     [["multiple", "grpo.num_prompts_per_step"],
+      ["loss_fn.force_on_policy_ratio", "one optimizer step"],
+      ["loss_fn.force_on_policy_ratio", "grpo.max_rollout_staleness"],
+      ["logprob_passes.reference", "loss_fn.reference_policy_kl_penalty"],
+      ["logprob_passes.prev", "!=", "policy.train_global_batch_size"],
+      ["logprob_passes.prev", "grpo.max_rollout_staleness"],
+      ["logprob_passes.prev", "policy.model.hidden_dropout"],
+      ["logprob_passes.prev", "grpo.seq_logprob_error_threshold"]]),
+]
+
+
+@pytest.mark.parametrize("overrides, fragments", [row[1:] for row in CONFLICTS], ids=[row[0] for row in CONFLICTS])
+def test_conflict_table(overrides, fragments):
+    cfg = config_with(overrides)  # the config itself is valid: these are the scheduler's conflicts
+    with pytest.raises(ConfigError) as err:
+        plan_logprob_passes(cfg)
+    problems = err.value.problems
+    assert len(problems) == len(fragments), problems
+    for words in fragments:
+        assert any(all(word in problem for word in words) for problem in problems), (words, problems)
+    assert str(err.value).count("\n  - ") == len(fragments)
+
+
+GRID = {
+    "grpo.num_prompts_per_step": [16, 32],
+    "grpo.max_rollout_staleness": [0, 2],
+    "grpo.seq_logprob_error_threshold": [None, 1.5],
+    "policy.model.attention_dropout": [0.0, 0.1],
+    "loss_fn.reference_policy_kl_penalty": [0.0, 0.1],
+    "loss_fn.use_kl_in_reward": [False, True],
+}
+# use_kl_in_reward with a zero KL is a global conflict (tested above), not an auto decision: left out.
+AUTO_SETTINGS = [
+    setting for setting in (dict(zip(GRID, values)) for values in itertools.product(*GRID.values()))
+    if setting["loss_fn.reference_policy_kl_penalty"] > 0 or not setting["loss_fn.use_kl_in_reward"]
+]
+
+
+@pytest.mark.parametrize("setting", AUTO_SETTINGS, ids=lambda s: "-".join(map(str, s.values())))
+def test_auto_never_errors_and_skips_exactly_the_redundant_passes(setting):
+    plan = plan_logprob_passes(config_with(setting))
+    kl_on = setting["loss_fn.reference_policy_kl_penalty"] > 0
+    on_policy = (setting["grpo.num_prompts_per_step"] == 16 and setting["grpo.max_rollout_staleness"] == 0
+                 and setting["policy.model.attention_dropout"] == 0)
+    read_before_loss = setting["grpo.seq_logprob_error_threshold"] is not None or setting["loss_fn.use_kl_in_reward"]
+    assert plan.compute_reference_logprobs == plan.build_reference_model == kl_on
+    assert plan.compute_prev_logprobs == (not on_policy or read_before_loss)
+    assert len(plan.reasons) == 2
+
+
+@pytest.mark.parametrize("reference, prev, saved", [(False, False, 2), (True, False, 1), (True, True, 0)])
+def test_passes_saved_per_step(reference, prev, saved):
+    plan = LogprobPlan(compute_reference_logprobs=reference, compute_prev_logprobs=prev,
+                       build_reference_model=reference, prev_from_current=not prev, reasons=())
+    assert plan.passes_per_step == 2 - saved
+    assert plan.passes_saved_per_step == saved
+
+
+def test_plan_is_frozen():
+    plan = plan_logprob_passes(load_config(TINY))
+    with pytest.raises(AttributeError):
+        plan.compute_prev_logprobs = True  # type: ignore[misc]
+
+
+def test_cli_prints_plan_reasons_and_savings(capsys):
+    assert plan_main(["--config", str(TINY)]) == 0
+    out = capsys.readouterr().out
+    assert "reference logprobs: skip (reference model not built)" in out
+    assert "prev logprobs:      skip (loss uses curr.detach())" in out
+    for reason in plan_logprob_passes(load_config(TINY)).reasons:
+        assert reason in out
+    assert "forward passes saved per step: 2 of 2 (256 sequence forwards of the 128-sequence rollout batch)" in out
+
+
+def test_cli_reports_a_bad_config_cleanly_with_exit_2(tmp_path, capsys):
+    data = set_key(set_key(tiny(), "logprob_passes.prev", "skip"), "grpo.max_rollout_staleness", 3)
+    path = tmp_path / "stale.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert plan_main(["--config", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "logprob_passes.prev = skip is unsafe" in captured.err and "grpo.max_rollout_staleness" in captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_cli_reports_a_loader_error_with_exit_2(tmp_path, capsys):
+    path = tmp_path / "missing.yaml"
+    data = tiny()
+    del data["logprob_passes"]
+    path.write_text(yaml.safe_dump(data))
+    assert plan_main(["--config", str(path)]) == 2
+    assert "logprob_passes: missing key" in capsys.readouterr().err
