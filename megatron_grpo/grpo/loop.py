@@ -1,0 +1,207 @@
+"""The synchronous GRPO loop: rollout, reward, group advantages, one planned `train_step`, report, checkpoint.
+
+Every random draw of a step comes from generators seeded by `(seed, step)`, the same on all TP ranks. Together
+with a bit-exact checkpoint of model and optimizer, this makes a resumed run repeat the uninterrupted run's
+metrics exactly (fp32 on the CPU).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_grpo.config import Config
+from megatron_grpo.grpo.advantages import group_relative_advantages
+from megatron_grpo.grpo.checkpoint import load_checkpoint, save_checkpoint
+from megatron_grpo.grpo.checkpoint_dir import retire_latest
+from megatron_grpo.grpo.reporting import Reporter, is_collapsed
+from megatron_grpo.grpo.rollout import Rollout, SamplingParams, generate
+from megatron_grpo.grpo.tasks import DigitTask, DigitTokenizer, answer_reward
+from megatron_grpo.loss import ClippedPGLoss
+from megatron_grpo.megatron import ParallelLayout, build_gpt_model, build_optimizer, model_forward, train_step
+from megatron_grpo.scheduler import LogprobPlan
+
+PROMPT_STREAM, SAMPLING_STREAM = 0, 1
+
+
+def step_generator(seed: int, step: int, stream: int, dp_rank: int = 0) -> torch.Generator:
+    """A CPU generator private to (seed, step, stream, DP rank): no state carries from one step to the next."""
+    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 4 + stream) * 65_537 + dp_rank)
+
+
+@dataclass
+class Trainer:
+    """The models, optimizer and task of one run, and the plan every step follows."""
+
+    cfg: Config
+    plan: LogprobPlan
+    layout: ParallelLayout
+    task: DigitTask
+    model: torch.nn.Module
+    reference_model: Optional[torch.nn.Module]
+    optimizer: torch.optim.Optimizer
+    loss_fn: ClippedPGLoss
+
+    @classmethod
+    def build(cls, cfg: Config, plan: LogprobPlan, layout: ParallelLayout) -> Trainer:
+        tokenizer = DigitTokenizer()
+        model = build_gpt_model(cfg, tokenizer.vocab_size)
+        reference_model = None
+        if plan.build_reference_model:  # a frozen copy of the initial policy
+            reference_model = build_gpt_model(cfg, tokenizer.vocab_size)
+            reference_model.load_state_dict(model.state_dict())
+            reference_model.requires_grad_(False)
+        return cls(
+            cfg=cfg,
+            plan=plan,
+            layout=layout,
+            task=DigitTask(cfg.task.name, cfg.task.num_digits, tokenizer),
+            model=model,
+            reference_model=reference_model,
+            optimizer=build_optimizer(model, cfg.policy.optimizer),
+            loss_fn=ClippedPGLoss(cfg.loss_fn),
+        )
+
+    def resume(self, step_dir: Path) -> int:
+        """Loads a checkpoint; returns the number of steps it had done. The reference model is the initial policy,
+        rebuilt from the seed, so it is not saved."""
+        return load_checkpoint(step_dir, model=self.model, optimizer=self.optimizer, rank=self.layout.rank,
+                               world_size=self.layout.world_size)
+
+    def save(self, steps_done: int) -> None:
+        save_checkpoint(Path(self.cfg.checkpoint.dir), steps_done=steps_done, model=self.model,
+                        optimizer=self.optimizer, rank=self.layout.rank, world_size=self.layout.world_size,
+                        barrier=dist.barrier)
+
+    def rollout(self, step: int) -> tuple[Rollout, torch.Tensor]:
+        """This DP rank's prompts, each sampled `num_generations_per_prompt` times, and the samples' rewards."""
+        grpo, layout = self.cfg.grpo, self.layout
+        batch = self.task.sample(grpo.num_prompts_per_step, step_generator(self.cfg.seed, step, PROMPT_STREAM))
+        per_rank = grpo.num_prompts_per_step // layout.dp_size
+        mine = slice(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)
+        prompts = batch.prompts[mine].repeat_interleave(grpo.num_generations_per_prompt, dim=0)
+        answers = batch.answers[mine].repeat_interleave(grpo.num_generations_per_prompt, dim=0)
+        tokenizer = self.task.tokenizer
+        params = SamplingParams(
+            max_new_tokens=self.cfg.generation.max_new_tokens,
+            temperature=self.cfg.generation.temperature,
+            top_k=self.cfg.generation.top_k,
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
+        )
+        self.model.eval()
+        try:
+            rollout = generate(
+                lambda input_ids: model_forward(self.model, input_ids.to(self.layout.device)),
+                prompts,
+                params,
+                true_vocab_size=tokenizer.vocab_size,
+                generator=step_generator(self.cfg.seed, step, SAMPLING_STREAM, layout.dp_rank),
+                tp_group=parallel_state.get_tensor_model_parallel_group() if layout.tp_size > 1 else None,
+            )
+        finally:
+            self.model.train()
+        return rollout, answer_reward(rollout.responses, answers)
+
+    def step(self, step: int) -> dict[str, Any]:
+        """One GRPO step; returns its metrics record (identical on every rank)."""
+        started = time.perf_counter()
+        rollout, rewards = self.rollout(step)
+        rollout_done = time.perf_counter()
+        group_size = self.cfg.grpo.num_generations_per_prompt
+        advantages = group_relative_advantages(
+            rewards,
+            group_size,
+            normalize_by_std=self.cfg.grpo.normalize_rewards_by_std,
+            leave_one_out=self.cfg.grpo.leave_one_out_baseline,
+        )
+        batch = {
+            "input_ids": rollout.input_ids,
+            "token_mask": rollout.token_mask,
+            "sample_mask": torch.ones(rollout.input_ids.shape[0]),
+            "advantages": advantages.advantages,
+            "generation_logprobs": rollout.generation_logprobs,
+        }
+        device_batch = {key: value.to(self.layout.device) for key, value in batch.items()}
+        result = train_step(self.cfg, self.model, self.optimizer, self.loss_fn, self.plan, device_batch,
+                            reference_model=self.reference_model)
+        finished = time.perf_counter()
+        record = {
+            "step": step,
+            **self._reward_metrics(rewards, rollout, advantages.groups_without_variance),
+            **mean_over_optimizer_steps(result.step_metrics),
+            **self._pass_metrics(step, result.passes_run),
+            "sample": self.task.tokenizer.decode(rollout.input_ids[0].tolist()),
+            "rollout_time_s": rollout_done - started,
+            "train_time_s": finished - rollout_done,
+            "step_time_s": finished - started,
+        }
+        record["collapsed"] = is_collapsed(record["groups_without_variance"], record["num_groups"],
+                                           record["reward_mean"])
+        return record
+
+    def _reward_metrics(self, rewards: torch.Tensor, rollout: Rollout, no_variance: int) -> dict[str, Any]:
+        """Reward statistics over all DP ranks (the TP ranks of a DP rank hold the same rollout)."""
+        response_lengths = rollout.token_mask.sum(dim=1)
+        totals = torch.tensor([rewards.double().sum(), rewards.numel(), float(no_variance), response_lengths.sum(),
+                               float((rewards == 1.0).sum())], dtype=torch.float64)
+        if self.layout.dp_size > 1:
+            dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+        reward_sum, count, groups_without_variance, length_sum, perfect = totals.tolist()
+        return {
+            "reward_mean": reward_sum / count,
+            "perfect_fraction": perfect / count,
+            "response_length_mean": length_sum / count,
+            "groups_without_variance": int(groups_without_variance),
+            "num_groups": self.cfg.grpo.num_prompts_per_step,
+        }
+
+    def _pass_metrics(self, step: int, passes_run: dict[str, int]) -> dict[str, Any]:
+        """Which optional logprob passes ran this step, and how many were skipped since step 0."""
+        reference_ran, prev_ran = "reference" in passes_run, "prev" in passes_run
+        if reference_ran != self.plan.compute_reference_logprobs or prev_ran != self.plan.compute_prev_logprobs:
+            raise RuntimeError(f"train_step ran passes {passes_run}, but the plan asked for reference="
+                               f"{self.plan.compute_reference_logprobs}, prev={self.plan.compute_prev_logprobs}")
+        return {
+            "reference_pass_ran": reference_ran,
+            "prev_pass_ran": prev_ran,
+            "reference_passes_skipped": (step + 1) * int(not self.plan.compute_reference_logprobs),
+            "prev_passes_skipped": (step + 1) * int(not self.plan.compute_prev_logprobs),
+        }
+
+
+def mean_over_optimizer_steps(step_metrics: list[dict[str, float]]) -> dict[str, float]:
+    """The train step's metrics (loss, ratios, mismatch, grad_norm; prev backfilled from curr when its pass was
+    skipped), averaged over the optimizer steps of one rollout: one step when on-policy."""
+    return {name: sum(m[name] for m in step_metrics) / len(step_metrics) for name in step_metrics[0]}
+
+
+def train(cfg: Config, plan: LogprobPlan, layout: ParallelLayout, *, resume_from: Optional[Path]) -> str:
+    """Runs steps until `grpo.max_num_steps`, from scratch or from `resume_from`; returns the summary table."""
+    trainer = Trainer.build(cfg, plan, layout)
+    first_step = trainer.resume(resume_from) if resume_from is not None else 0
+    if resume_from is None and layout.rank == 0 and retire_latest(Path(cfg.checkpoint.dir)):
+        print(f"note: starting from scratch; the checkpoints already in {cfg.checkpoint.dir} are superseded "
+              "(pass --resume to continue from them)", flush=True)
+    if layout.rank == 0:
+        print("\n".join(["logprob plan:", *(f"  - {reason}" for reason in plan.reasons)]), flush=True)
+    reporter = Reporter(
+        Path(cfg.run_dir),
+        first_step=first_step,
+        total_steps=cfg.grpo.max_num_steps,
+        enabled=layout.rank == 0,
+        progress_bar=cfg.logging.progress_bar,
+    )
+    every = cfg.checkpoint.every_n_steps
+    for step in range(first_step, cfg.grpo.max_num_steps):
+        reporter.log_step(trainer.step(step))
+        steps_done = step + 1
+        if every and (steps_done % every == 0 or steps_done == cfg.grpo.max_num_steps):
+            trainer.save(steps_done)
+    return reporter.finish()

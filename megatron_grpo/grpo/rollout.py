@@ -1,0 +1,100 @@
+"""Sampling rollouts from a tensor-parallel policy.
+
+The policy is any callable mapping `input_ids [B, S]` (on the CPU) to this rank's vocab shard of the logits
+`[B, S, V_local]` (on its own device, so the TP gather runs where the backend wants it). Each decoding step
+gathers the last position's shards over the TP group (a `[B, V]` tensor, tiny next to the forward pass), drops
+Megatron's padded vocab columns, and samples on the CPU from the tempered, top-k filtered distribution with a
+generator seeded identically on every TP rank, so the ranks draw the same tokens without another collective.
+The log-probability of each drawn token under that same sampling distribution is returned as
+`generation_logprobs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float
+    top_k: Optional[int]  # None = the full distribution
+    eos_id: int
+    pad_id: int  # written after <eos>; never trained
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """Prompts with their sampled responses; every tensor is `[B, S]` and aligned with `input_ids`."""
+
+    input_ids: torch.Tensor  # int64: prompt, response, then pad_id after <eos>
+    token_mask: torch.Tensor  # float32: 1 on response tokens up to and including <eos>
+    generation_logprobs: torch.Tensor  # float32: log p_sampling(token); 0 outside token_mask
+    prompt_length: int
+
+    @property
+    def responses(self) -> torch.Tensor:
+        return self.input_ids[:, self.prompt_length :]
+
+
+def gather_vocab(logits_shard: torch.Tensor, true_vocab_size: int, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Full-vocab logits `[..., true_vocab_size]` from this rank's shard `[..., V_local]`; padding dropped."""
+    if group is not None and dist.get_world_size(group) > 1:
+        shards = [torch.empty_like(logits_shard) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shards, logits_shard.contiguous(), group=group)
+        logits_shard = torch.cat(shards, dim=-1)
+    return logits_shard[..., :true_vocab_size]
+
+
+def sampling_log_probs(logits: torch.Tensor, temperature: float, top_k: Optional[int]) -> torch.Tensor:
+    """Log-probabilities of the sampling distribution: softmax(logits / T) restricted to the top k tokens."""
+    if temperature <= 0:
+        raise ValueError(f"generation.temperature: must be > 0, got {temperature}")
+    scaled = logits.to(torch.float32) / temperature
+    if top_k is not None and top_k < scaled.shape[-1]:
+        kth_largest = scaled.topk(top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth_largest, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)
+
+
+@torch.no_grad()
+def generate(
+    logits_fn: LogitsFn,
+    prompts: torch.Tensor,
+    params: SamplingParams,
+    *,
+    true_vocab_size: int,
+    generator: torch.Generator,
+    tp_group: Optional[dist.ProcessGroup] = None,
+) -> Rollout:
+    """Samples one response per prompt row until <eos> or `max_new_tokens`, whichever comes first.
+
+    All prompts share one length. Every TP rank must pass the same prompts and a generator in the same state;
+    the result is then identical on every rank and deterministic for a given seed.
+    """
+    batch, prompt_length = prompts.shape
+    input_ids = prompts.clone()
+    logprobs = torch.zeros(batch, prompt_length)
+    token_mask = torch.zeros(batch, prompt_length)
+    finished = torch.zeros(batch, dtype=torch.bool)
+    for _ in range(params.max_new_tokens):
+        last_logits = gather_vocab(logits_fn(input_ids)[:, -1, :], true_vocab_size, tp_group).to("cpu")
+        log_probs = sampling_log_probs(last_logits, params.temperature, params.top_k)
+        tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(1)
+        token_logprobs = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        tokens = tokens.masked_fill(finished, params.pad_id)
+        input_ids = torch.cat([input_ids, tokens.unsqueeze(1)], dim=1)
+        logprobs = torch.cat([logprobs, token_logprobs.masked_fill(finished, 0.0).unsqueeze(1)], dim=1)
+        token_mask = torch.cat([token_mask, (~finished).to(torch.float32).unsqueeze(1)], dim=1)
+        finished |= tokens == params.eos_id
+        if bool(finished.all()):
+            break
+    return Rollout(
+        input_ids=input_ids, token_mask=token_mask, generation_logprobs=logprobs, prompt_length=prompt_length
+    )

@@ -1,0 +1,125 @@
+"""Launch helpers for the runner's end-to-end tests: tiny configs in a temp dir, torchrun jobs, their ranks.
+
+Jobs run `python -m torch.distributed.run` (torchrun) with the repo on PYTHONPATH and one thread per rank,
+in their own session (`setsid`), so a test can signal a single rank or tear down the whole job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import psutil
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_CONFIG = REPO / "configs" / "grpo_tiny_cpu.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(directory: Path, name: str = "config.yaml", **overrides: Any) -> Path:
+    """The tiny config with run and checkpoint dirs under `directory` and dotted-key overrides applied."""
+    data = yaml.safe_load(TINY_CONFIG.read_text())
+    data["run_dir"] = str(directory / "run")
+    data["checkpoint"]["dir"] = str(directory / "run" / "checkpoints")
+    data["logging"]["progress_bar"] = False
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        section = data
+        for key in parents:
+            section = section[key]
+        section[leaf] = value
+    path = directory / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def torchrun_command(config: Path, *, nproc: int, resume: bool = False, rdzv: Optional[str] = None,
+                     nnodes: int = 1) -> list[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if rdzv is None:
+        command += ["--standalone"]
+    else:
+        command += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv}", "--rdzv-id=grpo-test"]
+    command += ["-m", "megatron_grpo", "train", "--config", str(config)]
+    return command + (["--resume"] if resume else [])
+
+
+def job_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def start(command: list[str], log: Path) -> subprocess.Popen:
+    """Starts a job in its own session, stdout and stderr going to `log`."""
+    with open(log, "w") as handle:
+        return subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=job_env(), cwd=REPO,
+                                start_new_session=True)
+
+
+def run(command: list[str], log: Path, timeout: float = 240) -> tuple[int, str]:
+    """Runs a job to completion; returns its exit code and output."""
+    job = start(command, log)
+    try:
+        code = job.wait(timeout=timeout)
+    finally:
+        stop_job(job)
+    return code, log.read_text()
+
+
+def stop_job(job: subprocess.Popen) -> None:
+    """Kills whatever is left of a job's session (the agent and its ranks)."""
+    if job.poll() is None:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    for process in _session_processes(job.pid):
+        process.kill()
+
+
+def rank_process(job: subprocess.Popen, rank: int, timeout: float = 60) -> psutil.Process:
+    """The worker process of global `rank` in `job`, found by the RANK torchrun gives it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for process in psutil.Process(job.pid).children(recursive=True):
+            try:
+                if process.environ().get("RANK") == str(rank):
+                    return process
+            except psutil.Error:
+                continue
+        time.sleep(0.2)
+    raise TimeoutError(f"rank {rank} of job {job.pid} did not appear within {timeout} s")
+
+
+def wait_for_lines(path: Path, count: int, job: subprocess.Popen, timeout: float = 120) -> None:
+    """Waits until `path` has `count` lines (the job is still running)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= count:
+            return
+        if job.poll() is not None:
+            raise AssertionError(f"the job exited ({job.returncode}) before {path} had {count} lines")
+        time.sleep(0.2)
+    raise TimeoutError(f"{path} did not reach {count} lines within {timeout} s")
+
+
+def _session_processes(session_id: int) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if os.getsid(process.pid) == session_id:
+                found.append(process)
+        except (OSError, psutil.Error):
+            continue
+    return found

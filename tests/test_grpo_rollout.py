@@ -1,0 +1,141 @@
+"""Rollout sampling: stop rules, masks, generation logprobs, padding exclusion, determinism, TP=2 == TP=1."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_grpo.grpo.rollout import SamplingParams, generate, sampling_log_probs
+from _dist import run_on_ranks
+
+TRUE_VOCAB = 13
+PADDED_VOCAB = 16  # 3 padding columns, split 8 + 8 over two TP ranks
+EOS, PAD = 11, 12
+
+
+def _toy_logits_table(seed: int = 0) -> torch.Tensor:
+    """Next-token logits for each previous token, with padding columns that would win if they were sampled."""
+    table = torch.randn(PADDED_VOCAB, PADDED_VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
+    table[:, TRUE_VOCAB:] = 50.0
+    return table
+
+
+def _toy_logits_fn(table: torch.Tensor, shard: slice = slice(None)):
+    def logits_fn(input_ids: torch.Tensor) -> torch.Tensor:
+        position_bias = torch.arange(input_ids.shape[1], dtype=torch.float32).view(1, -1, 1) * 0.3
+        return (table[input_ids] + position_bias)[..., shard]
+
+    return logits_fn
+
+
+def _prompts(rows: int = 9) -> torch.Tensor:
+    return torch.randint(0, 10, (rows, 3), generator=torch.Generator().manual_seed(1))
+
+
+def _params(**overrides) -> SamplingParams:
+    values = dict(max_new_tokens=6, temperature=1.0, top_k=None, eos_id=EOS, pad_id=PAD)
+    values.update(overrides)
+    return SamplingParams(**values)
+
+
+def _sample(params: SamplingParams, seed: int = 7):
+    return generate(
+        _toy_logits_fn(_toy_logits_table()),
+        _prompts(),
+        params,
+        true_vocab_size=TRUE_VOCAB,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def _reference_logprob(table: torch.Tensor, ids: list[int], t: int, temperature: float, top_k) -> float:
+    """log p(ids[t]) under softmax(logits[t-1] / T) over the true vocab, restricted to the top k, in float64."""
+    logits = (table[ids[t - 1]][:TRUE_VOCAB].double() + 0.3 * (t - 1)) / temperature
+    allowed = sorted(range(TRUE_VOCAB), key=lambda v: -logits[v].item())[: top_k or TRUE_VOCAB]
+    if ids[t] not in allowed:
+        return -math.inf
+    norm = math.log(sum(math.exp(logits[v].item()) for v in allowed))
+    return logits[ids[t]].item() - norm
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1.0, None), (0.7, 4), (1.6, 1)])
+def test_generation_logprobs_are_those_of_the_sampling_distribution(temperature, top_k):
+    rollout = _sample(_params(temperature=temperature, top_k=top_k))
+    table = _toy_logits_table()
+    prompt_length = rollout.prompt_length
+    for row in range(rollout.input_ids.shape[0]):
+        ids = rollout.input_ids[row].tolist()
+        for t in range(prompt_length, len(ids)):
+            if rollout.token_mask[row, t] == 1:
+                expected = _reference_logprob(table, ids, t, temperature, top_k)
+                assert rollout.generation_logprobs[row, t].item() == pytest.approx(expected, abs=1e-5)
+            else:
+                assert rollout.generation_logprobs[row, t].item() == 0.0
+    if top_k == 1:  # greedy: every sampled token has probability 1
+        assert rollout.generation_logprobs.abs().max().item() < 1e-6
+
+
+def test_padded_vocab_is_never_sampled_and_prompts_are_kept():
+    rollout = _sample(_params())
+    assert rollout.input_ids.max().item() < TRUE_VOCAB
+    assert torch.equal(rollout.input_ids[:, :3], _prompts())
+    assert rollout.token_mask[:, :3].abs().max() == 0
+
+
+def test_responses_stop_at_eos_and_are_padded_after_it():
+    rollout = _sample(_params(max_new_tokens=12))
+    responses, mask = rollout.responses, rollout.token_mask[:, rollout.prompt_length :]
+    saw_early_stop = False
+    for row, row_mask in zip(responses.tolist(), mask.tolist()):
+        if EOS in row:
+            end = row.index(EOS) + 1
+            saw_early_stop |= end < 12
+            assert row_mask == [1.0] * end + [0.0] * (len(row) - end)
+            assert row[end:] == [PAD] * (len(row) - end)
+        else:
+            assert len(row) == 12 and row_mask == [1.0] * 12
+    assert saw_early_stop
+
+
+def test_responses_stop_at_max_new_tokens():
+    rollout = _sample(_params(max_new_tokens=2))
+    assert rollout.input_ids.shape == (9, 5)
+    assert rollout.token_mask[:, 3:].sum().item() >= 9  # every row has at least its first token
+
+
+def test_sampling_is_deterministic_per_seed():
+    first, again, other = _sample(_params(), 7), _sample(_params(), 7), _sample(_params(), 8)
+    assert torch.equal(first.input_ids, again.input_ids)
+    assert torch.equal(first.generation_logprobs, again.generation_logprobs)
+    assert not torch.equal(first.input_ids, other.input_ids)
+
+
+def test_non_positive_temperature_is_rejected_by_name():
+    with pytest.raises(ValueError, match="generation.temperature"):
+        sampling_log_probs(torch.zeros(2, 5), 0.0, None)
+
+
+def _tp_rollout(rank: int, world_size: int) -> dict:
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    shard_width = PADDED_VOCAB // world_size
+    rollout = generate(
+        _toy_logits_fn(_toy_logits_table(), slice(rank * shard_width, (rank + 1) * shard_width)),
+        _prompts(),
+        _params(temperature=0.9, top_k=5),
+        true_vocab_size=TRUE_VOCAB,
+        generator=torch.Generator().manual_seed(7),
+        tp_group=dist.group.WORLD,
+    )
+    return {"ids": rollout.input_ids, "logprobs": rollout.generation_logprobs, "mask": rollout.token_mask}
+
+
+def test_tensor_parallel_sampling_matches_single_rank_sampling():
+    single = _sample(_params(temperature=0.9, top_k=5))
+    for result in run_on_ranks(2, _tp_rollout):
+        assert torch.equal(result["ids"], single.input_ids)
+        assert torch.equal(result["mask"], single.token_mask)
+        torch.testing.assert_close(result["logprobs"], single.generation_logprobs, rtol=0, atol=1e-6)

@@ -1,0 +1,143 @@
+"""The GRPO runner end to end under torchrun (TP=2 over gloo): metrics, plan, resume, multi-node, faults.
+
+One 6-step run of the tiny config is the reference the other runs are compared with. Every run is a few steps
+long, so the whole file stays around two minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from megatron_grpo.grpo.checkpoint_dir import latest_checkpoint, saved_world_size, step_dir_name
+from megatron_grpo.grpo.reporting import METRICS_FILE, PLOT_FILE, read_metrics, without_timings
+from grpo_workers.launch import (
+    free_port,
+    rank_process,
+    run,
+    start,
+    stop_job,
+    torchrun_command,
+    wait_for_lines,
+    write_config,
+)
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """The uninterrupted run: 6 steps at TP=2, a checkpoint every 2 steps."""
+    directory = tmp_path_factory.mktemp("reference")
+    config = write_config(directory, **{"grpo.max_num_steps": STEPS, "checkpoint.every_n_steps": 2})
+    code, output = run(torchrun_command(config, nproc=2), directory / "log.txt")
+    assert code == 0, output
+    return directory, output
+
+
+def test_a_run_writes_finite_metrics_that_follow_the_plan(reference_run):
+    directory, output = reference_run
+    records = read_metrics(directory / "run")
+    assert [r["step"] for r in records] == list(range(STEPS))
+    for record in records:
+        assert math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]) and record["grad_norm"] > 0
+        assert 0.0 <= record["reward_mean"] <= 1.0
+        # the tiny config is on-policy without KL: the plan skips both passes, and prev is backfilled from curr
+        assert not record["reference_pass_ran"] and not record["prev_pass_ran"]
+        assert record["reference_passes_skipped"] == record["prev_passes_skipped"] == record["step"] + 1
+        assert record["probs_ratio"] == pytest.approx(1.0, abs=1e-6)
+        assert record["clip_fraction_lower"] == record["clip_fraction_upper"] == 0.0
+        # the rollout's generation logprobs agree with the training forward's: same weights, same distribution
+        assert 1.0 <= record["token_mult_prob_error"] < 1.0 + 1e-4 and abs(record["gen_kl_error"]) < 1e-5
+    assert "reference logprob passes skipped  6 of 6" in output
+    assert "prev logprob passes skipped       6 of 6" in output
+    assert (directory / "run" / PLOT_FILE).stat().st_size > 1000
+    assert latest_checkpoint(directory / "run" / "checkpoints").name == step_dir_name(STEPS)
+
+
+def test_two_torchrun_agents_on_loopback_match_the_single_agent_run(reference_run, tmp_path):
+    reference_dir, _ = reference_run
+    config = write_config(tmp_path, **{"grpo.max_num_steps": 3, "checkpoint.every_n_steps": 0})
+    rdzv = f"127.0.0.1:{free_port()}"
+    agents = [start(torchrun_command(config, nproc=1, rdzv=rdzv, nnodes=2), tmp_path / f"node{i}.txt")
+              for i in range(2)]
+    try:
+        codes = [agent.wait(timeout=240) for agent in agents]
+    finally:
+        for agent in agents:
+            stop_job(agent)
+    assert codes == [0, 0], [(tmp_path / f"node{i}.txt").read_text() for i in range(2)]
+    multi_node = [without_timings(r) for r in read_metrics(tmp_path / "run")]
+    single_node = [without_timings(r) for r in read_metrics(reference_dir / "run")][:3]
+    assert multi_node == single_node
+
+
+def test_a_killed_rank_fails_fast_and_the_resumed_run_repeats_the_uninterrupted_metrics(reference_run, tmp_path):
+    """Kill rank 1 mid-run: the job exits non-zero within 60 s naming it; --resume then continues from the
+    last checkpoint and the metrics match the uninterrupted run exactly (fp32 on the CPU)."""
+    reference_dir, _ = reference_run
+    config = write_config(tmp_path, "long.yaml", **{"grpo.max_num_steps": 500, "checkpoint.every_n_steps": 2})
+    job = start(torchrun_command(config, nproc=2), tmp_path / "killed.txt")
+    try:
+        wait_for_lines(tmp_path / "run" / METRICS_FILE, 3, job)
+        rank_process(job, 1).kill()
+        killed_at = time.monotonic()
+        code = job.wait(timeout=60)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        stop_job(job)
+    output = (tmp_path / "killed.txt").read_text()
+    assert code != 0 and elapsed < 60, output
+    assert "rank 0: lost contact with rank 1" in output or "rank      : 1 (local_rank: 1)" in output, output
+    step_dir = latest_checkpoint(tmp_path / "run" / "checkpoints")  # complete; the resume below loads it
+    assert step_dir.name in {step_dir_name(2), step_dir_name(4)} and saved_world_size(step_dir) == 2
+
+    config = write_config(tmp_path, "resume.yaml", **{"grpo.max_num_steps": STEPS, "checkpoint.every_n_steps": 2})
+    code, output = run(torchrun_command(config, nproc=2, resume=True), tmp_path / "resumed.txt")
+    assert code == 0, output
+    resumed = [without_timings(r) for r in read_metrics(tmp_path / "run")]
+    uninterrupted = [without_timings(r) for r in read_metrics(reference_dir / "run")]
+    assert resumed == uninterrupted
+
+
+def test_a_hung_rank_fails_the_survivor_within_the_configured_timeout(tmp_path):
+    timeout_s = 8
+    config = write_config(tmp_path, **{"grpo.max_num_steps": 500, "checkpoint.every_n_steps": 0,
+                                       "distributed.timeout_seconds": timeout_s})
+    job = start(torchrun_command(config, nproc=2), tmp_path / "log.txt")
+    try:
+        wait_for_lines(tmp_path / "run" / METRICS_FILE, 2, job)
+        survivor, hung = rank_process(job, 0), rank_process(job, 1)
+        hung.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        survivor_code = survivor.wait(timeout=timeout_s + 30)
+        elapsed = time.monotonic() - stopped_at
+        hung.kill()
+        job.wait(timeout=60)
+    except (psutil.TimeoutExpired, subprocess.TimeoutExpired):
+        raise AssertionError(f"the survivor was still running; log:\n{(tmp_path / 'log.txt').read_text()}")
+    finally:
+        stop_job(job)
+    output = (tmp_path / "log.txt").read_text()
+    assert survivor_code != 0 and job.returncode != 0, output
+    assert elapsed < timeout_s + 10, f"survivor exited {elapsed:.1f} s after the hang\n{output}"
+    assert "rank 0: lost contact with rank 1" in output, output
+
+
+def test_resume_from_a_corrupt_checkpoint_fails_clearly(reference_run, tmp_path):
+    reference_dir, _ = reference_run
+    shutil.copytree(reference_dir / "run" / "checkpoints", tmp_path / "run" / "checkpoints")
+    step_dir = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    for shard in step_dir.glob("*.distcp"):
+        shard.write_bytes(b"not a checkpoint")
+    config = write_config(tmp_path, **{"grpo.max_num_steps": STEPS + 2})
+    code, output = run(torchrun_command(config, nproc=2, resume=True), tmp_path / "log.txt")
+    assert code != 0
+    assert f"{step_dir} is corrupt" in output, output
+    assert not (tmp_path / "run" / METRICS_FILE).exists()

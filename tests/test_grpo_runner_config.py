@@ -1,0 +1,95 @@
+"""The runner rejects bad input before any process group or model exists, naming the offending key."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+import yaml
+
+from megatron_grpo.config import load_config
+from megatron_grpo.grpo import runner
+from megatron_grpo.scheduler import plan_logprob_passes
+from grpo_workers.launch import REPO, write_config
+
+TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+
+
+@pytest.fixture
+def torchrun_env(monkeypatch):
+    for name, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(name, value)
+
+
+def _run_main(argv, capsys) -> tuple[int, str]:
+    code = runner.main(argv)
+    assert not dist.is_initialized(), "no process group may exist after rejected input"
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        ({"policy.model.hidden_size": "sixty-four"}, "policy.model.hidden_size"),
+        ({"grpo.num_prompts_per_step": 0}, "grpo.num_prompts_per_step"),
+        ({"task.name": "sort"}, "task.name"),
+        ({"policy.pipeline_model_parallel_size": 2}, "policy.pipeline_model_parallel_size"),
+        ({"policy.model.max_position_embeddings": 8}, "policy.model.max_position_embeddings"),
+        ({"grpo.num_generations_per_prompt": 1, "grpo.num_prompts_per_step": 128},
+         "grpo.num_generations_per_prompt"),
+        ({"loss_fn.use_kl_in_reward": True, "loss_fn.reference_policy_kl_penalty": 0.1},
+         "loss_fn.use_kl_in_reward"),
+        ({"grpo.seq_logprob_error_threshold": 2.0}, "grpo.seq_logprob_error_threshold"),
+    ],
+)
+def test_a_bad_config_is_a_config_error_naming_the_key(tmp_path, capsys, torchrun_env, overrides, key):
+    config = write_config(tmp_path, **overrides)
+    code, err = _run_main(["--config", str(config)], capsys)
+    assert code == runner.EXIT_BAD_INPUT
+    assert "invalid configuration" in err and key in err
+
+
+@pytest.mark.parametrize(
+    "world_size, overrides, message",
+    [
+        ("3", {}, "policy.tensor_model_parallel_size: 3 ranks"),
+        ("4", {"grpo.num_prompts_per_step": 15, "policy.train_global_batch_size": 120,
+               "policy.train_micro_batch_size": 60}, "grpo.num_prompts_per_step (15) must be a multiple of the "
+                                                     "data-parallel size (2)"),
+    ],
+)
+def test_a_config_that_does_not_fit_the_world_size_is_named(tmp_path, capsys, torchrun_env, monkeypatch,
+                                                            world_size, overrides, message):
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    code, err = _run_main(["--config", str(write_config(tmp_path, **overrides))], capsys)
+    assert code == runner.EXIT_BAD_INPUT and message in err
+
+
+def test_an_unknown_key_is_named(tmp_path, capsys, torchrun_env):
+    config = write_config(tmp_path)
+    data = yaml.safe_load(config.read_text())
+    data["grpo"]["num_epochs"] = 2
+    config.write_text(yaml.safe_dump(data))
+    code, err = _run_main(["--config", str(config)], capsys)
+    assert code == runner.EXIT_BAD_INPUT and "grpo.num_epochs: unknown key" in err
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error_not_a_fresh_start(tmp_path, capsys, torchrun_env):
+    config = write_config(tmp_path)
+    code, err = _run_main(["--config", str(config), "--resume"], capsys)
+    assert code == runner.EXIT_BAD_INPUT
+    assert "checkpoint.dir" in err and "does not exist" in err
+
+
+def test_running_outside_torchrun_says_how_to_launch(tmp_path, capsys, monkeypatch):
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    code, err = _run_main(["--config", str(write_config(tmp_path))], capsys)
+    assert code == runner.EXIT_BAD_INPUT and "RANK" in err and "torchrun" in err
+
+
+@pytest.mark.parametrize("name", ["grpo_tiny_cpu.yaml", "grpo_gpt_gpu.yaml"])
+def test_the_shipped_configs_load_plan_and_pass_the_runner_checks(name):
+    cfg = load_config(REPO / "configs" / name)
+    plan = plan_logprob_passes(cfg)
+    assert runner.runner_config_problems(cfg, world_size=2 if name == "grpo_tiny_cpu.yaml" else 16) == []
+    assert not plan.compute_prev_logprobs and not plan.build_reference_model  # on-policy, no KL: both skipped

@@ -1,0 +1,120 @@
+"""The digit task, its exact reward, and GRPO group-relative advantages against float64 references."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from megatron_grpo.grpo.advantages import group_relative_advantages
+from megatron_grpo.grpo.tasks import DigitTask, DigitTokenizer, answer_reward
+
+
+@pytest.fixture
+def tokenizer() -> DigitTokenizer:
+    return DigitTokenizer()
+
+
+def test_tokenizer_has_sixteen_distinct_tokens_with_digits_as_their_own_ids(tokenizer):
+    assert tokenizer.vocab_size == 16
+    assert len(set(tokenizer.tokens)) == 16
+    assert [tokenizer.token_id(str(d)) for d in range(10)] == list(range(10))
+    assert len({tokenizer.bos_id, tokenizer.sep_id, tokenizer.eos_id, tokenizer.pad_id}) == 4
+
+
+@pytest.mark.parametrize("name", ["copy", "reverse"])
+def test_task_prompts_and_answers_follow_the_format(tokenizer, name):
+    task = DigitTask(name, num_digits=5, tokenizer=tokenizer)
+    batch = task.sample(7, torch.Generator().manual_seed(3))
+    assert batch.prompts.shape == (7, task.prompt_length) == (7, 8)
+    assert batch.answers.shape == (7, task.answer_length) == (7, 6)
+    for prompt, answer in zip(batch.prompts.tolist(), batch.answers.tolist()):
+        text = tokenizer.decode(prompt).split()
+        assert text[0] == "<bos>" and text[1] == {"copy": "C", "reverse": "R"}[name] and text[-1] == "="
+        digits = text[2:-1]
+        expected = digits if name == "copy" else digits[::-1]
+        assert tokenizer.decode(answer).split() == expected + ["<eos>"]
+
+
+def test_task_sampling_is_deterministic_per_generator_seed(tokenizer):
+    task = DigitTask("reverse", num_digits=4, tokenizer=tokenizer)
+    first = task.sample(9, torch.Generator().manual_seed(11)).prompts
+    again = task.sample(9, torch.Generator().manual_seed(11)).prompts
+    other = task.sample(9, torch.Generator().manual_seed(12)).prompts
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+
+def test_unknown_task_name_is_rejected_by_name(tokenizer):
+    with pytest.raises(ValueError, match="task.name"):
+        DigitTask("sort", num_digits=4, tokenizer=tokenizer)
+
+
+def _reference_reward(response: list[int], answer: list[int]) -> float:
+    return sum(1 for i, a in enumerate(answer) if i < len(response) and response[i] == a) / len(answer)
+
+
+def test_reward_is_the_fraction_of_answer_positions_matched(tokenizer):
+    eos, pad = tokenizer.eos_id, tokenizer.pad_id
+    answers = torch.tensor([[3, 1, 4, eos]] * 5)
+    responses = torch.tensor(
+        [
+            [3, 1, 4, eos, pad],  # perfect
+            [3, 1, eos, pad, pad],  # stopped early: 2 of 4
+            [eos, pad, pad, pad, pad],  # only <eos>: 0 of 4 (position 0 is wrong)
+            [3, 1, 4, 1, 5],  # never stops: 3 of 4
+            [9, 1, 9, eos, pad],  # 2 of 4
+        ]
+    )
+    rewards = answer_reward(responses, answers)
+    expected = [_reference_reward(r, a) for r, a in zip(responses.tolist(), answers.tolist())]
+    assert rewards.dtype == torch.float32
+    assert rewards.tolist() == pytest.approx(expected, abs=0)
+    assert rewards.tolist() == [1.0, 0.5, 0.0, 0.75, 0.5]
+
+
+def test_reward_of_a_response_shorter_than_the_answer_counts_missing_positions_wrong():
+    rewards = answer_reward(torch.tensor([[7, 2]]), torch.tensor([[7, 2, 2]]))
+    assert rewards.tolist() == pytest.approx([2 / 3])
+
+
+def test_reward_rejects_mismatched_rows():
+    with pytest.raises(ValueError, match="same N"):
+        answer_reward(torch.zeros(3, 5, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long))
+
+
+def _reference_advantages(rewards: list[float], group: int, normalize: bool, loo: bool) -> list[float]:
+    out = []
+    for start in range(0, len(rewards), group):
+        g = rewards[start : start + group]
+        for i, r in enumerate(g):
+            pool = g[:i] + g[i + 1 :] if loo else g
+            adv = r - statistics.fmean(pool)
+            if normalize:
+                adv /= statistics.stdev(pool) + 1e-6
+            out.append(adv)
+    return out
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("loo", [True, False])
+def test_advantages_match_a_float64_reference(normalize, loo):
+    rewards = torch.rand(5 * 7, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    result = group_relative_advantages(rewards, 7, normalize_by_std=normalize, leave_one_out=loo)
+    expected = _reference_advantages(rewards.tolist(), 7, normalize, loo)
+    assert result.advantages.dtype == torch.float32 and result.advantages.shape == (35,)
+    assert result.advantages.tolist() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert result.groups_without_variance == 0
+
+
+def test_groups_without_reward_variance_get_zero_advantage_and_are_counted():
+    rewards = torch.tensor([0.2, 0.2, 0.2, 1.0, 0.0, 0.4, 1.0, 1.0, 1.0])
+    result = group_relative_advantages(rewards, 3, normalize_by_std=True, leave_one_out=False)
+    assert result.groups_without_variance == 2
+    assert result.advantages[:3].abs().max() == 0 and result.advantages[6:].abs().max() == 0
+    assert result.advantages[3:6].abs().min() > 0.1
+
+
+def test_advantages_reject_a_batch_that_is_not_whole_groups():
+    with pytest.raises(ValueError, match="rewards"):
+        group_relative_advantages(torch.zeros(10), 3, normalize_by_std=True, leave_one_out=False)
