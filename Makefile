@@ -5,7 +5,7 @@ VENV ?= .venv
 CONSTRAINTS ?= constraints-cpu.txt
 NPROC ?= 2
 BIN := $(VENV)/bin
-PIP := $(BIN)/pip $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
+PIP_INSTALL := $(BIN)/pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 STAMP := $(VENV)/.installed
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu) $(CONSTRAINTS)
 NVCC ?= nvcc
@@ -14,9 +14,9 @@ NVCC ?= nvcc
 
 $(STAMP): $(SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip setuptools wheel ninja
-	$(PIP) install -q torch
-	$(PIP) install -q --no-build-isolation -e '.[test,bench]'
+	$(PIP_INSTALL) --upgrade pip setuptools wheel ninja
+	$(PIP_INSTALL) torch
+	$(PIP_INSTALL) --no-build-isolation -e '.[test,bench]'
 	touch $@
 
 install: $(STAMP)
