@@ -7,7 +7,6 @@ function. Rank 0..N-1 results come back in order; any rank's exception fails the
 from __future__ import annotations
 
 import io
-import os
 import socket
 import traceback
 from typing import Any, Callable
@@ -34,10 +33,8 @@ def _to_bytes(value: Any) -> bytes:
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
     torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         queue.put((rank, True, _to_bytes(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - the traceback goes back to the test
         queue.put((rank, False, traceback.format_exc()))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -135,9 +134,8 @@ def _rank_main(rank: int, world: int, port: int, setups: list[Setup], device_typ
     from megatron.core import parallel_state
 
     torch.set_num_threads(threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
         if device.type == "cuda":
