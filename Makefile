@@ -42,7 +42,7 @@ test-mcore-new: install
 
 bench: install
 	$(BIN)/python -m megatron_grpo bench logprob
-	$(BIN)/python -m megatron_grpo bench scheduler
+	$(BIN)/torchrun --nproc-per-node $(NPROC) -m megatron_grpo bench scheduler --config configs/grpo_tiny_cpu.yaml
 
 # Compile-check the CUDA kernels with plain nvcc (no torch headers needed); runs nothing.
 cuda-check:

@@ -26,10 +26,10 @@ def test_summary_medians_and_speedups():
     plans = {"auto": plan_logprob_passes(cfg), "compute": plan_logprob_passes(with_all_passes_computed(cfg))}
     train = {"auto": [0.11, 0.09, 0.5], "compute": [0.2, 0.25, 0.3]}
     step = {"auto": [0.3, 0.2, 0.7], "compute": [0.4, 0.45, 0.5]}
-    records = {name: [{"train_time_s": t, "step_time_s": s, "reward_mean": 0.25 * i}
+    records = {name: [{"train_time_s": t, "step_time_s": s, "reward_mean": 0.25 * i, "peak_extra_mib": 2.0 * i}
                       for i, (t, s) in enumerate(zip(train[name], step[name]))] for name in train}
     summary = summarise(records, plans, cfg, world_size=2, tp_size=2)
-    assert summary["medians"]["auto"] == {"train_phase_s": 0.11, "step_s": 0.3}
+    assert summary["medians"]["auto"] == {"train_phase_s": 0.11, "step_s": 0.3, "peak_extra_mib": 4.0}
     assert summary["train_phase_speedup"] == pytest.approx(statistics.median(train["compute"]) / 0.11)
     assert summary["step_speedup"] == pytest.approx(0.45 / 0.3)
     assert summary["identical_rewards"] and summary["passes_per_step"] == {"auto": 0, "compute": 2}

@@ -44,20 +44,39 @@ def _read_status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+class PeakMemory:
+    """Peak memory of a region above what was live when it began: `with PeakMemory(device) as peak: ...`,
+    then `peak.extra_bytes`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.extra_bytes = 0
+
+    def __enter__(self) -> "PeakMemory":
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+            self._base = _read_status_kib("VmRSS") * 1024
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak = _read_status_kib("VmHWM") * 1024
+        self.extra_bytes = peak - self._base
+
+
 def peak_extra_bytes(run: Callable[[object], None], prepare: Callable[[], object], device: torch.device) -> int:
     """Peak memory during `run(prepare())` above what was live when it started (inputs included in the base)."""
     inputs = prepare()
-    synchronize(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
+    with PeakMemory(device) as peak:
         run(inputs)
-        synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    base = _read_status_kib("VmRSS")
-    run(inputs)
-    return (_read_status_kib("VmHWM") - base) * 1024
+    return peak.extra_bytes
 
 
 def copy_bandwidth_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> float:
