@@ -31,15 +31,23 @@ NUM_OPTIONAL_PASSES = 2  # reference and prev
 class LogprobPlan:
     """The extra forward passes of one training step.
 
-    prev_from_current: the loss takes prev = curr.detach() (`prev_logprobs_from_current=True`), and the train
-    step reports curr as the prev logprobs; it is True exactly when the prev pass is skipped.
+    The reference model is built exactly when its pass runs, and prev comes from the training forward exactly
+    when its pass is skipped: both are derived, so a plan cannot contradict itself.
     """
 
     compute_reference_logprobs: bool
     compute_prev_logprobs: bool
-    build_reference_model: bool
-    prev_from_current: bool
     reasons: tuple[str, ...]
+
+    @property
+    def build_reference_model(self) -> bool:
+        return self.compute_reference_logprobs
+
+    @property
+    def prev_from_current(self) -> bool:
+        """The loss takes prev = curr.detach() (`prev_logprobs_from_current=True`), and the train step reports curr
+        as the prev logprobs."""
+        return not self.compute_prev_logprobs
 
     @property
     def passes_per_step(self) -> int:
@@ -120,8 +128,6 @@ def plan_logprob_passes(cfg: Config) -> LogprobPlan:
     return LogprobPlan(
         compute_reference_logprobs=compute_reference,
         compute_prev_logprobs=compute_prev,
-        build_reference_model=compute_reference,
-        prev_from_current=not compute_prev,
         reasons=(reference_reason, prev_reason),
     )
 
@@ -159,20 +165,22 @@ def _plan_reference(mode: str, facts: _Facts, problems: list[str]) -> tuple[bool
 
 
 def _plan_prev(mode: str, facts: _Facts, problems: list[str]) -> tuple[bool, str]:
-    """The prev pass is redundant when the step is on-policy and nothing reads prev before the loss."""
+    """The prev pass is redundant when the step is on-policy and nothing reads prev before the loss.
+
+    With `force_on_policy_ratio` the loss never reads prev, so only a reader before the loss makes skipping
+    unsafe; `auto` and `skip` share that one verdict.
+    """
     off_policy = facts.off_policy_causes()
-    consumers = facts.prev_consumers_before_loss()
+    unsafe = facts.prev_consumers_before_loss() + ([] if facts.force_on_policy else off_policy)
     if mode == "compute":
         return True, f"prev logprobs computed: {PREV_MODE} = compute."
     if mode == "skip":
-        problems.extend(f"{PREV_MODE} = skip is unsafe: {why}" for why in off_policy + consumers)
+        problems.extend(f"{PREV_MODE} = skip is unsafe: {why}" for why in unsafe)
         return False, f"prev logprobs skipped, the loss uses curr.detach(): {PREV_MODE} = skip."
-    if consumers:
-        return True, "prev logprobs computed: " + "; ".join(consumers) + "."
-    if not off_policy:
-        return False, (f"prev logprobs skipped, the loss uses curr.detach(): the step is on-policy ({ROLLOUT_BATCH} "
-                       f"= {GLOBAL_BATCH}, {STALENESS} = 0, {DROPOUT} = 0) and nothing reads them before the loss.")
-    if facts.force_on_policy:
+    if unsafe:
+        return True, "prev logprobs computed: " + "; ".join(unsafe) + "."
+    if off_policy:
         return False, (f"prev logprobs skipped: {FORCE_ON_POLICY} makes the loss use curr.detach() and nothing "
                        "reads them before the loss.")
-    return True, "prev logprobs computed: " + "; ".join(off_policy) + "."
+    return False, (f"prev logprobs skipped, the loss uses curr.detach(): the step is on-policy ({ROLLOUT_BATCH} "
+                   f"= {GLOBAL_BATCH}, {STALENESS} = 0, {DROPOUT} = 0) and nothing reads them before the loss.")

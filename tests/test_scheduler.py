@@ -35,6 +35,8 @@ PLANS = [
     ("force-on-policy-with-threshold", {**FORCE, **THRESHOLD}, False, True, ["grpo.seq_logprob_error_threshold"]),
     ("prev-compute-override", {"logprob_passes.prev": "compute"}, False, True, ["logprob_passes.prev = compute"]),
     ("prev-skip-when-safe", {"logprob_passes.prev": "skip"}, False, False, ["logprob_passes.prev = skip"]),
+    ("prev-skip-forced-on-policy-with-dropout", {"logprob_passes.prev": "skip", **FORCE, **DROPOUT}, False, False,
+     ["logprob_passes.prev = skip"]),
     ("reference-compute-override", {"logprob_passes.reference": "compute"}, True, False, ["on-policy"]),
     ("reference-skip-when-safe", {"logprob_passes.reference": "skip"}, False, False, ["on-policy"]),
 ]
@@ -83,15 +85,20 @@ CONFLICTS = [
      [["multiple", "grpo.num_prompts_per_step", "grpo.num_generations_per_prompt",
        "policy.train_global_batch_size"]]),
     ("every-conflict-at-once",
-     {"logprob_passes.prev": "skip", "logprob_passes.reference": "skip", **FORCE, **STALE, **THRESHOLD, **DROPOUT,
+     {"logprob_passes.prev": "skip", "logprob_passes.reference": "skip", **STALE, **THRESHOLD, **DROPOUT,
       **KL, "grpo.num_prompts_per_step": 12},
      [["multiple", "grpo.num_prompts_per_step"],
-      ["loss_fn.force_on_policy_ratio", "one optimizer step"],
-      ["loss_fn.force_on_policy_ratio", "grpo.max_rollout_staleness"],
       ["logprob_passes.reference", "loss_fn.reference_policy_kl_penalty"],
       ["logprob_passes.prev", "!=", "policy.train_global_batch_size"],
       ["logprob_passes.prev", "grpo.max_rollout_staleness"],
       ["logprob_passes.prev", "policy.model.hidden_dropout"],
+      ["logprob_passes.prev", "grpo.seq_logprob_error_threshold"]]),
+    # force_on_policy_ratio: the loss never reads prev, so only its own conflicts and prev's pre-loss readers remain
+    ("every-conflict-at-once-forced-on-policy",
+     {"logprob_passes.prev": "skip", **FORCE, **STALE, **THRESHOLD, **DROPOUT, "grpo.num_prompts_per_step": 12},
+     [["multiple", "grpo.num_prompts_per_step"],
+      ["loss_fn.force_on_policy_ratio", "one optimizer step"],
+      ["loss_fn.force_on_policy_ratio", "grpo.max_rollout_staleness"],
       ["logprob_passes.prev", "grpo.seq_logprob_error_threshold"]]),
 ]
 
@@ -137,8 +144,7 @@ def test_auto_never_errors_and_skips_exactly_the_redundant_passes(setting):
 
 @pytest.mark.parametrize("reference, prev, saved", [(False, False, 2), (True, False, 1), (True, True, 0)])
 def test_passes_saved_per_step(reference, prev, saved):
-    plan = LogprobPlan(compute_reference_logprobs=reference, compute_prev_logprobs=prev,
-                       build_reference_model=reference, prev_from_current=not prev, reasons=())
+    plan = LogprobPlan(compute_reference_logprobs=reference, compute_prev_logprobs=prev, reasons=())
     assert plan.passes_per_step == 2 - saved
     assert plan.passes_saved_per_step == saved
 

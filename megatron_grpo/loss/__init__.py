@@ -1,17 +1,29 @@
-"""The clipped policy-gradient loss on vocab-sharded logits, its config and its metric aggregation."""
+"""The clipped policy-gradient loss on vocab-sharded logits, its config and its metric aggregation.
 
-from megatron_grpo.loss.batch import count_valid, trained_token_mask
-from megatron_grpo.loss.clipped_pg import ClippedPGLoss
-from megatron_grpo.loss.config import ClippedPGLossConfig, TruncatedImportanceSamplingConfig
-from megatron_grpo.loss.metrics import METRIC_AGGREGATION, Aggregation, aggregate_metrics
+Names load lazily, so that reading a config (`megatron_grpo.loss.config`) never imports torch.
+"""
 
-__all__ = [
-    "METRIC_AGGREGATION",
-    "Aggregation",
-    "ClippedPGLoss",
-    "ClippedPGLossConfig",
-    "TruncatedImportanceSamplingConfig",
-    "aggregate_metrics",
-    "count_valid",
-    "trained_token_mask",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "count_valid": "megatron_grpo.loss.batch",
+    "trained_token_mask": "megatron_grpo.loss.batch",
+    "ClippedPGLoss": "megatron_grpo.loss.clipped_pg",
+    "ClippedPGLossConfig": "megatron_grpo.loss.config",
+    "TruncatedImportanceSamplingConfig": "megatron_grpo.loss.config",
+    "METRIC_AGGREGATION": "megatron_grpo.loss.metrics",
+    "Aggregation": "megatron_grpo.loss.metrics",
+    "aggregate_metrics": "megatron_grpo.loss.metrics",
+    "next_token_logprobs": "megatron_grpo.loss.next_token",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'megatron_grpo.loss' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -27,6 +27,7 @@ from megatron_grpo.loss.batch import BatchRequirements, LossBatch, validate_batc
 from megatron_grpo.loss.config import ClippedPGLossConfig
 from megatron_grpo.loss.importance import ImportanceWeights, importance_weights
 from megatron_grpo.loss.kl import kl_estimate
+from megatron_grpo.loss.next_token import next_token_logprobs
 from megatron_grpo.loss.reductions import (
     Count,
     aggregate_loss,
@@ -35,7 +36,6 @@ from megatron_grpo.loss.reductions import (
     token_mean_per_sequence,
     token_min,
 )
-from megatron_grpo.ops import vocab_parallel_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,24 +135,16 @@ class ClippedPGLoss:
         true_vocab_size: int | None,
         group: dist.ProcessGroup | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`[B, S]` logprobs (and entropies) of `input_ids`, from the logits one position earlier.
-
-        The op runs on the whole (contiguous) logits with targets shifted left by one and -1 (ignore) wherever
-        the next token is not trained, so untrained rows cost no gradient and their ids are never checked.
-        """
-        with_entropy = self.config.entropy_coef != 0
-        next_targets = torch.full_like(inputs.input_ids, -1)
-        next_targets[:, :-1] = inputs.input_ids[:, 1:].masked_fill(inputs.mask[:, 1:] == 0, -1)
-        out = vocab_parallel_logprobs(
+        """`[B, S]` logprobs (and entropies) of the trained tokens, from the logits one position earlier."""
+        return next_token_logprobs(
             logits,
-            next_targets,
+            inputs.input_ids,
+            trained=inputs.mask,
             vocab_start_index=vocab_start_index,
             true_vocab_size=true_vocab_size,
             group=group,
-            with_entropy=with_entropy,
+            with_entropy=self.config.entropy_coef != 0,
         )
-        logprobs, entropy = out if with_entropy else (out, None)
-        return _shift_right(logprobs), (_shift_right(entropy) if entropy is not None else None)
 
     def _policy_term(self, curr: torch.Tensor, prev: torch.Tensor, inputs: LossBatch) -> _PolicyTerm:
         cfg = self.config
@@ -242,7 +234,3 @@ class ClippedPGLoss:
             metrics["is_oob_ratio"] = token_mean(weights.out_of_bounds.to(torch.float32), mask)
         return metrics
 
-
-def _shift_right(per_row: torch.Tensor) -> torch.Tensor:
-    """Row `t` (about token `t + 1`) moves to position `t + 1`; position 0, which has no logprob, is 0."""
-    return torch.nn.functional.pad(per_row[:, :-1], (1, 0))

@@ -6,6 +6,7 @@ extension was not built for. When `_C` cannot be used, a one-time warning says w
 from __future__ import annotations
 
 import functools
+import platform
 import warnings
 from typing import Literal, Protocol
 
@@ -52,9 +53,6 @@ class ReferenceKernels:
 @functools.cache
 def extension_status() -> tuple[bool, str]:
     """(loaded, reason): whether `megatron_grpo._C` is usable here, and why not when it is not."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512"):
-        return False, f"this CPU lacks AVX2 (torch reports {capability!r}); the kernels are built for x86-64-v3"
     try:
         from megatron_grpo import _C  # noqa: F401  (loading registers torch.ops.megatron_grpo)
     except ImportError as err:
@@ -62,13 +60,22 @@ def extension_status() -> tuple[bool, str]:
     return True, "loaded"
 
 
+def cpu_kernel_status() -> tuple[bool, str]:
+    """(usable, reason) for the CPU kernels: on x86 they are built for x86-64-v3 (AVX2 + FMA)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return True, "portable build"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return False, f"this CPU lacks AVX2 (torch reports {capability!r}); the CPU kernels are built for x86-64-v3"
+    return True, capability
+
+
 def fused_supports(device: torch.device) -> bool:
-    """Whether the fused kernels exist for `device` in this build."""
-    loaded, _ = extension_status()
-    if not loaded:
+    """Whether the fused kernels exist for `device` in this build and can run on this machine."""
+    if not extension_status()[0]:
         return False
     if device.type == "cpu":
-        return True
+        return cpu_kernel_status()[0]
     return device.type == "cuda" and bool(torch.ops.megatron_grpo.compiled_with_cuda())
 
 
@@ -88,7 +95,9 @@ def select_kernels(logits: torch.Tensor, implementation: Implementation) -> Kern
     if fused_supports(logits.device):
         return FusedKernels()
     loaded, reason = extension_status()
-    if loaded:
+    if loaded and logits.device.type == "cpu":
+        reason = cpu_kernel_status()[1]
+    elif loaded:
         reason = f"megatron_grpo._C was built without kernels for {logits.device.type} devices"
     if implementation == "fused":
         raise RuntimeError(f"fused logprob kernels unavailable: {reason}")

@@ -1,0 +1,46 @@
+"""Next-token logprobs aligned with `input_ids`: the one place that does DESIGN.md's shift by one."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.ops import vocab_parallel_logprobs
+
+
+def next_token_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    trained: torch.Tensor | None = None,
+    vocab_start_index: int | None = None,
+    true_vocab_size: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 `[B, S]` logprobs of `input_ids[:, t]` under `logits[:, t-1]`, and their entropies if asked.
+
+    Position 0 has no logprob and is 0, as is every position where `trained` (`[B, S]`, optional) is 0. The op
+    runs on the whole, contiguous logits with targets shifted left by one and -1 (ignore) where the next token
+    is not wanted, so the logits are never sliced, copied or checked where they are not used.
+    """
+    next_targets = torch.full_like(input_ids, -1)
+    following = input_ids[:, 1:]
+    if trained is not None:
+        following = following.masked_fill(trained[:, 1:] == 0, -1)
+    next_targets[:, :-1] = following
+    out = vocab_parallel_logprobs(
+        logits,
+        next_targets,
+        vocab_start_index=vocab_start_index,
+        true_vocab_size=true_vocab_size,
+        group=group,
+        with_entropy=with_entropy,
+    )
+    logprobs, entropy = out if with_entropy else (out, None)
+    return _shift_right(logprobs), (_shift_right(entropy) if entropy is not None else None)
+
+
+def _shift_right(per_row: torch.Tensor) -> torch.Tensor:
+    """Row `t` (about token `t + 1`) moves to position `t + 1`; position 0, which has no logprob, is 0."""
+    return torch.nn.functional.pad(per_row[:, :-1], (1, 0))
