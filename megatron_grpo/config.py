@@ -185,7 +185,7 @@ class PolicyConfig:
     pipeline_model_parallel_size: int
     train_global_batch_size: int  # sequences per optimizer step, all DP ranks
     train_micro_batch_size: int  # sequences per microbatch per DP rank
-    precision: Literal["fp32", "bf16", "fp16"]
+    precision: Literal["fp32", "bf16"]  # no fp16: the train step does no loss scaling
     model: ModelConfig
     optimizer: OptimizerConfig
 

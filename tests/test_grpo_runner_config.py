@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 import yaml
 
@@ -91,5 +92,46 @@ def test_running_outside_torchrun_says_how_to_launch(tmp_path, capsys, monkeypat
 def test_the_shipped_configs_load_plan_and_pass_the_runner_checks(name):
     cfg = load_config(REPO / "configs" / name)
     plan = plan_logprob_passes(cfg)
-    assert runner.runner_config_problems(cfg, world_size=2 if name == "grpo_tiny_cpu.yaml" else 16) == []
+    on_cpu = name == "grpo_tiny_cpu.yaml"
+    assert runner.runner_config_problems(cfg, world_size=2 if on_cpu else 16, cuda_available=not on_cpu) == []
     assert not plan.compute_prev_logprobs and not plan.build_reference_model  # on-policy, no KL: both skipped
+
+
+def test_fp16_is_not_a_precision(tmp_path, capsys, torchrun_env):
+    code, err = _run_main(["--config", str(write_config(tmp_path, **{"policy.precision": "fp16"}))], capsys)
+    assert code == runner.EXIT_BAD_INPUT
+    assert "policy.precision" in err and "fp16" in err
+
+
+def test_bf16_without_cuda_is_rejected_before_any_process_group(tmp_path, capsys, torchrun_env, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, err = _run_main(["--config", str(write_config(tmp_path, **{"policy.precision": "bf16"}))], capsys)
+    assert code == runner.EXIT_BAD_INPUT
+    assert "policy.precision: bf16 needs CUDA" in err
+
+
+@pytest.mark.parametrize("precision, cuda_available, rejected", [
+    ("fp32", False, False), ("fp32", True, False), ("bf16", False, True), ("bf16", True, False),
+])
+def test_precision_check_depends_only_on_cuda(tmp_path, precision, cuda_available, rejected):
+    cfg = load_config(write_config(tmp_path, **{"policy.precision": precision}))
+    problems = runner.runner_config_problems(cfg, world_size=2, cuda_available=cuda_available)
+    assert [p for p in problems if p.startswith("policy.precision")] == (
+        ["policy.precision: bf16 needs CUDA, which is not available here; use fp32 on the CPU"] if rejected else [])
+
+
+def test_plan_and_runner_problems_are_reported_together(tmp_path, capsys, torchrun_env):
+    """The plan's conflict (reference skipped under a KL penalty) and the runner's (pipeline parallelism) in one
+    error, not one per round."""
+    config = write_config(tmp_path, **{"logprob_passes.reference": "skip", "loss_fn.reference_policy_kl_penalty": 0.1,
+                                       "policy.pipeline_model_parallel_size": 2})
+    code, err = _run_main(["--config", str(config)], capsys)
+    assert code == runner.EXIT_BAD_INPUT
+    assert err.count("invalid configuration") == 1
+    assert "logprob_passes.reference = skip is unsafe" in err
+    assert "policy.pipeline_model_parallel_size: the GRPO runner" in err
+
+
+def test_checked_plan_returns_the_plan_when_every_check_passes(tmp_path):
+    cfg = load_config(write_config(tmp_path))
+    assert runner.checked_plan(cfg, world_size=2, cuda_available=False) == plan_logprob_passes(cfg)

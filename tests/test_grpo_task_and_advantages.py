@@ -84,6 +84,8 @@ def test_reward_rejects_mismatched_rows():
 
 
 def _reference_advantages(rewards: list[float], group: int, normalize: bool, loo: bool) -> list[float]:
+    """Python-float reference: baseline = mean of the group (or of the other samples with `loo`), spread =
+    unbiased std of the whole group in either case."""
     out = []
     for start in range(0, len(rewards), group):
         g = rewards[start : start + group]
@@ -91,13 +93,17 @@ def _reference_advantages(rewards: list[float], group: int, normalize: bool, loo
             pool = g[:i] + g[i + 1 :] if loo else g
             adv = r - statistics.fmean(pool)
             if normalize:
-                adv /= statistics.stdev(pool) + 1e-6
+                adv /= statistics.stdev(g) + 1e-6
             out.append(adv)
     return out
 
 
-@pytest.mark.parametrize("normalize", [True, False])
-@pytest.mark.parametrize("loo", [True, False])
+BOTH_BASELINES = pytest.mark.parametrize("loo", [True, False])
+BOTH_SCALINGS = pytest.mark.parametrize("normalize", [True, False])
+
+
+@BOTH_SCALINGS
+@BOTH_BASELINES
 def test_advantages_match_a_float64_reference(normalize, loo):
     rewards = torch.rand(5 * 7, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     result = group_relative_advantages(rewards, 7, normalize_by_std=normalize, leave_one_out=loo)
@@ -107,12 +113,44 @@ def test_advantages_match_a_float64_reference(normalize, loo):
     assert result.groups_without_variance == 0
 
 
-def test_groups_without_reward_variance_get_zero_advantage_and_are_counted():
-    rewards = torch.tensor([0.2, 0.2, 0.2, 1.0, 0.0, 0.4, 1.0, 1.0, 1.0])
-    result = group_relative_advantages(rewards, 3, normalize_by_std=True, leave_one_out=False)
-    assert result.groups_without_variance == 2
+@BOTH_SCALINGS
+@BOTH_BASELINES
+@pytest.mark.parametrize("group, rewards", [
+    (4, [1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 1, 0]),  # a lone winner, a lone loser, a lone winner again
+    (2, [1, 0, 0, 1, 1, 1, 0.5, 0]),  # the smallest group: the std of "the others" would be undefined
+    (5, [0, 0, 0, 0, 1, 1, 0, 1, 0, 0]),
+])
+def test_discrete_rewards_give_finite_bounded_advantages(normalize, loo, group, rewards):
+    result = group_relative_advantages(torch.tensor(rewards, dtype=torch.float32), group,
+                                       normalize_by_std=normalize, leave_one_out=loo)
+    expected = _reference_advantages([float(r) for r in rewards], group, normalize, loo)
+    assert torch.isfinite(result.advantages).all()
+    assert result.advantages.tolist() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    # |r - mean| <= (n-1)/sqrt(n) * std, and the leave-one-out baseline scales it by n/(n-1): sqrt(n) at most
+    assert result.advantages.abs().max() <= (group**0.5 if normalize else 1.0) + 1e-5
+
+
+def test_a_lone_winner_among_four_gets_a_moderate_advantage():
+    """[1, 0, 0, 0]: whole-group std 0.5; leave-one-out baselines 0 and 1/3."""
+    result = group_relative_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, normalize_by_std=True,
+                                       leave_one_out=True)
+    spread = 0.5 + 1e-6
+    assert result.advantages.tolist() == pytest.approx([1 / spread] + [-(1 / 3) / spread] * 3, rel=1e-6)
+
+
+@BOTH_SCALINGS
+@BOTH_BASELINES
+def test_groups_without_reward_variance_get_zero_advantage_and_are_counted(normalize, loo):
+    rewards = torch.tensor([0.2, 0.2, 0.2, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.7, 0.7, 0.7])
+    result = group_relative_advantages(rewards, 3, normalize_by_std=normalize, leave_one_out=loo)
+    assert result.groups_without_variance == 3
     assert result.advantages[:3].abs().max() == 0 and result.advantages[6:].abs().max() == 0
     assert result.advantages[3:6].abs().min() > 0.1
+
+
+def test_a_group_of_one_is_rejected_by_name():
+    with pytest.raises(ValueError, match="group_size"):
+        group_relative_advantages(torch.zeros(3), 1, normalize_by_std=True, leave_one_out=True)
 
 
 def test_advantages_reject_a_batch_that_is_not_whole_groups():

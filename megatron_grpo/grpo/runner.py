@@ -1,8 +1,9 @@
 """`python -m megatron_grpo train --config X.yaml [--resume]`: the GRPO job, launched by torchrun.
 
 Everything that can be checked without peers is checked before any process group or model exists: the
-config (a `ConfigError` naming each bad key), the logprob plan, the runner's own limits and, on `--resume`,
-that a complete checkpoint exists. Afterwards a failed collective means a peer died or hung; the survivor
+config (a `ConfigError` naming each bad key), then the logprob plan and the runner's own limits, CUDA for
+bf16 among them (one `ConfigError` listing the problems of both), and, on `--resume`, that a complete
+checkpoint exists. Afterwards a failed collective means a peer died or hung; the survivor
 says so, names the rank(s) it lost contact with, and exits non-zero instead of hanging.
 """
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from megatron_grpo.config import Config, ConfigError, load_config
 from megatron_grpo.grpo.checkpoint_dir import CheckpointError, latest_checkpoint
 from megatron_grpo.grpo.tasks import DigitTask, DigitTokenizer
-from megatron_grpo.scheduler import plan_logprob_passes
+from megatron_grpo.scheduler import LogprobPlan, plan_logprob_passes
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -37,11 +38,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = _parse_args(argv)
     try:
         cfg = load_config(args.config)
-        plan = plan_logprob_passes(cfg)
         _require_torchrun()
-        problems = runner_config_problems(cfg, world_size=int(os.environ["WORLD_SIZE"]))
-        if problems:
-            raise ConfigError(problems)
+        plan = checked_plan(cfg, world_size=int(os.environ["WORLD_SIZE"]), cuda_available=torch.cuda.is_available())
         resume_from = latest_checkpoint(Path(cfg.checkpoint.dir)) if args.resume else None
     except (ConfigError, CheckpointError, OSError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
@@ -66,9 +64,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-def runner_config_problems(cfg: Config, world_size: int) -> list[str]:
-    """Settings the config accepts in general but this runner cannot run on `world_size` ranks, each naming its key."""
+def checked_plan(cfg: Config, *, world_size: int, cuda_available: bool) -> LogprobPlan:
+    """The logprob plan of `cfg`, once the plan's and the runner's checks both pass; else one ConfigError with
+    every problem of both."""
     problems = []
+    plan = None
+    try:
+        plan = plan_logprob_passes(cfg)
+    except ConfigError as err:
+        problems.extend(err.problems)
+    problems.extend(runner_config_problems(cfg, world_size=world_size, cuda_available=cuda_available))
+    if problems:
+        raise ConfigError(problems)
+    return plan
+
+
+def runner_config_problems(cfg: Config, *, world_size: int, cuda_available: bool) -> list[str]:
+    """Settings the config accepts in general but this runner cannot run on `world_size` ranks (with or without
+    CUDA), each naming its key."""
+    problems = []
+    if cfg.policy.precision != "fp32" and not cuda_available:
+        problems.append(f"policy.precision: {cfg.policy.precision} needs CUDA, which is not available here; "
+                        "use fp32 on the CPU")
     model_parallel = cfg.policy.tensor_model_parallel_size * cfg.policy.pipeline_model_parallel_size
     if world_size % model_parallel:
         problems.append(f"policy.tensor_model_parallel_size: {world_size} ranks do not split into groups of "

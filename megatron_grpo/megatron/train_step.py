@@ -25,10 +25,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_grpo.config import Config, OptimizerConfig
-from megatron_grpo.loss import aggregate_metrics, count_valid
-from megatron_grpo.ops import vocab_parallel_logprobs
+from megatron_grpo.loss import aggregate_metrics, count_valid, next_token_logprobs
 from megatron_grpo.scheduler import LogprobPlan
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,8 @@ def make_forward_step(
 
     `global_valid_*` count the whole optimizer step (all microbatches, all DP ranks); the loss is already
     normalised by them, so the per-microbatch losses sum to the step's loss. With pipeline parallelism the
-    schedule calls `loss_func` on the last stage only.
+    schedule calls `loss_func` on the last stage only. `loss_fn`'s metrics carry its loss as a detached
+    `"loss"` (as ClippedPGLoss's do).
     """
 
     def loss_func(batch: Batch, output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -96,9 +97,8 @@ def make_forward_step(
             group=vocab.group,
             prev_logprobs_from_current=plan.prev_from_current,
         )
-        # Megatron divides the returned loss in place by num_microbatches: hand it a scaled copy, and keep
-        # an unscaled clone for the metrics.
-        metrics = {**metrics, "loss": loss.detach().clone()}
+        # Megatron divides the returned loss in place by num_microbatches: hand it a scaled copy (a new tensor,
+        # so `metrics["loss"]`, ClippedPGLoss's own detached clone, keeps the unscaled value).
         return loss * num_microbatches, metrics
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
@@ -119,7 +119,11 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
     microbatches = _split(batch, micro_batch_size)
 
     def logprob_func(ids: torch.Tensor, output_tensor: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
-        return shifted_logprobs(output_tensor, ids, vocab)
+        logprobs, _ = next_token_logprobs(
+            output_tensor, ids, vocab_start_index=vocab.start_index, true_vocab_size=vocab.true_vocab_size,
+            group=vocab.group,
+        )
+        return logprobs
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
         ids = next(data_iterator)["input_ids"]
@@ -135,18 +139,6 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
     logprobs = torch.cat(outputs) if outputs else torch.empty(input_ids.shape, dtype=torch.float32,
                                                               device=input_ids.device)
     return _from_last_stage(logprobs)
-
-
-def shifted_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, vocab: VocabShard) -> torch.Tensor:
-    """float32 `[B, S]`: the logprob of `input_ids[:, t]` from `logits[:, t-1]`, with 0 at position 0."""
-    logprobs = vocab_parallel_logprobs(
-        logits[:, :-1],
-        input_ids[:, 1:],
-        vocab_start_index=vocab.start_index,
-        true_vocab_size=vocab.true_vocab_size,
-        group=vocab.group,
-    )
-    return torch.nn.functional.pad(logprobs, (1, 0))
 
 
 def model_forward(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -331,12 +323,20 @@ def _sum_over_data_parallel(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _sum_grads_over_data_parallel(model: torch.nn.Module) -> None:
-    """The loss is normalised over the global batch, so the DP gradient is the sum of the ranks' gradients."""
+    """The loss is normalised over the global batch, so the DP gradient is the sum of the ranks' gradients.
+
+    One all-reduce of all gradients flattened into one buffer, per optimizer step, instead of one per parameter.
+    """
     group = parallel_state.get_data_parallel_group()
-    if group.size() > 1:
-        for param in model.parameters():
-            if param.grad is not None:
-                dist.all_reduce(param.grad, group=group)
+    if group.size() == 1:
+        return
+    grads = [param.grad for param in model.parameters() if param.grad is not None]
+    if not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        grad.copy_(summed)
 
 
 def _from_last_stage(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,101 @@
+"""Data parallelism in train_step: TP=1, DP=2 over gloo, each rank half the batch, against DP=1 on the full batch.
+
+The loss is normalised over the whole global batch, so summing the two ranks' gradients must give the full-batch
+gradient, and the same AdamW update, to fp32 rounding. The DP gradient sum must be one collective per step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _configs import config_with
+from _dist import run_on_ranks
+from test_megatron_hooks import ROWS, TINY_MODEL, build, make_batch
+
+DP_MODEL = {**TINY_MODEL, "policy.tensor_model_parallel_size": 1}
+
+
+def one_train_step(rank: int, world_size: int) -> dict:
+    """One train_step on this rank's contiguous share of the batch; what it did to the weights and gradients."""
+    from megatron_grpo.loss import ClippedPGLoss
+    from megatron_grpo.megatron import build_optimizer, destroy_parallel, init_parallel, train_step
+    from megatron_grpo.scheduler import plan_logprob_passes
+
+    cfg = config_with(DP_MODEL)
+    layout = init_parallel(cfg)
+    try:
+        model = build(cfg)
+        initial = [p.detach().clone() for p in model.parameters()]
+        rows = ROWS // layout.dp_size
+        batch = {key: value[layout.dp_rank * rows:(layout.dp_rank + 1) * rows] for key, value in
+                 make_batch(seed=21).items()}
+        all_reduce_sizes = []
+        all_reduce = dist.all_reduce
+
+        def counted_all_reduce(tensor, *args, **kwargs):
+            all_reduce_sizes.append(tensor.numel())
+            return all_reduce(tensor, *args, **kwargs)
+
+        dist.all_reduce = counted_all_reduce
+        try:
+            result = train_step(cfg, model, build_optimizer(model, cfg.policy.optimizer), ClippedPGLoss(cfg.loss_fn),
+                                plan_logprob_passes(cfg), batch)
+        finally:
+            dist.all_reduce = all_reduce
+        return {
+            "dp": (layout.dp_rank, layout.dp_size, layout.tp_size),
+            "initial": initial,
+            "params": [p.detach().clone() for p in model.parameters()],
+            "grads": [p.grad.detach().clone() for p in model.parameters()],
+            "step_metrics": result.step_metrics,
+            "curr_logprobs": result.curr_logprobs,
+            "all_reduce_sizes": all_reduce_sizes,
+        }
+    finally:
+        destroy_parallel()
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[dict]]:
+    return {"dp1": run_on_ranks(1, one_train_step), "dp2": run_on_ranks(2, one_train_step)}
+
+
+def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def test_layouts_are_tp1_with_dp1_and_dp2(runs):
+    assert [r["dp"] for r in runs["dp1"]] == [(0, 1, 1)]
+    assert [r["dp"] for r in runs["dp2"]] == [(0, 2, 1), (1, 2, 1)]
+
+
+def test_dp2_halves_give_the_full_batch_gradient_and_update(runs):
+    (full,) = runs["dp1"]
+    assert max_difference(full["params"], full["initial"]) > 1e-4  # the step really moved the weights
+    assert max(g.abs().max().item() for g in full["grads"]) > 1e-3  # a real gradient, not zeros
+    for half in runs["dp2"]:
+        assert max_difference(half["initial"], full["initial"]) == 0  # same starting weights
+        assert max_difference(half["grads"], full["grads"]) < 1e-6
+        assert max_difference(half["params"], full["params"]) < 1e-6
+
+
+def test_dp2_metrics_and_logprobs_match_the_full_batch(runs):
+    (full,) = runs["dp1"]
+    (full_step,) = full["step_metrics"]
+    for rank, half in enumerate(runs["dp2"]):
+        (half_step,) = half["step_metrics"]
+        for name in ("loss", "num_valid_tokens", "probs_ratio", "grad_norm"):
+            assert half_step[name] == pytest.approx(full_step[name], rel=1e-5, abs=1e-7), name
+        rows = ROWS // 2
+        own_rows = full["curr_logprobs"][rank * rows:(rank + 1) * rows]
+        assert (half["curr_logprobs"] - own_rows).abs().max() < 1e-5
+
+
+def test_dp_gradient_sum_is_one_all_reduce_of_all_gradients(runs):
+    for half in runs["dp2"]:
+        gradient_elements = sum(g.numel() for g in half["grads"])
+        sizes = half["all_reduce_sizes"]
+        assert sizes.count(gradient_elements) == 1
+        assert len(sizes) < len(half["grads"])  # not one collective per parameter
+    assert runs["dp1"][0]["all_reduce_sizes"].count(sum(g.numel() for g in runs["dp1"][0]["grads"])) == 0
