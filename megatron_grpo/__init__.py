@@ -5,8 +5,7 @@ The public names are imported lazily, so `import megatron_grpo` stays cheap and 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megatron_grpo._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -21,9 +20,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'megatron_grpo' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
