@@ -61,6 +61,16 @@ def test_a_run_writes_finite_metrics_that_follow_the_plan(reference_run):
     assert latest_checkpoint(directory / "run" / "checkpoints").name == step_dir_name(STEPS)
 
 
+def test_training_logprobs_use_the_sampling_temperature(tmp_path):
+    """At temperature 0.7 the trained policy is softmax(logits / 0.7), the one the rollouts sampled from."""
+    config = write_config(tmp_path, **{"grpo.max_num_steps": 2, "checkpoint.every_n_steps": 0,
+                                       "generation.temperature": 0.7})
+    code, output = run(torchrun_command(config, nproc=2), tmp_path / "log.txt")
+    assert code == 0, output
+    for record in read_metrics(tmp_path / "run"):
+        assert 1.0 <= record["token_mult_prob_error"] < 1.0 + 1e-4 and abs(record["gen_kl_error"]) < 1e-5
+
+
 def test_two_torchrun_agents_on_loopback_match_the_single_agent_run(reference_run, tmp_path):
     reference_dir, _ = reference_run
     config = write_config(tmp_path, **{"grpo.max_num_steps": 3, "checkpoint.every_n_steps": 0})

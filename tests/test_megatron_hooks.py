@@ -46,15 +46,16 @@ def make_batch(seed: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "token_mask": token_mask, "sample_mask": sample_mask, "advantages": advantages}
 
 
-def reference_logprobs64(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """float64 [B, S] logprobs from a plain forward: all-gathered vocab shards, padding dropped, position 0 = 0."""
+def reference_logprobs64(model, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """float64 [B, S] logprobs of softmax(logits / temperature) from a plain forward: all-gathered vocab shards,
+    padding dropped, position 0 = 0."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     seq_len = input_ids.shape[1]
     position_ids = torch.arange(seq_len).expand_as(input_ids)
     causal_mask = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(diagonal=1)[None, None]
     logits = gather_from_tensor_model_parallel_region(model(input_ids, position_ids, attention_mask=causal_mask))
-    logprobs = torch.log_softmax(logits[..., :VOCAB].double(), dim=-1)
+    logprobs = torch.log_softmax(logits[..., :VOCAB].double() / temperature, dim=-1)
     picked = logprobs[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     return torch.nn.functional.pad(picked, (1, 0))
 
@@ -118,9 +119,14 @@ def scenario_microbatches(cfg) -> dict:
     with torch.no_grad():
         logprob_error = (compute_logprobs(model, batch, micro_batch_size=2).double()
                          - reference_logprobs64(model, batch["input_ids"])).abs().max().item()
+        tempered_error = (compute_logprobs(model, batch, micro_batch_size=2, logits_temperature=0.7).double()
+                          - reference_logprobs64(model, batch["input_ids"], temperature=0.7)).abs().max().item()
+        tempered_shift = (reference_logprobs64(model, batch["input_ids"], temperature=0.7)
+                          - reference_logprobs64(model, batch["input_ids"])).abs().max().item()
     return {"logits_shape": logits_shape, "vocab_sizes": (model.true_vocab_size, model.padded_vocab_size),
             "grad_errors": errors, "losses": losses, "reference_loss": reference_on_policy_loss64(model, batch).item(),
-            "grad_scale": max(g.abs().max().item() for g in expected.values()), "logprob_error": logprob_error}
+            "grad_scale": max(g.abs().max().item() for g in expected.values()), "logprob_error": logprob_error,
+            "tempered_logprob_error": tempered_error, "tempered_logprob_shift": tempered_shift}
 
 
 def scenario_skipped_prev(cfg) -> dict:
@@ -246,6 +252,12 @@ def test_schedule_gradient_matches_full_batch_float64(ranks, count):
 
 def test_compute_logprobs_matches_float64_reference(ranks):
     assert all(rank["microbatches"]["logprob_error"] < 1e-5 for rank in ranks)
+
+
+def test_compute_logprobs_at_the_sampling_temperature(ranks):
+    for rank in ranks:
+        assert rank["microbatches"]["tempered_logprob_shift"] > 1e-2  # the temperature really changes them
+        assert rank["microbatches"]["tempered_logprob_error"] < 1e-5
 
 
 def test_skipped_prev_gives_the_same_update_as_computed_prev(ranks):

@@ -77,8 +77,12 @@ def make_forward_step(
     global_valid_tokens: torch.Tensor | float,
     global_valid_seqs: torch.Tensor | float,
     vocab: VocabShard,
+    logits_temperature: float = 1.0,
 ) -> ForwardStep:
     """A `forward_step(data_iterator, model) -> (output_tensor, loss_func)` for one optimizer step.
+
+    The policy trained is softmax(logits / `logits_temperature`): pass the sampling temperature so that the
+    trained policy is the one the rollouts came from.
 
     `global_valid_*` count the whole optimizer step (all microbatches, all DP ranks); the loss is already
     normalised by them, so the per-microbatch losses sum to the step's loss. With pipeline parallelism the
@@ -88,7 +92,7 @@ def make_forward_step(
 
     def loss_func(batch: Batch, output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss, metrics = loss_fn(
-            output_tensor,
+            tempered(output_tensor, logits_temperature),
             batch,
             global_valid_tokens=global_valid_tokens,
             global_valid_seqs=global_valid_seqs,
@@ -108,8 +112,10 @@ def make_forward_step(
     return forward_step
 
 
-def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int) -> torch.Tensor:
-    """float32 `[B, S]` logprobs of `batch["input_ids"]` under `model` in eval mode; position 0 is 0.
+def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int,
+                     logits_temperature: float = 1.0) -> torch.Tensor:
+    """float32 `[B, S]` logprobs of `batch["input_ids"]` under softmax(logits / `logits_temperature`) of `model`
+    in eval mode; position 0 is 0.
 
     A forward-only pass through Megatron's schedule; with pipeline parallelism the last stage broadcasts the
     result to the other stages.
@@ -120,7 +126,7 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
 
     def logprob_func(ids: torch.Tensor, output_tensor: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
         logprobs, _ = next_token_logprobs(
-            output_tensor, ids, vocab_start_index=vocab.start_index, true_vocab_size=vocab.true_vocab_size,
+            tempered(output_tensor, logits_temperature), ids, vocab_start_index=vocab.start_index, true_vocab_size=vocab.true_vocab_size,
             group=vocab.group,
         )
         return logprobs
@@ -139,6 +145,11 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
     logprobs = torch.cat(outputs) if outputs else torch.empty(input_ids.shape, dtype=torch.float32,
                                                               device=input_ids.device)
     return _from_last_stage(logprobs)
+
+
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature; the logits themselves (no copy) at temperature 1."""
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def model_forward(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -171,14 +182,17 @@ def train_step(
     if plan.compute_reference_logprobs and reference_model is None:
         raise ValueError("reference_model: the plan computes reference logprobs, but none was given")
     micro_batch_size = cfg.policy.train_micro_batch_size
+    temperature = cfg.generation.temperature  # train the policy the rollouts sampled from
     step_rows = _rows_per_optimizer_step(cfg, batch["input_ids"].shape[0])
     batch = dict(batch)
     passes_run: dict[str, int] = {}
     if plan.compute_reference_logprobs:
-        batch["reference_policy_logprobs"] = compute_logprobs(reference_model, batch, micro_batch_size=micro_batch_size)
+        batch["reference_policy_logprobs"] = compute_logprobs(reference_model, batch, micro_batch_size=micro_batch_size,
+                                                              logits_temperature=temperature)
         passes_run["reference"] = 1
     if plan.compute_prev_logprobs:
-        batch["prev_logprobs"] = compute_logprobs(model, batch, micro_batch_size=micro_batch_size)
+        batch["prev_logprobs"] = compute_logprobs(model, batch, micro_batch_size=micro_batch_size,
+                                                  logits_temperature=temperature)
         passes_run["prev"] = 1
     if passes_run:
         log.info("logprob passes run: %s", ", ".join(f"{name} x{count}" for name, count in passes_run.items()))
@@ -186,7 +200,7 @@ def train_step(
     step_metrics, microbatch_metrics = [], []
     for start in range(0, batch["input_ids"].shape[0], step_rows):
         step_batch = {key: value[start:start + step_rows] for key, value in batch.items()}
-        metrics = _forward_backward(model, optimizer, loss_fn, plan, step_batch, micro_batch_size)
+        metrics = _forward_backward(model, optimizer, loss_fn, plan, step_batch, micro_batch_size, temperature)
         grad_norm = clip_grad_norm(model, cfg.policy.optimizer.clip_grad)
         optimizer.step()
         step_metrics.append({**_aggregate(metrics), "grad_norm": grad_norm})
@@ -222,6 +236,7 @@ def _forward_backward(
     plan: LogprobPlan,
     batch: Batch,
     micro_batch_size: int,
+    logits_temperature: float,
 ) -> list[dict[str, torch.Tensor]]:
     """Fresh gradients of one optimizer step: Megatron's schedule over the microbatches, then the DP sum.
 
@@ -230,7 +245,8 @@ def _forward_backward(
     microbatches = _split(batch, micro_batch_size)
     tokens, seqs = _global_valid_counts(microbatches)
     forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches), global_valid_tokens=tokens,
-                                     global_valid_seqs=seqs, vocab=VocabShard.of(model))
+                                     global_valid_seqs=seqs, vocab=VocabShard.of(model),
+                                     logits_temperature=logits_temperature)
     optimizer.zero_grad()
     model.train()
     metrics = _run_schedule(forward_step, model, microbatches, forward_only=False)
