@@ -1,170 +1,225 @@
 #!/usr/bin/env bash
-# GPU check of the CUDA logprob kernels: build megatron_grpo._C with CUDA, run the GPU tests, measure the kernels
-# against the memory-bandwidth roof, and run the kernel benchmark. One prepared script for a fresh GPU machine
-# (written for the H200 device machine: nothing can be downloaded there; its python3 holds a CUDA torch, and
-# nvcc is installed). It takes about 6-8 minutes. Results go to $OUT (default benchmarks/results/gpu_check)
-# and the benchmark's own files to benchmarks/results/gpu/.
+# GPU check of the CUDA logprob kernels, in one go: report the kernels' registers and spills (nvcc), build
+# megatron_grpo._C with CUDA, run the GPU tests, measure the kernels against the memory roof, run the benchmark.
 #
-# How to run it with the device tool, from the repo root here:
-#   1. Once: the image lacks megatron-core, which the benchmark's Megatron baseline needs. Its Python is 3.12,
-#      so fetch the cp312 wheel (2.6 MB; its requirements torch, numpy and packaging are already there).
-#      .whl/ is git-ignored and travels only when named in carry:
+# What it needs: bash, coreutils (`timeout`), a Python with a CUDA build of torch, and nvcc (CUDA_HOME or PATH),
+# on any machine with an NVIDIA GPU. Nothing is downloaded: the package is installed editable with --no-deps and
+# --no-index. Optional: megatron-core, for the benchmark's Megatron peer (from the environment, or as wheels in
+# .whl/, installed into a private folder); without it the benchmark reports that peer as missing.
+#
+# How to run it, from the repo root:
+#     bash benchmarks/gpu_check.sh                  # PYTHON=python3 by default; PYTHON=/path/to/python to choose
+#     bash benchmarks/gpu_check.sh --dry-run        # no GPU needed: every step, the CUDA ones skipped (see below)
+# Without a CUDA device it always dry-runs. The results go to $OUT, by default
+# benchmarks/results/gpu_check-<UTC date>-<device>/; commit that folder. Each step has its own time budget
+# (all together 470 s, under 8 minutes), runs even when an earlier one failed, and prints one status line
+# (ok, skipped, FAILED or TIMED OUT); the exit status is the first failure's. $OUT holds at most 8 files:
+#     summary.txt      date, device, and each step's status and time
+#     gpu_check.log    everything every step printed, whole (pytest's output included)
+#     ptxas.txt        nvcc -Xptxas -v: registers, shared memory and spills of every kernel variant
+#     build.log        the whole log of `pip install -e .`
+#     pytest.xml       the GPU tests' JUnit report
+#     roofline.txt     each kernel's bytes per second as a fraction of a device-to-device copy's
+#     bench.tgz        the benchmark's Markdown table, JSON and plot (benchmarks/results/ format)
+# The dry run (no CUDA): the register report runs (it needs nvcc only), the build, GPU tests and roofline are
+# skipped with a line saying so, the CPU op tests run instead of the GPU tests, and the benchmark runs in its
+# quick CPU mode with megatron-core hidden (benchmarks/hide_megatron), as on a bare GPU image.
+#
+# With the device tool (one run is one bash command from the repo root, $OUT is its output folder and comes
+# back, at most 10 minutes a command and about 15 minutes of device time in all, machine start included):
+#   1. Once, here: the device image lacks megatron-core. Its Python is 3.12, so fetch the cp312 wheel into the
+#      git-ignored .whl/ (its own needs, torch, numpy and packaging, are there already):
 #        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #            --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1
 #   2. run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
-#      Each step has its own `timeout` (build 240 s, tests 150 s, roofline 90 s, benchmark 240 s), and every
-#      file under $OUT is written as its step goes, so even a run cut off at 540 s brings back the steps done.
-#   3. What comes back (at most 8 files): gpu_check.log (everything printed), nvidia-smi.txt, ptxas.txt
-#      (registers and spills per kernel), pytest-gpu.xml, kernel_roofline.txt, and bench_results.tgz (the
-#      benchmark's table and plot). Copy the benchmark files into benchmarks/results/ here and commit them.
-# Then give the machine back (give_back) unless rerunning at once.
-set -euo pipefail
+#      Every file under $OUT is written as its step goes, so even a run cut off brings back the steps done.
+#   3. Copy the returned files into benchmarks/results/gpu_check-<date>-<device>/ and commit them; then
+#      give_back, unless rerunning at once.
+set -uo pipefail
+cd "$(dirname "$0")/.."
 
-OUT="${OUT:-benchmarks/results/gpu_check}"
-BENCH_DIR=benchmarks/results/gpu
-WHEELS=.whl
-SITE=/tmp/site
+export PYTHON="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
-export MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") && trap 'rm -rf "$WORK"' EXIT
+export WORK WHEELS=.whl SITE="$WORK/site"  # WORK: this run's scratch folder (wheels' site, pytest log, ...)
+# The CUDA and CPU test files (the GPU tests are their `gpu`-marked cases); the dry run runs CPU_TESTS.
+export GPU_TESTS="${GPU_TESTS:-tests/test_gpu.py tests/test_logprob_op.py tests/test_logprob_errors.py}"
+export CPU_TESTS="${CPU_TESTS:-tests/test_logprob_op.py tests/test_logprob_errors.py}"
+
+# Step budgets in seconds (sum 470). Each step is killed, with its child processes, at its budget.
+BUDGET_MACHINE=30 BUDGET_WHEELS=20 BUDGET_REGISTERS=40 BUDGET_BUILD=170 BUDGET_TESTS=110 BUDGET_ROOFLINE=30
+BUDGET_BENCH=70
+export BUDGET_BENCH
+SKIPPED=77  # a step's exit status for "skipped"; it prints why
 
 section() { printf '\n==================== %s ====================\n' "$*"; }
 
-print_machine() {
-  section "machine"
-  nvidia-smi | tee "$OUT/nvidia-smi.txt"
-  nvcc --version | tail -n 2
-  python3 -c 'import sys, torch
-print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda)
-print("device:", torch.cuda.get_device_name())'
+step_machine() {
+  if command -v nvidia-smi >/dev/null; then nvidia-smi; else echo "nvidia-smi: not found"; fi
+  if command -v nvcc >/dev/null; then nvcc --version | tail -n 2; else echo "nvcc: not found"; fi
+  "$PYTHON" -c 'import platform, sys, torch
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| torch CUDA", torch.version.cuda,
+      "|", platform.platform())
+for i in range(torch.cuda.device_count()):
+    p = torch.cuda.get_device_properties(i)
+    print(f"cuda:{i}: {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB")'
 }
 
-# megatron-core from carried wheels, into a private site dir (the image's packages stay untouched).
-install_carried_wheels() {
-  section "carried wheels"
-  if compgen -G "$WHEELS/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-      "$WHEELS"/*.whl
-    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-    python3 -c 'import megatron.core; print("megatron-core", megatron.core.__version__)'
-  else
-    echo "WARNING: no $WHEELS/*.whl carried: megatron-core is missing, so the benchmark has no Megatron baseline"
+# megatron-core from carried wheels, into a private folder (the machine's packages stay untouched).
+step_wheels() {
+  if ! compgen -G "$WHEELS/*.whl" >/dev/null; then
+    echo "skipped: no $WHEELS/*.whl; megatron-core is used only if the environment has it"
+    return $SKIPPED
   fi
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    "$WHEELS"/*.whl || return
+  PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c \
+    'import megatron.core; print("megatron-core", megatron.core.__version__)'
+}
+
+# Needs nvcc only (no torch headers), so it runs first and in the dry run too.
+step_registers() {
+  if ! command -v nvcc >/dev/null; then echo "skipped: nvcc not found"; return $SKIPPED; fi
+  local arch="${CUDA_ARCH:-90}"
+  echo "nvcc -Xptxas -v for sm_$arch; whole output in ptxas.txt"
+  nvcc -std=c++17 -O3 -Icsrc -c csrc/logprob_cuda.cu -o "$WORK/logprob_cuda.o" \
+    -gencode "arch=compute_$arch,code=sm_$arch" -Xptxas -v >"$OUT/ptxas.txt" 2>&1
+  local rc=$?
+  if [ "$rc" -ne 0 ]; then tail -n 40 "$OUT/ptxas.txt"; return "$rc"; fi
+  local variants spilling most
+  variants=$(grep -c "Used [0-9]* registers" "$OUT/ptxas.txt")
+  spilling=$(grep "spill stores" "$OUT/ptxas.txt" | grep -vc " 0 bytes spill stores, 0 bytes spill loads")
+  most=$(grep -o "Used [0-9]* registers" "$OUT/ptxas.txt" | awk '{print $2}' | sort -n | tail -n 1)
+  echo "kernel variants: $variants; with spills: $spilling; most registers per thread: $most"
 }
 
 # The package in editable mode: setup.py adds the CUDA kernels because this torch has CUDA and nvcc is found.
-# No build isolation (the build must use the installed CUDA torch) and no deps (nothing can be downloaded).
-build_extension() {
-  section "build (pip install -e .)"
-  timeout 240 python3 -m pip install --no-deps --no-build-isolation -e . 2>&1 | tail -n 30
-  python3 -c 'import torch; from megatron_grpo.ops import fused_supports, extension_status
-print("extension:", extension_status()); assert fused_supports(torch.device("cuda")), "no CUDA kernels in _C"'
-}
-
-report_registers() {
-  section "ptxas: registers, shared memory and spills (sm_90)"
-  nvcc -std=c++17 -O3 -c csrc/logprob_cuda.cu -o /tmp/logprob_cuda.o -gencode arch=compute_90,code=sm_90 \
-    -Xptxas -v >/tmp/ptxas.txt 2>&1
-  grep -E "Compiling entry|Used|spill" /tmp/ptxas.txt >"$OUT/ptxas.txt"
-  local kernels spill_free
-  kernels=$(grep -c "Used" "$OUT/ptxas.txt" || true)
-  spill_free=$(grep -c " 0 bytes spill stores" "$OUT/ptxas.txt" || true)
-  echo "kernel variants: $kernels, without spills: $spill_free"
-}
-
-run_gpu_tests() {
-  section "pytest -m gpu"
-  timeout 150 python3 -m pytest -m gpu -q --continue-on-collection-errors --junitxml="$OUT/pytest-gpu.xml" tests
-}
-
-# Each kernel alone (torch.ops.megatron_grpo, CUDA events, median of 20) against a device-to-device copy: bytes
-# moved per second as a fraction of the copy's. Shapes are far larger than the 60 MB L2 so nothing is cached.
-measure_roofline() {
-  section "kernel roofline"
-  timeout 90 python3 - <<'PY' | tee "$OUT/kernel_roofline.txt"
-import torch
-from megatron_grpo.ops import fused_supports
-
-assert fused_supports(torch.device("cuda"))  # also loads _C, which registers torch.ops.megatron_grpo
-ops = torch.ops.megatron_grpo
-
-def median_ms(fn, repeats=20):
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record(); fn(); end.record(); torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-dst = torch.empty_like(src)
-roof = 2 * src.numel() / median_ms(lambda: dst.copy_(src)) / 1e6
-print(f"device-to-device copy (read + write): {roof:.0f} GB/s")
-del src, dst
-print(f"{'dtype':9} {'rows':>6} {'cols':>7} {'kernel':18} {'ms':>8} {'GB/s':>6} {'of copy':>7}")
-for dtype in (torch.float32, torch.bfloat16):
-    for rows, cols in ((8192, 32768), (32768, 4096), (256, 131072)):
-        logits = torch.randn(rows, cols, device="cuda").mul_(3).to(dtype)
-        targets = torch.randint(0, cols, (rows,), device="cuda")
-        lse = logits.float().logsumexp(-1)
-        ones, grad = torch.ones(rows, device="cuda"), torch.empty_like(logits)
-        size = logits.numel() * logits.element_size()
-        def backward(mean_x, grad_entropy):
-            ops.logprob_backward(logits, targets, 0, cols, lse, mean_x, ones, grad_entropy, grad)
-        kernels = {
-            "forward": (size, lambda: ops.logprob_partials(logits, targets, 0, cols, False)),
-            "forward+entropy": (size, lambda: ops.logprob_partials(logits, targets, 0, cols, True)),
-            "backward": (2 * size, lambda: backward(None, None)),
-            "backward+entropy": (2 * size, lambda: backward(lse, ones)),
-        }
-        for name, (moved, fn) in kernels.items():
-            ms = median_ms(fn)
-            rate = moved / ms / 1e6
-            print(f"{str(dtype)[6:]:9} {rows:6} {cols:7} {name:18} {ms:8.3f} {rate:6.0f} {rate / roof:7.1%}")
-        del logits, lse, grad
-PY
-}
-
-# TP=2 runs one rank per GPU (NCCL), so it is measured only where there are two.
-run_benchmark() {
-  local tp_sizes="1"
-  [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -lt 2 ] || tp_sizes="1 2"
-  section "benchmark: python -m megatron_grpo bench logprob --device cuda --tp $tp_sizes"
-  mkdir -p "$BENCH_DIR"
-  # shellcheck disable=SC2086  # tp_sizes is a list of words
-  timeout 240 python3 -m megatron_grpo bench logprob --device cuda --tp $tp_sizes --out "$BENCH_DIR"
-}
-
-collect_benchmark() {
-  section "collect"
-  ls -la "$BENCH_DIR"
-  tar czf "$OUT/bench_results.tgz" -C "$(dirname "$BENCH_DIR")" "$(basename "$BENCH_DIR")"
-}
-
-# Runs one step after the build; a failure is reported and remembered, and the next steps still run, so that
-# one call brings back everything it can. The script's exit status is the first failure's.
-first_failure=0
-step() {
-  local rc=0
-  "$@" || rc=$?
+# No build isolation (the build must use this CUDA torch), no deps and no index (nothing is downloaded).
+step_build() {
+  if [ "$DRY_RUN" = 1 ]; then echo "skipped (dry run): no CUDA build; the CPU extension stays as built"; return $SKIPPED; fi
+  echo "MAX_JOBS=$MAX_JOBS TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST; whole log in build.log"
+  "$PYTHON" -m pip install --no-index --no-deps --no-build-isolation -v -e . >"$OUT/build.log" 2>&1
+  local rc=$?
   if [ "$rc" -ne 0 ]; then
-    echo "FAILED: $1 (exit $rc)"
-    [ "$first_failure" -ne 0 ] || first_failure=$rc
+    echo "pip install failed (exit $rc); the errors in build.log:"
+    grep -n -i -E "error|fatal|no such file" "$OUT/build.log" | head -n 40
+    return "$rc"
   fi
+  tail -n 3 "$OUT/build.log"
+  "$PYTHON" -c 'import torch; from megatron_grpo.ops import extension_status, fused_supports
+print("extension:", extension_status())
+assert fused_supports(torch.device("cuda")), "megatron_grpo._C was built without its CUDA kernels"'
+}
+
+# pytest's exit status: 1 tests failed or a file could not be collected (the other files still run), 2
+# interrupted, 3 internal error, 4 usage, 5 none collected. Its whole output is in gpu_check.log; the errors
+# and the summary are repeated at the end of the step, with their detail.
+step_tests() {
+  local log="$WORK/pytest.log" rc
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "dry run: the CPU op tests instead of the GPU tests"
+    # shellcheck disable=SC2086  # CPU_TESTS is a list of paths
+    "$PYTHON" -m pytest -q -ra -p no:cacheprovider --continue-on-collection-errors $CPU_TESTS 2>&1 | tee "$log"
+  else
+    # shellcheck disable=SC2086  # GPU_TESTS is a list of paths
+    "$PYTHON" -m pytest -q -ra -p no:cacheprovider --continue-on-collection-errors -m gpu --junitxml="$OUT/pytest.xml" $GPU_TESTS 2>&1 | tee "$log"
+  fi
+  rc=${PIPESTATUS[0]}
+  case $rc in
+    0) ;;
+    5) echo "pytest: no tests collected (exit 5): check GPU_TESTS and the gpu marker" ;;
+    *) echo "pytest exit $rc; collection and other errors (whole, above), then the summary:"
+       sed -n '/^=* ERRORS =*$/,/^=* short test summary/p' "$log" | head -n 80
+       sed -n '/short test summary info/,$p' "$log" | grep -v '^SKIPPED' | head -n 60 ;;
+  esac
+  return "$rc"
+}
+
+step_roofline() {
+  if [ "$DRY_RUN" = 1 ]; then echo "skipped (dry run): needs a CUDA device"; return $SKIPPED; fi
+  "$PYTHON" benchmarks/kernel_roofline.py 2>&1 | tee "$OUT/roofline.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+# TP=2 runs one rank per GPU (NCCL), so it is measured only where there are two. The benchmark's own timeout
+# is below the step's budget, so that a stuck rank is reported by the benchmark rather than killed silently.
+step_bench() {
+  local dir="$WORK/bench" args
+  rm -rf "$dir" && mkdir -p "$dir/bench"
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "dry run: quick CPU benchmark with megatron-core hidden (benchmarks/hide_megatron)"
+    args="--device cpu --quick --tp 1 --dtypes fp32 --repeats 1"
+    export PYTHONPATH="$PWD/benchmarks/hide_megatron${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    args="--device cuda --tp 1"
+    [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -lt 2 ] || args="--device cuda --tp 1 2"
+  fi
+  echo "python -m megatron_grpo bench logprob $args"
+  # shellcheck disable=SC2086  # args is a list of words
+  "$PYTHON" -m megatron_grpo bench logprob $args --timeout $((BUDGET_BENCH - 15)) --out "$dir/bench" || return
+  tar czf "$OUT/bench.tgz" -C "$dir" bench && echo "bench.tgz: $(tar tzf "$OUT/bench.tgz" | tr '\n' ' ')"
+}
+
+export -f section step_machine step_wheels step_registers step_build step_tests step_roofline step_bench
+export SKIPPED
+
+first_failure=0
+# run_step NAME BUDGET FUNCTION: runs the step in its own bash under `timeout` (which signals the step's whole
+# process group) and records one status line in summary.txt.
+run_step() {
+  local name=$1 budget=$2 fn=$3 start=$SECONDS rc status
+  section "$name (budget $budget s)"
+  timeout --kill-after=5 "$budget" bash -c "$fn"
+  rc=$?
+  case $rc in
+    0) status="ok" ;;
+    "$SKIPPED") status="skipped" ;;
+    124 | 137) status="TIMED OUT at its budget of $budget s" ;;
+    *) status="FAILED (exit $rc)" ;;
+  esac
+  case $rc in 0 | "$SKIPPED") ;; *) [ "$first_failure" -ne 0 ] || first_failure=$rc ;; esac
+  printf '%-10s %-40s %4d s\n' "$name" "$status" $((SECONDS - start)) | tee -a "$OUT/summary.txt"
 }
 
 main() {
-  print_machine
-  install_carried_wheels
-  build_extension
-  step run_gpu_tests
-  step report_registers
-  step measure_roofline
-  step run_benchmark
-  collect_benchmark
-  section "done (exit $first_failure)"
+  local total_start=$SECONDS
+  {
+    echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo "device: $DEVICE"
+    echo "mode: $([ "$DRY_RUN" = 1 ] && echo "dry run (build, GPU tests and roofline skipped)" || echo full)"
+  } | tee "$OUT/summary.txt"
+  run_step machine "$BUDGET_MACHINE" step_machine
+  run_step wheels "$BUDGET_WHEELS" step_wheels
+  [ ! -d "$SITE/megatron" ] || export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  run_step registers "$BUDGET_REGISTERS" step_registers
+  run_step build "$BUDGET_BUILD" step_build
+  run_step tests "$BUDGET_TESTS" step_tests
+  run_step roofline "$BUDGET_ROOFLINE" step_roofline
+  run_step bench "$BUDGET_BENCH" step_bench
+  section "done in $((SECONDS - total_start)) s (exit $first_failure)"
+  cat "$OUT/summary.txt"
   return "$first_failure"
 }
 
+export DRY_RUN=0
+[ "${1:-}" != "--dry-run" ] || DRY_RUN=1
+# The device, and whether it can run CUDA at all: without it the run is a dry run.
+DEVICE=$("$PYTHON" -c 'import torch
+print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")' 2>/dev/null) || DEVICE=none
+if [ "$DEVICE" = none ]; then
+  [ "$DRY_RUN" = 1 ] || echo "no CUDA device (torch.cuda.is_available() is False, or $PYTHON lacks torch): dry run"
+  DRY_RUN=1
+  DEVICE="no CUDA device (dry run)"
+  SLUG=cpu-dry-run
+else
+  SLUG=$(printf '%s' "$DEVICE" | tr -c 'A-Za-z0-9.' '-' | tr -s '-')
+  CAPABILITY=$("$PYTHON" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')
+  export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$CAPABILITY}"  # the build: this device's architecture
+  export CUDA_ARCH="${CUDA_ARCH:-${CAPABILITY//./}}"                  # the register report: the same
+  export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+fi
+export DEVICE
+export OUT="${OUT:-benchmarks/results/gpu_check-$(date -u +%Y-%m-%d)-$SLUG}"
 mkdir -p "$OUT"
 main 2>&1 | tee "$OUT/gpu_check.log"
+exit "${PIPESTATUS[0]}"

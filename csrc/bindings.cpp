@@ -15,8 +15,8 @@
 #include "logprob_cpu.h"
 
 #ifdef MEGATRON_GRPO_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include "logprob_cuda.h"
 #endif
@@ -51,6 +51,11 @@ const float* optional_ptr(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
 }
 
+// The optional per-row top-k/top-p threshold: contiguous float32 [rows] on the logits' device.
+void check_threshold(const c10::optional<at::Tensor>& threshold, const at::Tensor& logits) {
+  if (threshold.has_value()) check_row_vector(*threshold, logits, "threshold");
+}
+
 void check_backward_args(const at::Tensor& logits, const at::Tensor& targets, int64_t valid_cols,
                          const at::Tensor& lse, const c10::optional<at::Tensor>& mean_x,
                          const at::Tensor& grad_logprob, const c10::optional<at::Tensor>& grad_entropy,
@@ -69,12 +74,13 @@ void check_backward_args(const at::Tensor& logits, const at::Tensor& targets, in
 }
 
 at::Tensor partials_cpu(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab_start,
-                        int64_t valid_cols, bool with_entropy) {
+                        int64_t valid_cols, bool with_entropy, const c10::optional<at::Tensor>& threshold) {
   check_rows(logits, targets, valid_cols);
+  check_threshold(threshold, logits);
   at::Tensor partials = at::empty({logits.size(0), num_partials(with_entropy)}, logits.options().dtype(at::kFloat));
   cpu::logprob_partials(logits.data_ptr(), logits_dtype(logits), logits.size(0), logits.size(1),
                         logits.stride(0), targets.data_ptr<int64_t>(), vocab_start, valid_cols, with_entropy,
-                        partials.data_ptr<float>());
+                        optional_ptr(threshold), partials.data_ptr<float>());
   return partials;
 }
 
@@ -91,13 +97,16 @@ void advise_huge_pages(const at::Tensor& t) {
 
 void backward_cpu(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab_start, int64_t valid_cols,
                   const at::Tensor& lse, const c10::optional<at::Tensor>& mean_x, const at::Tensor& grad_logprob,
-                  const c10::optional<at::Tensor>& grad_entropy, at::Tensor grad_logits) {
+                  const c10::optional<at::Tensor>& grad_entropy, at::Tensor grad_logits,
+                  const c10::optional<at::Tensor>& threshold) {
   check_backward_args(logits, targets, valid_cols, lse, mean_x, grad_logprob, grad_entropy, grad_logits);
+  check_threshold(threshold, logits);
   if (!grad_logits.is_same(logits)) advise_huge_pages(grad_logits);
   cpu::logprob_backward(logits.data_ptr(), logits_dtype(logits), logits.size(0), logits.size(1),
                         logits.stride(0), targets.data_ptr<int64_t>(), vocab_start, valid_cols,
                         lse.data_ptr<float>(), optional_ptr(mean_x), grad_logprob.data_ptr<float>(),
-                        optional_ptr(grad_entropy), grad_logits.data_ptr(), grad_logits.stride(0));
+                        optional_ptr(grad_entropy), optional_ptr(threshold), grad_logits.data_ptr(),
+                        grad_logits.stride(0));
 }
 
 #ifdef MEGATRON_GRPO_WITH_CUDA
@@ -106,32 +115,36 @@ void check_cuda(cudaError_t err, const char* what) {
 }
 
 at::Tensor partials_cuda(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab_start,
-                         int64_t valid_cols, bool with_entropy) {
+                         int64_t valid_cols, bool with_entropy, const c10::optional<at::Tensor>& threshold) {
   check_rows(logits, targets, valid_cols);
+  check_threshold(threshold, logits);
   const c10::cuda::CUDAGuard guard(logits.device());
   at::Tensor partials = at::empty({logits.size(0), num_partials(with_entropy)}, logits.options().dtype(at::kFloat));
-  const size_t workspace_bytes = logprob_partials_workspace_bytes(logits.size(0), logits.size(1), with_entropy);
+  const size_t workspace_bytes =
+      logprob_partials_workspace_bytes(logits.size(0), logits.size(1), valid_cols, with_entropy);
   at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, logits.options().dtype(at::kByte));
   check_cuda(launch_logprob_partials(logits.data_ptr(), logits_dtype(logits), logits.size(0),
                                      logits.size(1), logits.stride(0), targets.data_ptr<int64_t>(), vocab_start,
-                                     valid_cols, with_entropy, partials.data_ptr<float>(),
+                                     valid_cols, with_entropy, optional_ptr(threshold), partials.data_ptr<float>(),
                                      workspace_bytes ? workspace.data_ptr() : nullptr,
-                                     at::cuda::getCurrentCUDAStream()),
+                                     c10::cuda::getCurrentCUDAStream()),
              "launch_logprob_partials");
   return partials;
 }
 
 void backward_cuda(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab_start, int64_t valid_cols,
                    const at::Tensor& lse, const c10::optional<at::Tensor>& mean_x, const at::Tensor& grad_logprob,
-                   const c10::optional<at::Tensor>& grad_entropy, at::Tensor grad_logits) {
+                   const c10::optional<at::Tensor>& grad_entropy, at::Tensor grad_logits,
+                   const c10::optional<at::Tensor>& threshold) {
   check_backward_args(logits, targets, valid_cols, lse, mean_x, grad_logprob, grad_entropy, grad_logits);
+  check_threshold(threshold, logits);
   const c10::cuda::CUDAGuard guard(logits.device());
   check_cuda(launch_logprob_backward(logits.data_ptr(), logits_dtype(logits), logits.size(0),
                                      logits.size(1), logits.stride(0), targets.data_ptr<int64_t>(), vocab_start,
                                      valid_cols, lse.data_ptr<float>(), optional_ptr(mean_x),
                                      grad_logprob.data_ptr<float>(), optional_ptr(grad_entropy),
-                                     grad_logits.data_ptr(), grad_logits.stride(0),
-                                     at::cuda::getCurrentCUDAStream()),
+                                     optional_ptr(threshold), grad_logits.data_ptr(), grad_logits.stride(0),
+                                     c10::cuda::getCurrentCUDAStream()),
              "launch_logprob_backward");
 }
 #endif
@@ -148,10 +161,12 @@ bool compiled_with_cuda() {
 }  // namespace megatron_grpo
 
 TORCH_LIBRARY(megatron_grpo, m) {
-  m.def("logprob_partials(Tensor logits, Tensor targets, int vocab_start, int valid_cols, bool with_entropy) -> Tensor");
+  m.def(
+      "logprob_partials(Tensor logits, Tensor targets, int vocab_start, int valid_cols, bool with_entropy, "
+      "Tensor? threshold) -> Tensor");
   m.def(
       "logprob_backward(Tensor logits, Tensor targets, int vocab_start, int valid_cols, Tensor lse, Tensor? mean_x, "
-      "Tensor grad_logprob, Tensor? grad_entropy, Tensor(a!) grad_logits) -> ()");
+      "Tensor grad_logprob, Tensor? grad_entropy, Tensor(a!) grad_logits, Tensor? threshold) -> ()");
   m.def("compiled_with_cuda() -> bool", &megatron_grpo::compiled_with_cuda);
 }
 

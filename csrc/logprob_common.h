@@ -7,6 +7,10 @@
 //
 // Non-finite logits: -inf contributes nothing (top-k/top-p masking). NaN or +inf make the row's sum NaN, so
 // that row, and only that row, comes out NaN.
+//
+// Filtered distributions (top-k, top-p): an optional per-row threshold keeps only the logits at or above it;
+// the others count as -inf in forward and get a gradient of exactly 0 in backward. Without a threshold the
+// kernels take their unfiltered path, unchanged.
 #pragma once
 
 #include <cmath>
@@ -37,7 +41,7 @@ MGRPO_HD float neg_inf() { return -INFINITY; }
 
 // Online-softmax state of a set of logits, relative to their max m:
 //   sum_exp = sum exp(x - m),   sum_exp_x = sum exp(x - m) * (x - m).
-// Keeping the logit moment relative to m (DESIGN.md's s = sum exp(x - m) * x, shifted) avoids the
+// Keeping the logit moment relative to m (docs/design.md: s = sum exp(x - m) * x, shifted) avoids the
 // cancellation of lse - E[x] for large logits: the entropy is log(sum_exp) - sum_exp_x / sum_exp.
 struct SoftmaxPartials {
   float max;
@@ -90,6 +94,12 @@ MGRPO_HD float prob_grad(float p, float x, bool is_target, float mean_x, float g
 MGRPO_HD float logit_grad(float x, bool is_target, float lse, float mean_x, float g_lp, float g_h) {
   return prob_grad(expf(x - lse), x, is_target, mean_x, g_lp, g_h);
 }
+
+// Whether a logit survives the row's top-k/top-p threshold. NaN survives, so that it still poisons its row.
+MGRPO_HD bool kept_logit(float x, float threshold) { return !(x < threshold); }
+
+// A logit as the filtered distribution sees it: itself when kept, else -inf.
+MGRPO_HD float filtered_logit(float x, float threshold) { return kept_logit(x, threshold) ? x : neg_inf(); }
 
 // Index of the target inside this shard's valid columns, or -1 when the target is ignored, lies on
 // another rank, or falls in the padding.

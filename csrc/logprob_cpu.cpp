@@ -59,11 +59,22 @@ inline void accumulate_step(const Vec& x, const Vec& shift, bool with_entropy, V
   }
 }
 
+// Sets the logits below the row's threshold to -inf (a NaN compares false and stays NaN, as kept_logit).
+template <bool kFiltered>
+inline void filter_step(Vec& lo, Vec& hi, const Vec& threshold, const Vec& neg_inf_vec) {
+  if constexpr (kFiltered) {
+    lo = Vec::blendv(lo, neg_inf_vec, lo < threshold);
+    hi = Vec::blendv(hi, neg_inf_vec, hi < threshold);
+  }
+}
+
 // Online-softmax partials of one row's valid columns (see SoftmaxPartials: the moment is relative to the max).
-template <typename T>
-SoftmaxPartials row_partials(const T* x, int64_t n, bool with_entropy) {
+// kFiltered: only the logits >= threshold take part (top-k/top-p); the others count as -inf.
+template <typename T, bool kFiltered>
+SoftmaxPartials row_partials(const T* x, int64_t n, bool with_entropy, float threshold) {
   const Vec neg_inf_vec(neg_inf());
   const Vec zero(0.0f);
+  const Vec threshold_vec(threshold);
   Vec m = neg_inf_vec, d = zero, s = zero;
   int64_t i = 0;
   for (; i + kTile <= n; i += kTile) {
@@ -71,6 +82,7 @@ SoftmaxPartials row_partials(const T* x, int64_t n, bool with_entropy) {
     for (int64_t j = 0; j < kTile; j += kStep) {
       Vec lo, hi;
       load_step(x + i + j, lo, hi);
+      filter_step<kFiltered>(lo, hi, threshold_vec, neg_inf_vec);
       tile_max = at::vec::maximum(tile_max, at::vec::maximum(lo, hi));  // NaN-propagating
     }
     // Lane-wise rescale_to(new_m), as in logprob_common.h.
@@ -86,6 +98,7 @@ SoftmaxPartials row_partials(const T* x, int64_t n, bool with_entropy) {
     for (int64_t j = 0; j < kTile; j += kStep) {
       Vec lo, hi;
       load_step(x + i + j, lo, hi);
+      filter_step<kFiltered>(lo, hi, threshold_vec, neg_inf_vec);
       accumulate_step(lo, shift, with_entropy, tile_d, tile_s);
       accumulate_step(hi, shift, with_entropy, tile_d, tile_s);
     }
@@ -104,7 +117,7 @@ SoftmaxPartials row_partials(const T* x, int64_t n, bool with_entropy) {
     row = merge(row, {lane_m[lane], lane_d[lane], lane_s[lane]});
   }
   for (; i < n; ++i) {
-    const float xi = static_cast<float>(x[i]);
+    const float xi = kFiltered ? filtered_logit(static_cast<float>(x[i]), threshold) : static_cast<float>(x[i]);
     poisoned |= poisons_row(xi);
     row = accumulate(row, xi);
   }
@@ -114,9 +127,10 @@ SoftmaxPartials row_partials(const T* x, int64_t n, bool with_entropy) {
   return row;
 }
 
-template <typename T>
+template <typename T, bool kFiltered>
 void partials_kernel(const T* logits, int64_t rows, int64_t row_stride, const int64_t* targets,
-                     int64_t vocab_start, int64_t valid_cols, bool with_entropy, float* partials) {
+                     int64_t vocab_start, int64_t valid_cols, bool with_entropy, const float* thresholds,
+                     float* partials) {
   const int k = num_partials(with_entropy);
   const int64_t grain = std::max<int64_t>(1, kMinElementsPerTask / std::max<int64_t>(valid_cols, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
@@ -124,26 +138,29 @@ void partials_kernel(const T* logits, int64_t rows, int64_t row_stride, const in
       float* out = partials + r * k;
       const T* x = logits + r * row_stride;
       const int64_t target_col = local_target_column(targets[r], vocab_start, valid_cols);
+      const float threshold = kFiltered ? thresholds[r] : neg_inf();
       SoftmaxPartials row;
       if (targets[r] < 0) {
         row = {0.0f, 1.0f, 0.0f};  // ignored row: finite placeholders, masked out after the combine
       } else {
-        row = row_partials(x, valid_cols, with_entropy);
+        row = row_partials<T, kFiltered>(x, valid_cols, with_entropy, threshold);
       }
       out[kColMax] = row.max;
       out[kColSumExp] = row.sum_exp;
-      out[kColTarget] = target_col >= 0 ? static_cast<float>(x[target_col]) : neg_inf();
+      out[kColTarget] = target_col >= 0 ? filtered_logit(static_cast<float>(x[target_col]), threshold) : neg_inf();
       if (with_entropy) out[kColSumExpX] = row.sum_exp_x;
     }
   });
 }
 
-template <typename T>
+// kFiltered: logits below `threshold` (the target included) get exactly 0; the caller passes target_col = -1
+// for a filtered target.
+template <typename T, bool kFiltered>
 void row_backward(const T* x, T* grad, int64_t cols, int64_t valid_cols, int64_t target_col, float lse,
-                  float mean_x, float g_lp, float g_h, bool with_entropy) {
+                  float mean_x, float g_lp, float g_h, bool with_entropy, float threshold) {
   // Read before any write: grad may alias x.
   const float x_target = target_col >= 0 ? static_cast<float>(x[target_col]) : 0.0f;
-  const Vec vlse(lse), vmean(mean_x), vg_lp(g_lp), vg_h(g_h), zero(0.0f);
+  const Vec vlse(lse), vmean(mean_x), vg_lp(g_lp), vg_h(g_h), zero(0.0f), vthreshold(threshold);
   int64_t i = 0;
   for (; i + kStep <= valid_cols; i += kStep) {
     Vec lo, hi;
@@ -153,12 +170,16 @@ void row_backward(const T* x, T* grad, int64_t cols, int64_t valid_cols, int64_t
       const Vec p = (v - vlse).exp();
       Vec dx = zero - vg_lp * p;
       if (with_entropy) dx = dx + Vec::blendv(vg_h * p * (vmean - v), zero, p == zero);
+      if constexpr (kFiltered) dx = Vec::blendv(dx, zero, v < vthreshold);
       v = dx;
     }
     store_step(grad + i, out[0], out[1]);
   }
   for (; i < valid_cols; ++i) {
-    grad[i] = static_cast<T>(logit_grad(static_cast<float>(x[i]), false, lse, mean_x, g_lp, g_h));
+    const float xi = static_cast<float>(x[i]);
+    grad[i] = kFiltered && !kept_logit(xi, threshold)
+                  ? static_cast<T>(0.0f)
+                  : static_cast<T>(logit_grad(xi, false, lse, mean_x, g_lp, g_h));
   }
   std::fill(grad + valid_cols, grad + cols, static_cast<T>(0.0f));
   if (target_col >= 0) {
@@ -166,11 +187,11 @@ void row_backward(const T* x, T* grad, int64_t cols, int64_t valid_cols, int64_t
   }
 }
 
-template <typename T>
+template <typename T, bool kFiltered>
 void backward_kernel(const T* logits, int64_t rows, int64_t cols, int64_t row_stride, const int64_t* targets,
                      int64_t vocab_start, int64_t valid_cols, const float* lse, const float* mean_x,
-                     const float* grad_logprob, const float* grad_entropy, T* grad_logits,
-                     int64_t grad_row_stride) {
+                     const float* grad_logprob, const float* grad_entropy, const float* thresholds,
+                     T* grad_logits, int64_t grad_row_stride) {
   const bool with_entropy = grad_entropy != nullptr;
   const int64_t grain = std::max<int64_t>(1, kMinElementsPerTask / std::max<int64_t>(cols, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
@@ -180,10 +201,14 @@ void backward_kernel(const T* logits, int64_t rows, int64_t cols, int64_t row_st
         std::fill(grad, grad + cols, static_cast<T>(0.0f));
         continue;
       }
-      row_backward(logits + r * row_stride, grad, cols, valid_cols,
-                   local_target_column(targets[r], vocab_start, valid_cols), lse[r],
-                   with_entropy ? mean_x[r] : 0.0f, grad_logprob[r], with_entropy ? grad_entropy[r] : 0.0f,
-                   with_entropy);
+      const T* x = logits + r * row_stride;
+      const float threshold = kFiltered ? thresholds[r] : neg_inf();
+      int64_t target_col = local_target_column(targets[r], vocab_start, valid_cols);
+      if (kFiltered && target_col >= 0 && !kept_logit(static_cast<float>(x[target_col]), threshold)) {
+        target_col = -1;  // a filtered target has logprob -inf and no gradient
+      }
+      row_backward<T, kFiltered>(x, grad, cols, valid_cols, target_col, lse[r], with_entropy ? mean_x[r] : 0.0f,
+                                 grad_logprob[r], with_entropy ? grad_entropy[r] : 0.0f, with_entropy, threshold);
     }
   });
 }
@@ -201,23 +226,36 @@ void dispatch_dtype(LogitsDType dtype, F&& f) {
 
 void logprob_partials(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,
                       const int64_t* targets, int64_t vocab_start, int64_t valid_cols, bool with_entropy,
-                      float* partials) {
+                      const float* thresholds, float* partials) {
   (void)cols;
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    partials_kernel(static_cast<const T*>(logits), rows, row_stride, targets, vocab_start, valid_cols,
-                    with_entropy, partials);
+    const auto* typed = static_cast<const T*>(logits);
+    if (thresholds != nullptr) {
+      partials_kernel<T, true>(typed, rows, row_stride, targets, vocab_start, valid_cols, with_entropy, thresholds,
+                               partials);
+    } else {
+      partials_kernel<T, false>(typed, rows, row_stride, targets, vocab_start, valid_cols, with_entropy, nullptr,
+                                partials);
+    }
   });
 }
 
 void logprob_backward(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,
                       const int64_t* targets, int64_t vocab_start, int64_t valid_cols, const float* lse,
                       const float* mean_x, const float* grad_logprob, const float* grad_entropy,
-                      void* grad_logits, int64_t grad_row_stride) {
+                      const float* thresholds, void* grad_logits, int64_t grad_row_stride) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    backward_kernel(static_cast<const T*>(logits), rows, cols, row_stride, targets, vocab_start, valid_cols,
-                    lse, mean_x, grad_logprob, grad_entropy, static_cast<T*>(grad_logits), grad_row_stride);
+    const auto* typed = static_cast<const T*>(logits);
+    auto* grad = static_cast<T*>(grad_logits);
+    if (thresholds != nullptr) {
+      backward_kernel<T, true>(typed, rows, cols, row_stride, targets, vocab_start, valid_cols, lse, mean_x,
+                               grad_logprob, grad_entropy, thresholds, grad, grad_row_stride);
+    } else {
+      backward_kernel<T, false>(typed, rows, cols, row_stride, targets, vocab_start, valid_cols, lse, mean_x,
+                                grad_logprob, grad_entropy, nullptr, grad, grad_row_stride);
+    }
   });
 }
 

@@ -12,16 +12,18 @@ namespace megatron_grpo {
 namespace cpu {
 
 // Writes the fp32 partials [rows, num_partials(with_entropy)] (columns as PartialsColumn).
+// thresholds: fp32 [rows] or null; with it only the logits >= thresholds[row] take part (top-k/top-p), and a
+// target below it has logit -inf.
 void logprob_partials(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,
                       const int64_t* targets, int64_t vocab_start, int64_t valid_cols, bool with_entropy,
-                      float* partials);
+                      const float* thresholds, float* partials);
 
 // Writes d(loss)/d(logits) in the logits' dtype. grad_logits may alias logits (in-place backward).
-// mean_x and grad_entropy are null without entropy.
+// mean_x and grad_entropy are null without entropy. thresholds as in forward: logits below it get 0.
 void logprob_backward(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,
                       const int64_t* targets, int64_t vocab_start, int64_t valid_cols, const float* lse,
                       const float* mean_x, const float* grad_logprob, const float* grad_entropy,
-                      void* grad_logits, int64_t grad_row_stride);
+                      const float* thresholds, void* grad_logits, int64_t grad_row_stride);
 
 }  // namespace cpu
 }  // namespace megatron_grpo

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <type_traits>
 
 #include "logprob_common.h"
 
@@ -129,6 +130,14 @@ __device__ ColumnRange split_columns(int split, int split_cols, int limit) {
   return {static_cast<int>(begin), static_cast<int>(end)};
 }
 
+// As split_columns, except that the row's last split also takes every column after it, up to `limit`: the
+// splits follow the valid columns, and the last one also writes the padding's gradient.
+__device__ ColumnRange split_columns_to_end(int split, int splits, int split_cols, int limit) {
+  ColumnRange range = split_columns(split, split_cols, limit);
+  if (split == splits - 1) range.end = limit;
+  return range;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Reductions.
 
@@ -164,15 +173,22 @@ __device__ SoftmaxPartials block_reduce(SoftmaxPartials p) {
 // ---------------------------------------------------------------------------------------------------------
 // Forward.
 
+// A logit as the (optionally top-k/top-p filtered) distribution sees it; compiles to a no-op without filter.
+template <bool kFiltered>
+__device__ __forceinline__ float visible_logit(float x, float threshold) {
+  return kFiltered ? filtered_logit(x, threshold) : x;
+}
+
 // Adds one vector of logits to a thread's partials. The max moves once per vector, so each logit costs one
 // exponential (plus one per vector when the max grows). Same conventions as `accumulate`: a NaN logit makes
 // the max and the sums NaN (and a +inf one the sums), which no later merge undoes; -inf contributes nothing.
-template <typename T, bool kWithEntropy>
-__device__ SoftmaxPartials accumulate_vector(const SoftmaxPartials& p, const Vector<T>& v) {
+// kFiltered: logits below `threshold` count as -inf.
+template <typename T, bool kWithEntropy, bool kFiltered>
+__device__ SoftmaxPartials accumulate_vector(const SoftmaxPartials& p, const Vector<T>& v, float threshold) {
   constexpr int kSize = Vector<T>::kSize;
   float x[kSize];
 #pragma unroll
-  for (int i = 0; i < kSize; ++i) x[i] = Element<T>::to_float(v.elems[i]);
+  for (int i = 0; i < kSize; ++i) x[i] = visible_logit<kFiltered>(Element<T>::to_float(v.elems[i]), threshold);
   float vector_max = x[0];
 #pragma unroll
   for (int i = 1; i < kSize; ++i) vector_max = max_keeping_nan(vector_max, x[i]);
@@ -196,13 +212,13 @@ __device__ Vector<T> load_vector(const Vector<T>* address) {
 }
 
 // This thread's share of the partials of `n` logits starting at `logits` (threads of the block interleave).
-template <typename T, bool kWithEntropy>
-__device__ SoftmaxPartials thread_partials(const T* __restrict__ logits, int n) {
+template <typename T, bool kWithEntropy, bool kFiltered>
+__device__ SoftmaxPartials thread_partials(const T* __restrict__ logits, int n, float threshold) {
   const int stride = static_cast<int>(blockDim.x);
   const VectorSpan span = vector_span<T>(reinterpret_cast<uintptr_t>(logits), n);
   SoftmaxPartials p = empty_partials();
   for (int i = static_cast<int>(threadIdx.x); i < span.head; i += stride) {
-    p = accumulate(p, Element<T>::to_float(logits[i]));
+    p = accumulate(p, visible_logit<kFiltered>(Element<T>::to_float(logits[i]), threshold));
   }
   const Vector<T>* __restrict__ vectors = reinterpret_cast<const Vector<T>*>(logits + span.head);
   int v = static_cast<int>(threadIdx.x);
@@ -211,11 +227,13 @@ __device__ SoftmaxPartials thread_partials(const T* __restrict__ logits, int n) 
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) loaded[u] = load_vector(vectors + v + u * stride);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) p = accumulate_vector<T, kWithEntropy>(p, loaded[u]);
+    for (int u = 0; u < kUnroll; ++u) p = accumulate_vector<T, kWithEntropy, kFiltered>(p, loaded[u], threshold);
   }
-  for (; v < span.num_vectors; v += stride) p = accumulate_vector<T, kWithEntropy>(p, load_vector(vectors + v));
+  for (; v < span.num_vectors; v += stride) {
+    p = accumulate_vector<T, kWithEntropy, kFiltered>(p, load_vector(vectors + v), threshold);
+  }
   for (int i = span.tail_begin + static_cast<int>(threadIdx.x); i < n; i += stride) {
-    p = accumulate(p, Element<T>::to_float(logits[i]));
+    p = accumulate(p, visible_logit<kFiltered>(Element<T>::to_float(logits[i]), threshold));
   }
   return p;
 }
@@ -245,21 +263,29 @@ __device__ void store_ignored_partials(float* out, bool with_entropy) {
   store_partials(out, {0.0f, 1.0f, 0.0f}, neg_inf(), with_entropy);
 }
 
-// The target's logit when this shard holds it among its valid columns, else -inf.
-template <typename T>
-__device__ float target_logit(const T* row_logits, int64_t target, int64_t vocab_start, int valid_cols) {
+// The target's logit when this shard holds it among its valid columns (and the filter keeps it), else -inf.
+template <typename T, bool kFiltered>
+__device__ float target_logit(const T* row_logits, int64_t target, int64_t vocab_start, int valid_cols,
+                              float threshold) {
   const int64_t col = local_target_column(target, vocab_start, valid_cols);
-  return col < 0 ? neg_inf() : Element<T>::to_float(row_logits[col]);
+  return col < 0 ? neg_inf() : visible_logit<kFiltered>(Element<T>::to_float(row_logits[col]), threshold);
+}
+
+// The row's top-k/top-p threshold, or -inf (keep all) without a filter.
+template <bool kFiltered>
+__device__ __forceinline__ float row_threshold(const float* __restrict__ thresholds, int64_t row) {
+  return kFiltered ? thresholds[row] : neg_inf();
 }
 
 // Grid (row blocks, splits). Block (row, split) reduces columns [split * split_cols, +split_cols) of the row's
 // valid columns. With one split it stores the row's partials; with several it stores its share in
 // `split_states` [rows, splits, split_state_floats] for merge_splits_kernel.
-template <typename T, bool kWithEntropy>
+template <typename T, bool kWithEntropy, bool kFiltered>
 __global__ void __launch_bounds__(kMaxBlockThreads)
     partials_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_stride,
                     const int64_t* __restrict__ targets, int64_t vocab_start, int valid_cols, int split_cols,
-                    float* __restrict__ partials, float* __restrict__ split_states) {
+                    const float* __restrict__ thresholds, float* __restrict__ partials,
+                    float* __restrict__ split_states) {
   const int splits = static_cast<int>(gridDim.y);
   const int split = static_cast<int>(blockIdx.y);
   const ColumnRange columns = split_columns(split, split_cols, valid_cols);
@@ -277,11 +303,13 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     const int64_t target_col = local_target_column(target, vocab_start, valid_cols);
     const bool owns_target = splits == 1 && threadIdx.x == 0 && target_col >= 0;
     const T target_element = owns_target ? row_logits[target_col] : T{};
-    const SoftmaxPartials p =
-        block_reduce(thread_partials<T, kWithEntropy>(row_logits + columns.begin, columns.end - columns.begin));
+    const float threshold = row_threshold<kFiltered>(thresholds, row);
+    const SoftmaxPartials p = block_reduce(thread_partials<T, kWithEntropy, kFiltered>(
+        row_logits + columns.begin, columns.end - columns.begin, threshold));
     if (threadIdx.x != 0) continue;
     if (splits == 1) {
-      const float x_y = owns_target ? Element<T>::to_float(target_element) : neg_inf();
+      const float x_y =
+          owns_target ? visible_logit<kFiltered>(Element<T>::to_float(target_element), threshold) : neg_inf();
       store_partials(partials + row * num_partials(kWithEntropy), p, x_y, kWithEntropy);
     } else {
       store_split_state(split_states + (row * splits + split) * split_state_floats(kWithEntropy), p,
@@ -291,11 +319,11 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
 }
 
 // One warp per row: merges the row's split states and stores its partials.
-template <typename T, bool kWithEntropy>
+template <typename T, bool kWithEntropy, bool kFiltered>
 __global__ void merge_splits_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_stride,
                                     const int64_t* __restrict__ targets, int64_t vocab_start, int valid_cols,
-                                    int splits, const float* __restrict__ split_states,
-                                    float* __restrict__ partials) {
+                                    int splits, const float* __restrict__ thresholds,
+                                    const float* __restrict__ split_states, float* __restrict__ partials) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kMergeRowsPerBlock + threadIdx.x / kWarpSize;
   if (row >= rows) return;  // whole warps leave together; no block-wide barrier follows
@@ -312,8 +340,9 @@ __global__ void merge_splits_kernel(const T* __restrict__ logits, int64_t rows, 
   }
   p = warp_reduce(p);
   if (lane == 0) {
-    store_partials(row_partials, p, target_logit(logits + row * row_stride, target, vocab_start, valid_cols),
-                   kWithEntropy);
+    const float x_y = target_logit<T, kFiltered>(logits + row * row_stride, target, vocab_start, valid_cols,
+                                                 row_threshold<kFiltered>(thresholds, row));
+    store_partials(row_partials, p, x_y, kWithEntropy);
   }
 }
 
@@ -322,22 +351,26 @@ __global__ void merge_splits_kernel(const T* __restrict__ logits, int64_t rows, 
 
 // Per-row constants of the gradient; `operator()` gives one logit's gradient (see prob_grad), with p from
 // fast_exp: accurate enough for x - lse <= 0, and expf's extra instructions would make bf16 compute-bound.
+// kFiltered: logits below `threshold` get exactly 0 (target_col is then -1 for a filtered target).
+template <bool kFiltered>
 struct RowGradient {
   int target_col;  // local column of the target, or -1
   float lse;
   float mean_x;
   float grad_logprob;
   float grad_entropy;
+  float threshold;
 
   __device__ float operator()(float x, int col) const {
+    if (kFiltered && !kept_logit(x, threshold)) return 0.0f;
     return prob_grad(fast_exp(x - lse), x, col == target_col, mean_x, grad_logprob, grad_entropy);
   }
 };
 
 // Writes the gradient of valid columns [begin, end) of one row. `grad` may alias `logits`: each thread loads
 // its elements before it stores them and touches no other thread's elements, so no pointer is __restrict__.
-template <typename T>
-__device__ void store_row_gradient(const T* logits, T* grad, int begin, int end, const RowGradient& row_grad) {
+template <typename T, typename Gradient>
+__device__ void store_row_gradient(const T* logits, T* grad, int begin, int end, const Gradient& row_grad) {
   const int stride = static_cast<int>(blockDim.x);
   const int n = end - begin;
   const T* x = logits + begin;
@@ -392,14 +425,16 @@ __device__ void store_zeros(T* grad, int n) {
 }
 
 // Grid (row blocks, splits). Block (row, split) writes columns [split * split_cols, +split_cols) of the row's
-// gradient, padding included.
-template <typename T, bool kWithEntropy>
+// gradient; the splits follow the valid columns, and the last one also writes the padding.
+template <typename T, bool kWithEntropy, bool kFiltered>
 __global__ void __launch_bounds__(kMaxBlockThreads)
     backward_kernel(const T* logits, int64_t rows, int64_t row_stride, const int64_t* __restrict__ targets,
                     int64_t vocab_start, int valid_cols, int cols, int split_cols, const float* __restrict__ lse,
                     const float* __restrict__ mean_x, const float* __restrict__ grad_logprob,
-                    const float* __restrict__ grad_entropy, T* grad, int64_t grad_row_stride) {
-  const ColumnRange columns = split_columns(static_cast<int>(blockIdx.y), split_cols, cols);
+                    const float* __restrict__ grad_entropy, const float* __restrict__ thresholds, T* grad,
+                    int64_t grad_row_stride) {
+  const ColumnRange columns =
+      split_columns_to_end(static_cast<int>(blockIdx.y), static_cast<int>(gridDim.y), split_cols, cols);
   const int begin = columns.begin;
   const int end = columns.end;
   const int valid_end = min(end, valid_cols);
@@ -412,10 +447,15 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
       continue;
     }
     if (begin < valid_end) {
-      const RowGradient gradient{static_cast<int>(local_target_column(target, vocab_start, valid_cols)), lse[row],
-                                 kWithEntropy ? mean_x[row] : 0.0f, grad_logprob[row],
-                                 kWithEntropy ? grad_entropy[row] : 0.0f};
-      store_row_gradient(logits + row * row_stride, row_grad, begin, valid_end, gradient);
+      const T* row_logits = logits + row * row_stride;
+      const float threshold = row_threshold<kFiltered>(thresholds, row);
+      int target_col = static_cast<int>(local_target_column(target, vocab_start, valid_cols));
+      if (kFiltered && target_col >= 0 && !kept_logit(Element<T>::to_float(row_logits[target_col]), threshold)) {
+        target_col = -1;  // a filtered target has logprob -inf and no gradient
+      }
+      const RowGradient<kFiltered> gradient{target_col, lse[row], kWithEntropy ? mean_x[row] : 0.0f,
+                                            grad_logprob[row], kWithEntropy ? grad_entropy[row] : 0.0f, threshold};
+      store_row_gradient(row_logits, row_grad, begin, valid_end, gradient);
     }
     if (padding_begin < end) store_zeros(row_grad + padding_begin, end - padding_begin);
   }
@@ -434,16 +474,19 @@ struct LaunchPlan {
 };
 
 // Splits depend only on the sizes and the SM count, so the workspace size is known before the dtype is.
-LaunchPlan plan_launch(int64_t rows, int64_t cols, int64_t vector_size, int sm_count) {
+// The rows' `valid_cols` are split (a mostly-padding shard launches no idle blocks); a block's threads follow
+// its widest share of `cols` (backward's last split also writes the padding after the valid columns).
+LaunchPlan plan_launch(int64_t rows, int64_t valid_cols, int64_t cols, int64_t vector_size, int sm_count) {
   int64_t splits = 1;
   const int64_t rows_to_fill = static_cast<int64_t>(sm_count) * kBlocksPerSmToFill;
   if (rows > 0 && rows < rows_to_fill) {
-    const int64_t most_useful = std::max<int64_t>(1, ceil_div(cols, kMinSplitCols));
+    const int64_t most_useful = std::max<int64_t>(1, ceil_div(valid_cols, kMinSplitCols));
     splits = std::min({ceil_div(rows_to_fill, rows), most_useful, static_cast<int64_t>(USHRT_MAX)});
   }
-  const int64_t split_cols = ceil_div(ceil_div(cols, splits), kSplitAlignCols) * kSplitAlignCols;
-  if (split_cols > 0) splits = ceil_div(cols, split_cols);
-  const int64_t vectors_per_split = ceil_div(split_cols, vector_size);
+  const int64_t split_cols = ceil_div(ceil_div(valid_cols, splits), kSplitAlignCols) * kSplitAlignCols;
+  if (split_cols > 0) splits = ceil_div(valid_cols, split_cols);
+  const int64_t widest = std::max(split_cols, cols - (splits - 1) * split_cols);
+  const int64_t vectors_per_split = ceil_div(widest, vector_size);
   int threads = kWarpSize;
   while (threads < kMaxBlockThreads && 2 * threads * kMinVectorsPerThread <= vectors_per_split) threads *= 2;
   return {static_cast<int>(splits), static_cast<int>(split_cols), threads};
@@ -493,53 +536,65 @@ cudaError_t dispatch_dtype(LogitsDType dtype, Fn&& fn) {
   return cudaErrorInvalidValue;
 }
 
-template <typename T, bool kWithEntropy>
+// Calls fn(std::integral_constant<bool, kWithEntropy>, std::integral_constant<bool, kFiltered>).
+template <typename Fn>
+cudaError_t dispatch_flags(bool with_entropy, bool filtered, Fn&& fn) {
+  using True = std::true_type;
+  using False = std::false_type;
+  if (with_entropy) return filtered ? fn(True{}, True{}) : fn(True{}, False{});
+  return filtered ? fn(False{}, True{}) : fn(False{}, False{});
+}
+
+template <typename T, bool kWithEntropy, bool kFiltered>
 cudaError_t launch_partials_typed(const T* logits, int64_t rows, int64_t row_stride, const int64_t* targets,
-                                  int64_t vocab_start, int valid_cols, const LaunchPlan& plan, float* partials,
-                                  float* split_states, cudaStream_t stream) {
-  partials_kernel<T, kWithEntropy><<<grid_for(rows, plan), plan.threads, 0, stream>>>(
-      logits, rows, row_stride, targets, vocab_start, valid_cols, plan.split_cols, partials, split_states);
+                                  int64_t vocab_start, int valid_cols, const LaunchPlan& plan,
+                                  const float* thresholds, float* partials, float* split_states,
+                                  cudaStream_t stream) {
+  partials_kernel<T, kWithEntropy, kFiltered><<<grid_for(rows, plan), plan.threads, 0, stream>>>(
+      logits, rows, row_stride, targets, vocab_start, valid_cols, plan.split_cols, thresholds, partials,
+      split_states);
   if (plan.splits > 1) {
     const auto blocks = static_cast<unsigned>(ceil_div(rows, kMergeRowsPerBlock));
-    merge_splits_kernel<T, kWithEntropy><<<blocks, kMergeRowsPerBlock * kWarpSize, 0, stream>>>(
-        logits, rows, row_stride, targets, vocab_start, valid_cols, plan.splits, split_states, partials);
+    merge_splits_kernel<T, kWithEntropy, kFiltered><<<blocks, kMergeRowsPerBlock * kWarpSize, 0, stream>>>(
+        logits, rows, row_stride, targets, vocab_start, valid_cols, plan.splits, thresholds, split_states,
+        partials);
   }
   return cudaGetLastError();
 }
 
-template <typename T, bool kWithEntropy>
+template <typename T, bool kWithEntropy, bool kFiltered>
 cudaError_t launch_backward_typed(const T* logits, int64_t rows, int64_t row_stride, const int64_t* targets,
                                   int64_t vocab_start, int valid_cols, int cols, const LaunchPlan& plan,
                                   const float* lse, const float* mean_x, const float* grad_logprob,
-                                  const float* grad_entropy, T* grad, int64_t grad_row_stride,
-                                  cudaStream_t stream) {
-  backward_kernel<T, kWithEntropy><<<grid_for(rows, plan), plan.threads, 0, stream>>>(
+                                  const float* grad_entropy, const float* thresholds, T* grad,
+                                  int64_t grad_row_stride, cudaStream_t stream) {
+  backward_kernel<T, kWithEntropy, kFiltered><<<grid_for(rows, plan), plan.threads, 0, stream>>>(
       logits, rows, row_stride, targets, vocab_start, valid_cols, cols, plan.split_cols, lse, mean_x,
-      grad_logprob, grad_entropy, grad, grad_row_stride);
+      grad_logprob, grad_entropy, thresholds, grad, grad_row_stride);
   return cudaGetLastError();
 }
 
 }  // namespace
 
-size_t logprob_partials_workspace_bytes(int64_t rows, int64_t cols, bool with_entropy) {
+size_t logprob_partials_workspace_bytes(int64_t rows, int64_t cols, int64_t valid_cols, bool with_entropy) {
   int sm_count = 0;
-  if (!valid_shape(rows, cols, 0) || current_sm_count(&sm_count) != cudaSuccess) return 0;
+  if (!valid_shape(rows, cols, valid_cols) || current_sm_count(&sm_count) != cudaSuccess) return 0;
   // The split count does not depend on the vector size, only the block size does.
-  const LaunchPlan plan = plan_launch(rows, cols, vector_size_of(LogitsDType::kFloat32), sm_count);
+  const LaunchPlan plan = plan_launch(rows, valid_cols, valid_cols, vector_size_of(LogitsDType::kFloat32), sm_count);
   if (plan.splits == 1) return 0;
   return static_cast<size_t>(rows) * plan.splits * split_state_floats(with_entropy) * sizeof(float);
 }
 
 cudaError_t launch_logprob_partials(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols,
                                     int64_t row_stride, const int64_t* targets, int64_t vocab_start,
-                                    int64_t valid_cols, bool with_entropy, float* partials, void* workspace,
-                                    cudaStream_t stream) {
+                                    int64_t valid_cols, bool with_entropy, const float* thresholds,
+                                    float* partials, void* workspace, cudaStream_t stream) {
   if (!valid_shape(rows, cols, valid_cols)) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   int sm_count = 0;
   const cudaError_t status = current_sm_count(&sm_count);
   if (status != cudaSuccess) return status;
-  const LaunchPlan plan = plan_launch(rows, cols, vector_size_of(dtype), sm_count);
+  const LaunchPlan plan = plan_launch(rows, valid_cols, valid_cols, vector_size_of(dtype), sm_count);
   if (plan.splits > 1 && workspace == nullptr) return cudaErrorInvalidValue;
   auto* split_states = static_cast<float*>(workspace);
   return dispatch_dtype(dtype, [&](auto tag) {
@@ -547,25 +602,27 @@ cudaError_t launch_logprob_partials(const void* logits, LogitsDType dtype, int64
     const auto* typed_logits = static_cast<const T*>(logits);
     if (!element_aligned(typed_logits, sizeof(T))) return cudaErrorMisalignedAddress;
     const int valid = static_cast<int>(valid_cols);
-    return with_entropy ? launch_partials_typed<T, true>(typed_logits, rows, row_stride, targets, vocab_start,
-                                                         valid, plan, partials, split_states, stream)
-                        : launch_partials_typed<T, false>(typed_logits, rows, row_stride, targets, vocab_start,
-                                                          valid, plan, partials, split_states, stream);
+    return dispatch_flags(with_entropy, thresholds != nullptr, [&](auto entropy, auto filtered) {
+      return launch_partials_typed<T, decltype(entropy)::value, decltype(filtered)::value>(
+          typed_logits, rows, row_stride, targets, vocab_start, valid, plan, thresholds, partials, split_states,
+          stream);
+    });
   });
 }
 
 cudaError_t launch_logprob_backward(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols,
                                     int64_t row_stride, const int64_t* targets, int64_t vocab_start,
                                     int64_t valid_cols, const float* lse, const float* mean_x,
-                                    const float* grad_logprob, const float* grad_entropy, void* grad_logits,
-                                    int64_t grad_row_stride, cudaStream_t stream) {
+                                    const float* grad_logprob, const float* grad_entropy,
+                                    const float* thresholds, void* grad_logits, int64_t grad_row_stride,
+                                    cudaStream_t stream) {
   if (!valid_shape(rows, cols, valid_cols)) return cudaErrorInvalidValue;
   if ((mean_x == nullptr) != (grad_entropy == nullptr)) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   int sm_count = 0;
   const cudaError_t status = current_sm_count(&sm_count);
   if (status != cudaSuccess) return status;
-  const LaunchPlan plan = plan_launch(rows, cols, vector_size_of(dtype), sm_count);
+  const LaunchPlan plan = plan_launch(rows, valid_cols, cols, vector_size_of(dtype), sm_count);
   const bool with_entropy = mean_x != nullptr;
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -576,13 +633,11 @@ cudaError_t launch_logprob_backward(const void* logits, LogitsDType dtype, int64
     }
     const int valid = static_cast<int>(valid_cols);
     const int width = static_cast<int>(cols);
-    return with_entropy
-               ? launch_backward_typed<T, true>(typed_logits, rows, row_stride, targets, vocab_start, valid, width,
-                                                plan, lse, mean_x, grad_logprob, grad_entropy, typed_grad,
-                                                grad_row_stride, stream)
-               : launch_backward_typed<T, false>(typed_logits, rows, row_stride, targets, vocab_start, valid,
-                                                 width, plan, lse, nullptr, grad_logprob, nullptr, typed_grad,
-                                                 grad_row_stride, stream);
+    return dispatch_flags(with_entropy, thresholds != nullptr, [&](auto entropy, auto filtered) {
+      return launch_backward_typed<T, decltype(entropy)::value, decltype(filtered)::value>(
+          typed_logits, rows, row_stride, targets, vocab_start, valid, width, plan, lse, mean_x, grad_logprob,
+          grad_entropy, thresholds, typed_grad, grad_row_stride, stream);
+    });
   });
 }
 

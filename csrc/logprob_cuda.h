@@ -20,7 +20,8 @@ namespace megatron_grpo {
 
 // Bytes of scratch memory `launch_logprob_partials` needs for these sizes on the current device; 0 when every
 // row fits one block and no workspace is needed (then `workspace` may be nullptr).
-size_t logprob_partials_workspace_bytes(int64_t rows, int64_t cols, bool with_entropy);
+// Rows are split across blocks by their `valid_cols`, so the workspace depends on it too.
+size_t logprob_partials_workspace_bytes(int64_t rows, int64_t cols, int64_t valid_cols, bool with_entropy);
 
 // Forward: reduces each row of the shard to fp32 partials [rows, num_partials(with_entropy)], columns as
 // PartialsColumn in logprob_common.h.
@@ -28,22 +29,25 @@ size_t logprob_partials_workspace_bytes(int64_t rows, int64_t cols, bool with_en
 // Only columns [0, valid_cols) are real vocab (0 <= valid_cols <= cols); the rest is padding.
 // targets: int64 [rows] global token ids; < 0 marks an ignored row, whose partials are {0, 1, -inf, 0}.
 // A shard with valid_cols == 0 gives {-inf, 0, -inf, 0} for every other row.
+// thresholds: fp32 [rows] or nullptr. With it, only the logits >= thresholds[row] take part (top-k/top-p) and a
+// target below it has logit -inf; without it the kernels take their unfiltered path.
 cudaError_t launch_logprob_partials(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols,
                                     int64_t row_stride, const int64_t* targets, int64_t vocab_start,
-                                    int64_t valid_cols, bool with_entropy, float* partials, void* workspace,
-                                    cudaStream_t stream);
+                                    int64_t valid_cols, bool with_entropy, const float* thresholds,
+                                    float* partials, void* workspace, cudaStream_t stream);
 
 // Backward: grad_logits[rows, cols] in the logits' dtype (row stride grad_row_stride), with
 //   dx = g_lp * (1[v == y] - p) + g_h * p * (E[x] - x),   p = exp(x - lse),
 // computed in fp32 and rounded once. Padding columns get exactly 0; ignored rows are all 0.
 // lse and grad_logprob are fp32 [rows]; mean_x (= E[x]) and grad_entropy are fp32 [rows] with entropy and
-// both nullptr without it.
+// both nullptr without it. thresholds as in forward: logits below it (the target included) get exactly 0.
 // grad_logits MAY ALIAS logits (in-place backward, same row stride): every element is read and then written by
 // the same thread, and no thread reads an element after it has been written.
 cudaError_t launch_logprob_backward(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols,
                                     int64_t row_stride, const int64_t* targets, int64_t vocab_start,
                                     int64_t valid_cols, const float* lse, const float* mean_x,
-                                    const float* grad_logprob, const float* grad_entropy, void* grad_logits,
-                                    int64_t grad_row_stride, cudaStream_t stream);
+                                    const float* grad_logprob, const float* grad_entropy,
+                                    const float* thresholds, void* grad_logits, int64_t grad_row_stride,
+                                    cudaStream_t stream);
 
 }  // namespace megatron_grpo

@@ -77,3 +77,67 @@ def make_case(rows: int, padded_vocab: int, true_vocab_size: int, dtype: torch.d
     if ignore_every:
         targets[1::ignore_every] = -1  # row 0 stays trained, so single-row cases test a real row
     return logits.to(dtype), targets
+
+
+def filtered_keep_mask(x: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """float64 keep-mask `[T, V]` of the top-k/top-p filtered distribution, written from its definition by
+    sorting (not by the op's thresholds): top-k keeps the logits >= the k-th largest; top-p then keeps a token
+    iff the top-k-renormalised mass of the strictly more probable kept tokens is < p."""
+    x = x.to(torch.float64)
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if top_k is not None and top_k < x.shape[-1]:
+        kth = x.sort(dim=-1, descending=True).values[:, top_k - 1 : top_k]
+        keep &= x >= kth
+    if top_p is not None and top_p < 1.0:
+        probs = torch.softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
+        ascending, order = x.sort(dim=-1)
+        p_sorted = probs.gather(1, order)
+        above = p_sorted.flip(-1).cumsum(-1).flip(-1) - p_sorted  # mass of the later (larger or tied) entries
+        # Strictly larger only: every member of a tie group sees the mass above the group's last member.
+        last_of_tie = torch.searchsorted(ascending.contiguous(), ascending.contiguous(), right=True) - 1
+        strictly_above = above.gather(1, last_of_tie)
+        keep_sorted = strictly_above < top_p
+        keep &= torch.zeros_like(keep).scatter(1, order, keep_sorted)
+    return keep
+
+
+def expected_filtered_logprobs(
+    full_logits: torch.Tensor,
+    targets: torch.Tensor,
+    true_vocab_size: int,
+    top_k: int | None,
+    top_p: float | None,
+    grad_logprob: torch.Tensor | None = None,
+    grad_entropy: torch.Tensor | None = None,
+) -> Expected:
+    """`expected_logprobs` under the filtered distribution: logprob -inf (and no gradient) for a filtered
+    target, the entropy of the filtered distribution, and gradient 0 on filtered logits."""
+    x = full_logits.detach().to(torch.float64)[:, :true_vocab_size].clone().requires_grad_(True)
+    keep = filtered_keep_mask(x.detach(), top_k, top_p)
+    log_p = torch.log_softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
+    trained = targets >= 0
+    target_lp = log_p.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+    logprob = torch.where(trained, target_lp, torch.zeros(()))
+    p = log_p.exp()
+    entropy = torch.where(trained, -(p * torch.where(keep, log_p, torch.zeros(()))).sum(-1), torch.zeros(()))
+    objective = torch.zeros((), dtype=torch.float64)
+    if grad_logprob is not None:
+        finite = torch.isfinite(logprob)
+        objective = objective + torch.where(finite, logprob, torch.zeros(())).mul(grad_logprob.double()).sum()
+    if grad_entropy is not None:
+        objective = objective + (entropy * grad_entropy.to(torch.float64)).sum()
+    grad = torch.zeros(full_logits.shape, dtype=torch.float64)
+    if objective.requires_grad:
+        (g,) = torch.autograd.grad(objective, x)
+        grad[:, :true_vocab_size] = g
+    return Expected(logprob=logprob.detach(), entropy=entropy.detach(), grad=grad)
+
+
+def device_params() -> list:
+    """Devices for op tests that hold on every device: "cpu", and "cuda" marked `gpu` (so `pytest -m gpu` runs
+    it) and skipped with the reason where CUDA is absent."""
+    import pytest
+
+    no_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="needs a CUDA device: torch.cuda.is_available() is False")
+    return ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, no_cuda])]

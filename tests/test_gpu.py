@@ -1,13 +1,18 @@
-"""The CUDA kernels of `vocab_parallel_logprobs` against the float64 anchor (on a GPU machine: `pytest -m gpu`).
+"""GPU-specific cases of the CUDA logprob kernels (on a GPU machine: `pytest -m gpu`).
 
-Every call asks for `implementation="fused"`, which raises instead of falling back to the reference, so these
-tests run `csrc/logprob_cuda.cu`. Cases are built on the CPU (`make_case`), run on CUDA, and compared on the CPU
-with the anchor of `logprob_reference`. TP shards are emulated on one GPU with `vocab_start_index` and
-`true_vocab_size` and no group. The shapes aim at the kernels' paths: tiny rows (V_local = 1, 3), rows split
-across blocks (few rows of 50257 or 131072 columns), rows off a 16-byte boundary, and vector tails.
+The op's general cases (odd shapes, dtypes, padding, ignored targets, -inf, NaN, strides, offsets) run on every
+device in test_logprob_op.py and test_logprob_errors.py. This file holds what only the CUDA kernels have: rows
+split across blocks and merged, the launch heuristic's boundaries, production shapes, offsets beyond 2^31
+elements, streams, several devices, and a random-layout fuzz against the plain-torch reference on the GPU.
+
+Every call asks for `implementation="fused"`, which raises instead of falling back. Values are checked against
+the float64 anchor of `logprob_reference` on the CPU, or, in the fuzz, against `implementation="reference"`.
 """
 
 from __future__ import annotations
+
+import functools
+import random
 
 import pytest
 import torch
@@ -20,19 +25,40 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: torch.cuda.is_available() is False"),
 ]
 
+DEVICE = "cuda"  # every case runs here (a module constant, so that the helpers can be checked on the CPU too)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# (rows T, V_local): one and odd row counts; widths below, near and far above one block's share of a row. The
-# last three have so few rows that forward splits each row across several blocks and merges them.
-SHAPES = [(1, 1), (7, 3), (257, 1000), (257, 50257), (7, 50257), (1, 50257), (3, 131072)]
 LOGPROB_ATOL_FP32 = 1e-5
 ENTROPY_ATOL = 1e-5
 LOW_PRECISION_MARGIN = 2e-6  # bf16/fp16 logprob: at most torch's fp32-upcast error on the same input, plus this
+
+# The launch heuristic (plan_launch in csrc/logprob_cuda.cu): rows are split across blocks while there are fewer
+# than BLOCKS_PER_SM_TO_FILL blocks per SM, into shares of at least MIN_SPLIT_COLS columns, at multiples of
+# SPLIT_ALIGN_COLS. On an H200 (132 SMs) the boundary is 1056 rows.
+BLOCKS_PER_SM_TO_FILL = 8
+MIN_SPLIT_COLS = 4096
+SPLIT_ALIGN_COLS = 8
 
 
 def cuda_ops():
     """torch.ops.megatron_grpo after checking that its CUDA kernels are built (checking also loads _C)."""
     assert fused_supports(torch.device("cuda")), "megatron_grpo._C was built without its CUDA kernels"
     return torch.ops.megatron_grpo
+
+
+def sm_count(device: int | torch.device = 0) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_plan(rows: int, valid_cols: int, sms: int) -> tuple[int, int]:
+    """(splits, split width) as plan_launch computes them, so that tests can aim at its boundaries."""
+    splits = 1
+    fill = sms * BLOCKS_PER_SM_TO_FILL
+    if 0 < rows < fill:
+        splits = min(-(-fill // rows), max(1, -(-valid_cols // MIN_SPLIT_COLS)), 65535)
+    width = -(-(-(-valid_cols // splits)) // SPLIT_ALIGN_COLS) * SPLIT_ALIGN_COLS
+    if width > 0:
+        splits = -(-valid_cols // width)
+    return splits, width
 
 
 def gpu_case(rows: int, vocab: int, true_vocab: int, dtype: torch.dtype, seed: int):
@@ -48,22 +74,24 @@ def upstream_grads(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run_fused(logits, targets, g_lp, g_h, *, with_entropy=True, inplace_backward=False, **layout):
-    """Forward and backward on CUDA; returns (logprob, entropy or None, grad) on the CPU.
+    """Forward and backward on the logits' CUDA device; returns (logprob, entropy or None, grad) on the CPU.
 
     `logits` is a CUDA tensor used as laid out (strides, alignment); with inplace_backward it is overwritten.
     """
+    device = logits.device
     leaf = logits.detach().requires_grad_(True)
-    out = vocab_parallel_logprobs(leaf, targets.cuda(), with_entropy=with_entropy,
+    out = vocab_parallel_logprobs(leaf, targets.to(device), with_entropy=with_entropy,
                                   inplace_backward=inplace_backward, implementation="fused", **layout)
     logprob, entropy = out if with_entropy else (out, None)
-    objective = (logprob * g_lp.cuda()).sum() + ((entropy * g_h.cuda()).sum() if with_entropy else 0)
+    objective = (logprob * g_lp.to(device)).sum() + ((entropy * g_h.to(device)).sum() if with_entropy else 0)
     objective.backward()
     return logprob.detach().cpu(), None if entropy is None else entropy.detach().cpu(), leaf.grad.cpu()
 
 
-def assert_matches_anchor(logits, targets, true_vocab, g_lp, g_h, logprob, entropy, grad):
+def assert_matches_anchor(logits, targets, true_vocab, g_lp, g_h, logprob, entropy, grad, expected=None):
     """Values and gradient against the float64 anchor (all on the CPU; g_h None without entropy)."""
-    expected = expected_logprobs(logits, targets, true_vocab, g_lp, g_h)
+    if expected is None:
+        expected = expected_logprobs(logits, targets, true_vocab, g_lp, g_h)
     assert logprob.dtype == torch.float32
     logprob_err = float((logprob.double() - expected.logprob).abs().max())
     if logits.dtype == torch.float32:
@@ -84,38 +112,17 @@ def test_cuda_kernels_are_built():
 
 
 @pytest.mark.parametrize("with_entropy", [False, True])
-@pytest.mark.parametrize("rows,vocab", SHAPES)
+@pytest.mark.parametrize("rows,vocab", [(257, 50257), (7, 50257), (1, 50257), (3, 131072)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_matches_float64_anchor(dtype, rows, vocab, with_entropy):
-    true_vocab = max(1, vocab - vocab // 7)  # a padded tail whenever vocab > 1
+def test_rows_split_across_blocks_match_anchor(dtype, rows, vocab, with_entropy):
+    """Few rows of many columns: forward splits each row across blocks and merges their partials."""
+    assert split_plan(rows, vocab, sm_count())[0] > 1
+    true_vocab = vocab - vocab // 7
     logits, targets = gpu_case(rows, vocab, true_vocab, dtype, seed=rows * 1000 + vocab)
     g_lp, g_h = upstream_grads(rows, seed=rows)
-    logprob, entropy, grad = run_fused(logits.cuda(), targets, g_lp, g_h, with_entropy=with_entropy,
+    logprob, entropy, grad = run_fused(logits.to(DEVICE), targets, g_lp, g_h, with_entropy=with_entropy,
                                        true_vocab_size=true_vocab)
     assert_matches_anchor(logits, targets, true_vocab, g_lp, g_h if with_entropy else None, logprob, entropy, grad)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_shard_at_an_offset(dtype):
-    """A shard at vocab_start_index with a padded tail: owned targets match the anchor over the shard's own
-    real columns; a target on another shard has logprob -inf and local gradient -g_lp * p."""
-    rows, v_local, vocab_start, true_vocab = 9, 1000, 3000, 3937
-    valid = true_vocab - vocab_start
-    logits, local_targets = make_case(rows, v_local, valid, dtype, seed=21, ignore_every=0)
-    foreign = torch.arange(rows) % 3 == 0
-    targets = torch.where(foreign, torch.arange(rows) * 100, local_targets + vocab_start)
-    targets[4] = -1
-    g_lp, _ = upstream_grads(rows, seed=22)
-    logprob, _, grad = run_fused(logits.cuda(), targets, g_lp, None, with_entropy=False,
-                                 vocab_start_index=vocab_start, true_vocab_size=true_vocab)
-    assert bool((logprob[foreign] == float("-inf")).all())
-    owned = ~foreign
-    anchor_targets = torch.where(targets >= 0, targets - vocab_start, -1)
-    assert_matches_anchor(logits[owned], anchor_targets[owned], valid, g_lp[owned], None, logprob[owned], None,
-                          grad[owned])
-    p = torch.softmax(logits[foreign, :valid].double(), dim=-1)
-    assert_grad_close(grad[foreign, :valid], -g_lp[foreign, None].double() * p, dtype)
-    assert bool((grad[:, valid:] == 0).all())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -124,15 +131,15 @@ def test_padding_only_shard_partials(dtype, rows, cols):
     """valid_cols == 0: partials {-inf, 0, -inf, 0}, ignored rows {0, 1, -inf, 0}; the gradient is all 0."""
     ops = cuda_ops()
     logits, targets = make_case(rows, cols, cols, dtype, seed=31, ignore_every=0)
-    logits, targets = logits.cuda(), targets.cuda()
+    logits, targets = logits.to(DEVICE), targets.to(DEVICE)
     targets[0] = -1
-    partials = ops.logprob_partials(logits, targets, 50000, 0, True).cpu()
+    partials = ops.logprob_partials(logits, targets, 50000, 0, True, None).cpu()
     inf = float("inf")
     expected = torch.tensor([[0.0, 1.0, -inf, 0.0]] + [[-inf, 0.0, -inf, 0.0]] * (rows - 1))
     assert torch.equal(partials, expected)
     grad = torch.full_like(logits, 7.0)
-    zeros, ones = torch.zeros(rows, device="cuda"), torch.ones(rows, device="cuda")
-    ops.logprob_backward(logits, targets, 50000, 0, zeros, zeros, ones, ones, grad)
+    zeros, ones = torch.zeros(rows, device=DEVICE), torch.ones(rows, device=DEVICE)
+    ops.logprob_backward(logits, targets, 50000, 0, zeros, zeros, ones, ones, grad, None)
     assert bool((grad == 0).all())
 
 
@@ -144,7 +151,8 @@ def test_partials_match_float64(dtype, rows, cols, with_entropy):
     (s = sum exp(x - m) (x - m), see PartialsColumn)."""
     valid = cols - 5
     logits, targets = gpu_case(rows, cols, valid, dtype, seed=41)
-    partials = cuda_ops().logprob_partials(logits.cuda(), targets.cuda(), 0, valid, with_entropy).cpu().double()
+    partials = cuda_ops().logprob_partials(logits.to(DEVICE), targets.to(DEVICE), 0, valid, with_entropy, None)
+    partials = partials.cpu().double()
     x = logits[:, :valid].double()
     m = x.max(dim=-1).values
     e = torch.exp(x - m[:, None])
@@ -158,32 +166,15 @@ def test_partials_match_float64(dtype, rows, cols, with_entropy):
     assert torch.equal(partials[~live], ignored_row.expand(int((~live).sum()), -1))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_minus_inf_logits_are_masked_tokens(dtype):
-    """-inf (top-k/top-p masking) is legal and contributes nothing; no NaN anywhere."""
-    rows, cols = 257, 1001  # an odd width puts most rows off a 16-byte boundary: column 0 is in a scalar head
-    logits, targets = gpu_case(rows, cols, cols, dtype, seed=51)
-    mask = torch.rand(rows, cols, generator=torch.Generator().manual_seed(52)) < 0.3
-    mask[:, 0] = True
-    live = torch.nonzero(targets >= 0).squeeze(1)
-    mask[live, targets[live]] = False  # targets stay unmasked
-    logits = logits.masked_fill(mask, float("-inf"))
-    g_lp, g_h = upstream_grads(rows, seed=53)
-    logprob, entropy, grad = run_fused(logits.cuda(), targets, g_lp, g_h)
-    assert bool(torch.isfinite(logprob).all() and torch.isfinite(entropy).all() and torch.isfinite(grad).all())
-    assert_matches_anchor(logits, targets, cols, g_lp, g_h, logprob, entropy, grad)
-    assert bool((grad[mask] == 0).all())
-
-
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
-@pytest.mark.parametrize("rows,cols", [(7, 1000), (3, 131072)])
-def test_nan_or_inf_poisons_only_its_own_row(poison, rows, cols):
+def test_nan_or_inf_in_one_split_poisons_only_its_own_row(poison):
+    rows, cols = 3, 131072
     logits, targets = make_case(rows, cols, cols, torch.float32, seed=61, ignore_every=0)
     bad = logits.clone()
     bad[1, cols // 2] = poison
     g_lp, g_h = upstream_grads(rows, seed=62)
-    logprob, entropy, grad = run_fused(bad.cuda(), targets, g_lp, g_h)
-    clean, clean_entropy, clean_grad = run_fused(logits.cuda(), targets, g_lp, g_h)
+    logprob, entropy, grad = run_fused(bad.to(DEVICE), targets, g_lp, g_h)
+    clean, clean_entropy, clean_grad = run_fused(logits.to(DEVICE), targets, g_lp, g_h)
     assert bool(torch.isnan(logprob[1])) and bool(torch.isnan(entropy[1]))
     others = torch.arange(rows) != 1
     assert torch.equal(logprob[others], clean[others])
@@ -191,55 +182,192 @@ def test_nan_or_inf_poisons_only_its_own_row(poison, rows, cols):
     assert torch.equal(grad[others], clean_grad[others])
 
 
-@pytest.mark.parametrize("inplace_backward", [False, True])
-@pytest.mark.parametrize("rows,cols", [(7, 1000), (257, 3), (3, 50257)])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rows_not_16_byte_aligned(dtype, rows, cols, inplace_backward):
-    """A slice from column 1 of a wider tensor: rows start off a 16-byte boundary, each differently.
+@functools.lru_cache(maxsize=2)
+def production_case(dtype: torch.dtype):
+    """2048 x 32771 logits (an odd width: rows alternate alignments) with a padded tail, and their anchor."""
+    rows, cols, true_vocab = 2048, 32771, 32771 - 67
+    logits, targets = gpu_case(rows, cols, true_vocab, dtype, seed=2048)
+    g_lp, g_h = upstream_grads(rows, seed=2049)
+    return logits, targets, true_vocab, g_lp, g_h, expected_logprobs(logits, targets, true_vocab, g_lp, g_h)
 
-    The default backward writes a fresh gradient whose alignment differs from the logits' (the scalar
-    fallback); the in-place one writes back through the same rows (scalar head, vector body, scalar tail).
-    """
-    logits, targets = gpu_case(rows, cols, cols, dtype, seed=71)
-    wide = torch.zeros(rows, cols + 9, dtype=dtype, device="cuda")
-    wide[:, 1 : cols + 1] = logits.cuda()
-    sliced = wide[:, 1 : cols + 1]
-    assert sliced.data_ptr() % 16 != 0 and sliced.stride(0) == cols + 9
-    g_lp, g_h = upstream_grads(rows, seed=72)
-    logprob, entropy, grad = run_fused(sliced, targets, g_lp, g_h, inplace_backward=inplace_backward)
+
+@pytest.mark.parametrize("inplace_backward", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_production_shape_2048_rows_of_32771(dtype, inplace_backward):
+    """Enough rows that no row is split (below 256 SMs): the one-block-per-row, 256-thread path at a
+    production size."""
+    logits, targets, true_vocab, g_lp, g_h, expected = production_case(dtype)
+    logprob, entropy, grad = run_fused(logits.to(DEVICE), targets, g_lp, g_h, inplace_backward=inplace_backward,
+                                       true_vocab_size=true_vocab)
+    assert_matches_anchor(logits, targets, true_vocab, g_lp, g_h, logprob, entropy, grad, expected)
+
+
+@pytest.mark.parametrize("inplace_backward", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_row_offsets_beyond_2_to_the_31_elements(dtype, inplace_backward):
+    """Five rows `as_strided` from one buffer of more than 2^31 elements: the last row starts past 2^31, so any
+    32-bit row offset in the kernels reads the wrong row. The odd stride also misaligns every row differently."""
+    rows, cols, stride = 5, 4099, 2**29 + 13
+    assert (rows - 1) * stride > 2**31
+    logits, targets = gpu_case(rows, cols, cols, dtype, seed=97)
+    g_lp, g_h = upstream_grads(rows, seed=98)
+    buffer = torch.empty((rows - 1) * stride + cols, dtype=dtype, device=DEVICE)
+    strided = buffer.as_strided((rows, cols), (stride, 1))
+    strided.copy_(logits.to(DEVICE))
+    logprob, entropy, grad = run_fused(strided, targets, g_lp, g_h, inplace_backward=inplace_backward)
+    del buffer, strided
     assert_matches_anchor(logits, targets, cols, g_lp, g_h, logprob, entropy, grad)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_non_contiguous_batched_input(dtype):
-    """[B, S, V] logits whose vocab dim is strided (a permuted [V, S, B] buffer)."""
-    batch, seq, cols = 3, 5, 1000
-    logits, targets = gpu_case(batch * seq, cols, cols, dtype, seed=81)
-    strided = logits.cuda().reshape(batch, seq, cols).permute(2, 1, 0).contiguous().permute(2, 1, 0)
-    assert not strided.is_contiguous() and strided.stride(-1) != 1
-    g_lp, g_h = upstream_grads(batch * seq, seed=82)
-    leaf = strided.detach().requires_grad_(True)
-    logprob, entropy = vocab_parallel_logprobs(leaf, targets.reshape(batch, seq).cuda(), with_entropy=True,
+def test_66000_contiguous_rows_of_32768_bf16():
+    """4.3 GB of bf16 logits, rows 65536 and on start past 2^31 elements; rows around that boundary (and the
+    first and last) are checked against the anchor, in place (one buffer of that size is enough)."""
+    rows, cols = 66000, 32768
+    gen = torch.Generator(DEVICE).manual_seed(5)
+    logits = torch.randn(rows, cols, device=DEVICE, generator=gen).mul_(3).to(torch.bfloat16)
+    targets = torch.randint(0, cols, (rows,), device=DEVICE, generator=gen)
+    targets[1::4] = -1
+    g_lp, g_h = torch.randn(rows, device=DEVICE, generator=gen), torch.randn(rows, device=DEVICE, generator=gen)
+    checked = torch.tensor([0, 1, 65535, 65536, 65537, rows - 1], device=DEVICE)
+    logits_checked = logits[checked].cpu()
+    leaf = logits.requires_grad_(True)
+    logprob, entropy = vocab_parallel_logprobs(leaf, targets, with_entropy=True, inplace_backward=True,
                                                implementation="fused")
-    ((logprob.reshape(-1) * g_lp.cuda()).sum() + (entropy.reshape(-1) * g_h.cuda()).sum()).backward()
-    assert_matches_anchor(logits, targets, cols, g_lp, g_h, logprob.detach().reshape(-1).cpu(),
-                          entropy.detach().reshape(-1).cpu(), leaf.grad.reshape(-1, cols).cpu())
+    ((logprob * g_lp).sum() + (entropy * g_h).sum()).backward()
+    grad = leaf.grad[checked].cpu()
+    results = logprob.detach()[checked].cpu(), entropy.detach()[checked].cpu(), grad
+    del logits, leaf, logprob, entropy
+    cpu = {name: t[checked].cpu() for name, t in {"targets": targets, "g_lp": g_lp, "g_h": g_h}.items()}
+    assert_matches_anchor(logits_checked, cpu["targets"], cols, cpu["g_lp"], cpu["g_h"], *results)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows,cols", [(257, 1000), (3, 131072)])
-def test_inplace_backward_gives_the_same_gradient(dtype, rows, cols):
-    logits, targets = gpu_case(rows, cols, cols - 3, dtype, seed=91)
-    g_lp, g_h = upstream_grads(rows, seed=92)
-    layout = {"true_vocab_size": cols - 3}
-    _, _, default_grad = run_fused(logits.cuda(), targets, g_lp, g_h, **layout)
-    _, _, inplace_grad = run_fused(logits.cuda(), targets, g_lp, g_h, inplace_backward=True, **layout)
-    assert torch.equal(inplace_grad, default_grad)
+def boundary_cases(sms: int) -> list[tuple[int, int, int]]:
+    """(rows, cols, valid_cols): rows at the split boundary (SMs x 8 -1, +0, +1: 1055, 1056, 1057 on an H200),
+    4097 and 8200 columns, and valid_cols at the split width (of the whole row) -1, +0, +1, and 0."""
+    fill = sms * BLOCKS_PER_SM_TO_FILL
+    cases = []
+    for rows in (fill - 1, fill, fill + 1):
+        for cols in (4097, 8200):
+            width = split_plan(fill - 1, cols, sms)[1]
+            for valid in sorted({0, width - 1, width, width + 1}):
+                cases.append((rows, cols, valid))
+    return cases
 
 
-def test_input_logits_are_never_written():
-    logits, targets = gpu_case(7, 50257, 50257, torch.bfloat16, seed=101)
-    on_gpu = logits.cuda()
-    g_lp, g_h = upstream_grads(7, seed=102)
-    run_fused(on_gpu, targets, g_lp, g_h)
-    assert torch.equal(on_gpu.cpu(), logits)
+@pytest.mark.parametrize("rows,cols,valid", boundary_cases(sm_count()) if torch.cuda.is_available() else [])
+def test_split_heuristic_boundary(rows, cols, valid):
+    """Values on both sides of the launch heuristic's boundaries, bf16 (16 bytes = one split alignment)."""
+    dtype = torch.bfloat16
+    logits, targets = gpu_case(rows, cols, max(valid, 1), dtype, seed=rows + cols + valid)
+    g_lp, g_h = upstream_grads(rows, seed=valid)
+    if valid == 0:  # a shard of padding only (TP): it contributes empty partials and a gradient of exactly 0
+        ops, x, t = cuda_ops(), logits.to(DEVICE), targets.to(DEVICE)
+        partials = ops.logprob_partials(x, t, cols, 0, True, None).cpu()
+        live, inf = targets >= 0, float("inf")
+        assert torch.equal(partials[live], torch.tensor([-inf, 0.0, -inf, 0.0]).expand(int(live.sum()), -1))
+        assert torch.equal(partials[~live], torch.tensor([0.0, 1.0, -inf, 0.0]).expand(int((~live).sum()), -1))
+        lse = torch.randn(rows, device=DEVICE)  # the softmax of the other ranks' columns
+        grad = torch.full_like(x, 7.0)
+        ops.logprob_backward(x, t, cols, 0, lse, lse, g_lp.to(DEVICE), g_h.to(DEVICE), grad, None)
+        assert bool((grad == 0).all())
+        return
+    logprob, entropy, grad = run_fused(logits.to(DEVICE), targets, g_lp, g_h, true_vocab_size=valid)
+    assert_matches_anchor(logits, targets, valid, g_lp, g_h, logprob, entropy, grad)
+
+
+@pytest.mark.parametrize("rows,cols", [(3, 131072), (2048, 4099)])
+def test_forward_and_backward_on_a_side_stream_without_sync(rows, cols):
+    """Everything on a side stream, the logits made there behind a ~50 ms sleep: a kernel (or the split-merge
+    workspace) launched on another stream would run before the logits exist, and the values would be wrong."""
+    logits, targets = gpu_case(rows, cols, cols - 3, torch.bfloat16, seed=rows)
+    g_lp, g_h = upstream_grads(rows, seed=rows + 1)
+    # Everything the side stream needs is copied first: a copy from pageable host memory waits for its stream.
+    source, targets_d, g_lp_d, g_h_d = logits.to(DEVICE), targets.to(DEVICE), g_lp.to(DEVICE), g_h.to(DEVICE)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)
+        made_here = source * 1  # written by the side stream, after the sleep
+        leaf = made_here.detach().requires_grad_(True)
+        # check_inputs=False: the target check's host sync would wait for the side stream and hide a race.
+        logprob, entropy = vocab_parallel_logprobs(leaf, targets_d, true_vocab_size=cols - 3, with_entropy=True,
+                                                   check_inputs=False, implementation="fused")
+        ((logprob * g_lp_d).sum() + (entropy * g_h_d).sum()).backward()
+        results = logprob.detach().cpu(), entropy.detach().cpu(), leaf.grad.cpu()  # .cpu() waits for `side`
+    assert_matches_anchor(logits, targets, cols - 3, g_lp, g_h, *results)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second CUDA device")
+@pytest.mark.parametrize("rows,cols", [(7, 1000), (3, 131072)])
+def test_a_second_device_while_device_0_is_current(rows, cols):
+    """Tensors on cuda:1 with cuda:0 current: kernels, workspace and stream must follow the tensors."""
+    assert torch.cuda.current_device() == 0
+    logits, targets = gpu_case(rows, cols, cols - 1, torch.float32, seed=11)
+    g_lp, g_h = upstream_grads(rows, seed=12)
+    logprob, entropy, grad = run_fused(logits.to("cuda:1"), targets, g_lp, g_h, true_vocab_size=cols - 1)
+    assert torch.cuda.current_device() == 0
+    assert_matches_anchor(logits, targets, cols - 1, g_lp, g_h, logprob, entropy, grad)
+
+
+def random_layout_case(rng: random.Random):
+    """A random shard layout: dtype, shape, storage offset 1-7, padded row stride, vocab offset and padding."""
+    dtype = rng.choice(DTYPES)
+    rows = rng.choice([1, 2, 7, rng.randint(1, 300), rng.randint(1000, 1200)])
+    cols = rng.choice([1, 3, rng.randint(1, 9000), rng.randint(30000, 70000)])
+    offset, stride = rng.randint(1, 7), cols + rng.choice([0, 1, 5, 8, rng.randint(0, 40)])
+    vocab_start = rng.choice([0, 0, rng.randint(1, 3 * cols)])
+    valid = rng.choice([cols, rng.randint(0, cols)])
+    if vocab_start + valid == 0:  # true_vocab_size must be > 0: make it a shard of padding only
+        vocab_start = cols
+    return dict(dtype=dtype, rows=rows, cols=cols, offset=offset, stride=stride, vocab_start=vocab_start,
+                true_vocab=vocab_start + valid, with_entropy=rng.random() < 0.7, inplace=rng.random() < 0.5)
+
+
+def laid_out(case: dict, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The case's logits on the GPU (padding columns 1e4, so that a leak shows) and its targets."""
+    rows, cols, stride, offset = case["rows"], case["cols"], case["stride"], case["offset"]
+    gen = torch.Generator(DEVICE).manual_seed(seed)
+    storage = torch.randn(offset + rows * stride, device=DEVICE, generator=gen).mul_(3).to(case["dtype"])
+    logits = storage.as_strided((rows, cols), (stride, 1), offset)
+    logits[:, max(case["true_vocab"] - case["vocab_start"], 0):] = 1e4
+    targets = torch.randint(0, case["true_vocab"], (rows,), device=DEVICE, generator=gen)
+    targets[1::3] = -1
+    return logits, targets
+
+
+def run_on_layout(logits, targets, case, implementation):
+    """Forward and backward on a copy of the case's buffer (same offset and strides); results on the CPU."""
+    elements = logits.untyped_storage().nbytes() // logits.element_size()
+    storage = logits.new_empty(elements)
+    storage.copy_(logits.as_strided((elements,), (1,), 0))
+    copy = storage.as_strided(logits.shape, logits.stride(), logits.storage_offset())
+    leaf = copy.detach().requires_grad_(True)
+    out = vocab_parallel_logprobs(leaf, targets, vocab_start_index=case["vocab_start"],
+                                  true_vocab_size=case["true_vocab"], with_entropy=case["with_entropy"],
+                                  inplace_backward=case["inplace"], implementation=implementation)
+    logprob, entropy = out if case["with_entropy"] else (out, None)
+    gen = torch.Generator().manual_seed(3)
+    g_lp, g_h = (torch.randn(logprob.shape, generator=gen).to(DEVICE) for _ in range(2))
+    finite = torch.isfinite(logprob)  # a target on another rank's columns: logprob -inf, a constant
+    objective = torch.where(finite, logprob * g_lp, 0).sum()
+    if entropy is not None:
+        objective = objective + torch.where(torch.isfinite(entropy), entropy * g_h, 0).sum()
+    objective.backward()
+    return logprob.detach().cpu(), None if entropy is None else entropy.detach().cpu(), leaf.grad.cpu()
+
+
+@pytest.mark.parametrize("seed", range(48))
+def test_random_layouts_match_the_reference_on_the_gpu(seed):
+    """Fused against implementation="reference" on the same GPU layout: offsets, strides, padding, shards."""
+    case = random_layout_case(random.Random(seed))
+    logits, targets = laid_out(case, seed)
+    fused = run_on_layout(logits, targets, case, "fused")
+    reference = run_on_layout(logits, targets, case, "reference")
+    where = f"case {case}"
+    assert torch.equal(torch.isfinite(fused[0]), torch.isfinite(reference[0])), where
+    torch.testing.assert_close(fused[0], reference[0], atol=1e-5, rtol=1e-6, equal_nan=True, msg=where)
+    if case["with_entropy"]:
+        torch.testing.assert_close(fused[1], reference[1], atol=1e-4, rtol=1e-5, equal_nan=True, msg=where)
+    valid = min(max(case["true_vocab"] - case["vocab_start"], 0), case["cols"])
+    assert bool((fused[2][:, valid:] == 0).all()), f"padding columns must get exactly zero gradient: {where}"
+    assert_grad_close(fused[2], reference[2].double(), case["dtype"], roundings=2)

@@ -1,10 +1,12 @@
 """Kernel benchmark: `python -m megatron_grpo bench logprob [--quick] [--device cpu|cuda] [--out DIR]`.
 
 In one run, for each setup (TP size, dtype, T x V_local per rank), it times forward and forward+backward of the
-fused op (default and in-place backward modes), the plain-torch reference, naive torch (TP=1), Megatron-Core's
-`vocab_parallel_cross_entropy` and TE's `parallel_cross_entropy` where importable. Every method gets a fresh
-clone of the same logits, made outside the timed region. It reports medians, peak extra memory, ratios
-against the peers and the fraction of a copy's memory bandwidth that the fused forward reaches.
+fused op (default and in-place backward modes), the plain-torch reference, naive torch (TP=1), and the optional
+peers, Megatron-Core's `vocab_parallel_cross_entropy` and TE's `parallel_cross_entropy`, where they import (a
+missing peer is reported as missing). Every method gets a fresh clone of the same logits in the layout it
+documents, made outside the timed region. It reports medians, peak extra memory, ratios against the peers and
+the fraction of a copy's memory bandwidth that the fused forward reaches. The ranks run in child processes; the
+parent never waits on them without a timeout.
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import queue as queue_module
+import sys
+import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -44,8 +50,26 @@ class Result:
     gradient_mib: float          # the size of a fresh gradient (0 when written in place)
 
 
-# A method maps (logits shard, targets, TP group) to per-token logprobs whose backward is timed.
-Method = Callable[[torch.Tensor, torch.Tensor, "dist.ProcessGroup | None"], torch.Tensor]
+# The layouts the methods document for their logits: ours and naive torch take [tokens, V_local]; Megatron's
+# vocab_parallel_cross_entropy documents [sequence, batch, V_local]; TE's parallel_cross_entropy [batch, sequence,
+# V_local]. The benchmark feeds each its own (batch 1), as a fresh leaf, and takes the gradient with
+# torch.autograd.grad: what the layer below the logits would receive. (`.backward()` into a leaf would add
+# autograd's accumulate-into-.grad step, which copies any gradient still referenced elsewhere, e.g. Megatron's,
+# written into its input's own buffer: a whole extra [T, V] copy that no training step pays.)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One benchmarked method: `run(logits, targets, group)` -> per-token logprobs shaped like `targets`, with
+    `logits` laid out as `layout` documents."""
+
+    run: Callable[[torch.Tensor, torch.Tensor, "dist.ProcessGroup | None"], torch.Tensor]
+    layout: str = "tokens"
+
+
+def shape_for(layout: str, tokens: int) -> tuple[int, ...]:
+    """The batch shape of `tokens` tokens in a layout (batch size 1 for the 3-D ones)."""
+    return {"tokens": (tokens,), "sbv": (tokens, 1), "bsv": (1, tokens)}[layout]
 
 
 def fused(x, targets, group):
@@ -61,61 +85,81 @@ def reference(x, targets, group):
 
 
 def naive_torch(x, targets, group):
-    return torch.log_softmax(x.float(), dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+    return torch.log_softmax(x.float(), dim=-1).gather(-1, targets[..., None]).squeeze(-1)
 
 
-def megatron_cross_entropy(x, targets, group):
+# Optional peers: each loader returns the method, or raises with the reason it is not available here. A peer that
+# fails to load is reported as missing, never as a crash. Fused linear+logprob peers (which take hidden states
+# and the output weight instead of logits) would need their own setup and are not benchmarked yet.
+def load_megatron(device: torch.device, tp: int) -> Method:
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    return -vocab_parallel_cross_entropy(x, targets)  # consumes fp32 input in place: no extra clone given
+    def megatron_cross_entropy(x, targets, group):
+        return -vocab_parallel_cross_entropy(x, targets)  # its TP group: parallel_state, set up by _rank_main
+
+    return Method(megatron_cross_entropy, layout="sbv")
 
 
-def transformer_engine_cross_entropy():
-    """TE's parallel_cross_entropy when TE imports and runs here (it raises RuntimeError without CUDA libs)."""
-    try:
-        from transformer_engine.pytorch.cross_entropy import parallel_cross_entropy
-    except Exception:  # noqa: BLE001 - any failure means "not available on this machine"
-        return None
+def load_transformer_engine(device: torch.device, tp: int) -> Method:
+    if device.type != "cuda":
+        raise RuntimeError("TE's parallel_cross_entropy runs on CUDA only")
+    from transformer_engine.pytorch.cross_entropy import parallel_cross_entropy
 
-    def method(x, targets, group):
-        return -parallel_cross_entropy(x[None], targets[None], 0.0, False, group).squeeze(0)
+    def te_cross_entropy(x, targets, group):
+        return -parallel_cross_entropy(x, targets, 0.0, False, group)
 
-    return method
+    return Method(te_cross_entropy, layout="bsv")
 
 
-def methods_for(setup: Setup, device: torch.device) -> dict[str, Method]:
-    methods: dict[str, Method] = {
-        "fused": fused,
-        "fused (inplace_backward)": fused_inplace,
-        "reference": reference,
-        "megatron vocab_parallel_cross_entropy": megatron_cross_entropy,
+MEGATRON = "megatron vocab_parallel_cross_entropy"
+OPTIONAL_PEERS: dict[str, Callable[[torch.device, int], Method]] = {
+    MEGATRON: load_megatron,
+    "te parallel_cross_entropy": load_transformer_engine,
+}
+
+
+def methods_for(setup: Setup, device: torch.device) -> tuple[dict[str, Method], dict[str, str]]:
+    """The methods to time for a setup, and the optional peers that are missing here, each with its reason."""
+    methods = {
+        "fused": Method(fused),
+        "fused (inplace_backward)": Method(fused_inplace),
+        "reference": Method(reference),
     }
     if setup.tp == 1:
-        methods["naive torch"] = naive_torch
-    te = transformer_engine_cross_entropy() if device.type == "cuda" else None
-    if te is not None:
-        methods["te parallel_cross_entropy"] = te
-    return methods
+        methods["naive torch"] = Method(naive_torch)
+    missing = {}
+    for name, load in OPTIONAL_PEERS.items():
+        try:
+            methods[name] = load(device, setup.tp)
+        except Exception as exc:  # noqa: BLE001 - any failure means "not available on this machine"
+            missing[name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return methods, missing
 
 
-def benchmark_setup(setup: Setup, device: torch.device, group, repeats: int) -> list[Result]:
+def benchmark_setup(setup: Setup, device: torch.device, group, repeats: int) -> tuple[list[Result], dict[str, str]]:
+    """Times every available method on one setup; also returns the missing peers and why."""
     rank = 0 if group is None else dist.get_rank(group)
     dtype = DTYPES[setup.dtype]
     gen = torch.Generator(device="cpu").manual_seed(1234 + rank)
     logits = (torch.randn(setup.tokens, setup.v_local, generator=gen) * 3).to(device=device, dtype=dtype)
     full_vocab = setup.v_local * setup.tp
     targets = torch.randint(0, full_vocab, (setup.tokens,), generator=torch.Generator().manual_seed(7)).to(device)
-    grad_out = torch.ones(setup.tokens, device=device)
+    methods, missing = methods_for(setup, device)
     results = []
-    for name, method in methods_for(setup, device).items():
+    for name, method in methods.items():
+        batch = shape_for(method.layout, setup.tokens)
+        shaped_logits = logits.reshape(*batch, setup.v_local)
+        shaped_targets = targets.reshape(batch)
+        grad_out = torch.ones(batch, device=device)
+
         def fresh():
-            return logits.clone().requires_grad_(True)
+            return shaped_logits.clone().requires_grad_(True)
 
         def forward(x):
-            method(x, targets, group)
+            method.run(x, shaped_targets, group)
 
         def forward_backward(x):
-            method(x, targets, group).backward(grad_out)
+            torch.autograd.grad(method.run(x, shaped_targets, group), x, grad_out)
 
         fwd = median_seconds(forward, fresh, device, repeats)
         fwd_bwd = median_seconds(forward_backward, fresh, device, repeats)
@@ -125,33 +169,85 @@ def benchmark_setup(setup: Setup, device: torch.device, group, repeats: int) -> 
             setup=setup, method=name, forward_ms=1e3 * fwd, forward_backward_ms=1e3 * fwd_bwd,
             peak_extra_mib=peak / 2**20, gradient_mib=0.0 if in_place else logits.nbytes / 2**20,
         ))
-    return results
+    return results, missing
+
+
+def _tp_group(world: int):
+    """Megatron's TP group where megatron-core imports (its cross entropy reads parallel_state), else WORLD."""
+    try:
+        from megatron.core import parallel_state
+    except Exception:  # noqa: BLE001 - the Megatron peer is then reported missing
+        return dist.group.WORLD, None
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    return parallel_state.get_tensor_model_parallel_group(), parallel_state
 
 
 def _rank_main(rank: int, world: int, port: int, setups: list[Setup], device_type: str, repeats: int,
                threads: int, queue) -> None:
-    """One TP rank: joins the group, runs the setups of this TP size, and rank 0 reports."""
-    from megatron.core import parallel_state
-
-    torch.set_num_threads(threads)
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    """One TP rank: joins the group, runs the setups of this TP size; rank 0 reports (or any rank its error)."""
     try:
+        torch.set_num_threads(threads)
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-        group = parallel_state.get_tensor_model_parallel_group()
-        results = [r for setup in setups for r in benchmark_setup(setup, device, group, repeats)]
+        group, parallel_state = _tp_group(world)
+        results, missing = [], {}
+        for setup in setups:
+            setup_results, setup_missing = benchmark_setup(setup, device, group, repeats)
+            results += [asdict(r) for r in setup_results]
+            missing.update(setup_missing)
         if rank == 0:
-            queue.put([asdict(r) for r in results])
-        parallel_state.destroy_model_parallel()
-    finally:
+            queue.put(("ok", results, missing))
+        if parallel_state is not None:
+            parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+    except BaseException:
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}", None))
+        raise
 
 
-def run_tp(tp: int, setups: list[Setup], device_type: str, repeats: int) -> list[dict]:
-    """Runs the setups on `tp` fresh processes (a gloo or NCCL group, even for TP=1)."""
+def _stop(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
+
+
+def collect(queue, procs, timeout_s: float, poll_s: float = 1.0):
+    """Rank 0's results, waiting at most `timeout_s`; fails at once, naming the rank, when a rank errs or dies.
+
+    Never blocks on the queue without a timeout: a child that dies before reporting must not hang the parent.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # Read before the wait: whatever a rank sent before it exited is in the queue by the end of the wait.
+        exit_codes = [p.exitcode for p in procs]
+        try:
+            status, payload, missing = queue.get(timeout=poll_s)
+        except queue_module.Empty:
+            dead = [(i, code) for i, code in enumerate(exit_codes) if code not in (None, 0)]
+            if dead:
+                _stop(procs)
+                raise RuntimeError("benchmark rank(s) died before reporting: " + ", ".join(
+                    f"rank {i} exit code {code}" for i, code in dead))
+            if all(code == 0 for code in exit_codes):
+                raise RuntimeError("benchmark ranks exited without reporting results")
+            if time.monotonic() > deadline:
+                _stop(procs)
+                raise TimeoutError(f"benchmark ranks gave no result within {timeout_s:.0f} s")
+            continue
+        if status == "error":
+            _stop(procs)
+            raise RuntimeError(f"benchmark failed on {payload}")
+        return payload, missing
+
+
+def run_tp(tp: int, setups: list[Setup], device_type: str, repeats: int,
+           timeout_s: float = 3600.0) -> tuple[list[dict], dict[str, str]]:
+    """Runs the setups on `tp` fresh processes (a gloo or NCCL group, even for TP=1): results and missing peers."""
     import socket
 
     import torch.multiprocessing as mp
@@ -166,57 +262,74 @@ def run_tp(tp: int, setups: list[Setup], device_type: str, repeats: int) -> list
              for r in range(tp)]
     for p in procs:
         p.start()
-    results = queue.get()
+    try:
+        results, missing = collect(queue, procs, timeout_s)
+    except BaseException:
+        _stop(procs)
+        raise
     for p in procs:
-        p.join()
-        if p.exitcode != 0:
-            raise RuntimeError(f"benchmark rank exited with {p.exitcode}")
-    return results
+        p.join(timeout=60)
+    failed = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (0, None)]
+    stuck = [i for i, p in enumerate(procs) if p.exitcode is None]
+    _stop(procs)
+    if failed:
+        raise RuntimeError("benchmark rank(s) failed after reporting: " + ", ".join(
+            f"rank {i} exit code {code}" for i, code in failed))
+    if stuck:
+        print(f"bench logprob: rank(s) {stuck} still running 60 s after reporting; stopped", file=sys.stderr)
+    return results, missing
 
 
 def speedup(peer_ms: float | None, ms: float) -> str:
     return "-" if peer_ms is None else f"{peer_ms / ms:.2f}x"
 
 
-def report(results: list[dict], device: torch.device, bandwidth: float, repeats: int, quick: bool) -> str:
+def report(results: list[dict], device: torch.device, bandwidth: float, repeats: int, quick: bool,
+           missing: dict[str, str] | None = None, command: str | None = None) -> str:
+    """The Markdown report. Any method may be absent (a peer missing here shows as "-" in its ratio column)."""
+    command = command or f"python -m megatron_grpo bench logprob --device {device.type}{' --quick' if quick else ''}"
     lines = [
         f"# Logprob kernel benchmark ({device.type}{', quick' if quick else ''})",
         "",
         f"- date: {datetime.date.today().isoformat()}",
         f"- machine: {machine_description(device)}",
-        f"- command: `python -m megatron_grpo bench logprob --device {device.type}{' --quick' if quick else ''}`",
-        f"- median of {repeats} runs after a warm-up; each method gets a fresh clone of the same logits, made "
-        "outside the timed region; forward+backward uses an upstream gradient of ones.",
+        f"- command: `{command}`",
+        f"- median of {repeats} runs after a warm-up; each method gets a fresh clone of the same logits in the "
+        "layout it documents ([T, V] for ours and naive torch, [s, b, V] for Megatron, [b, s, V] for TE, batch 1), "
+        "made outside the timed region; forward+backward takes the gradient with torch.autograd.grad for an "
+        "upstream gradient of ones.",
         f"- memory roof: a large copy moves {bandwidth / 1e9:.1f} GB/s (read + write).",
         "- peak extra: resident memory above the live inputs during forward+backward; 'beyond input+grad' "
         "subtracts the gradient the method must return (0 for in-place), as a percentage of the logits' size.",
-        "",
     ]
+    lines += [f"- not measured: {name}: {why}" for name, why in sorted((missing or {}).items())]
+    lines.append("")
     setups = sorted({tuple(r["setup"].values()) for r in results})
     for tp, dtype, tokens, v_local in setups:
         rows = [r for r in results if tuple(r["setup"].values()) == (tp, dtype, tokens, v_local)]
         by_name = {r["method"]: r for r in rows}
         logits_mib = tokens * v_local * (4 if dtype == "fp32" else 2) / 2**20
-        fused_fwd_s = by_name["fused"]["forward_ms"] / 1e3
-        achieved = tp * tokens * v_local * (4 if dtype == "fp32" else 2) / fused_fwd_s  # all ranks together
         lines += [
             f"## TP={tp}, {dtype}, T={tokens} x V_local={v_local} per rank (logits {logits_mib:.0f} MiB per rank)",
             "",
-            f"Fused forward reads {achieved / 1e9:.1f} GB/s over all ranks: {100 * achieved / bandwidth:.0f}% of the "
-            "copy roof.",
-            "",
+        ]
+        if "fused" in by_name:
+            achieved = tp * tokens * v_local * (4 if dtype == "fp32" else 2) / (by_name["fused"]["forward_ms"] / 1e3)
+            lines += [f"Fused forward reads {achieved / 1e9:.1f} GB/s over all ranks: "
+                      f"{100 * achieved / bandwidth:.0f}% of the copy roof.", ""]
+        lines += [
             "| method | forward ms | fwd+bwd ms | fwd+bwd vs megatron | fwd+bwd vs naive | peak extra MiB | "
             "beyond input+grad |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
-        megatron = by_name["megatron vocab_parallel_cross_entropy"]["forward_backward_ms"]
+        megatron = by_name.get(MEGATRON, {}).get("forward_backward_ms")
         naive = by_name.get("naive torch", {}).get("forward_backward_ms")
         for r in rows:
             beyond = max(r["peak_extra_mib"] - r["gradient_mib"], 0.0)
             lines.append(
                 f"| {r['method']} | {r['forward_ms']:.1f} | {r['forward_backward_ms']:.1f} | "
                 f"{speedup(megatron, r['forward_backward_ms'])} | {speedup(naive, r['forward_backward_ms'])} | "
-                f"{r['peak_extra_mib']:.0f} | {100 * beyond / logits_mib:.1f}% |"
+                f"{max(r['peak_extra_mib'], 0.0):.0f} | {100 * beyond / logits_mib:.1f}% |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -260,21 +373,28 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--v-local", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=None, help="default: 5, or 3 with --quick")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--timeout", type=float, default=3600.0,
+                        help="seconds to wait for each TP size's ranks before giving up (default 3600)")
     args = parser.parse_args(argv)
     tokens, v_local = (1024, 4096) if args.quick else (args.tokens, args.v_local)
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 5)
     device = torch.device(args.device)
-    results = []
+    results, missing = [], {}
     tp_sizes = args.tp or ([1, 2] if args.device == "cpu" or torch.cuda.device_count() >= 2 else [1])
     for tp in tp_sizes:
         setups = [Setup(tp=tp, dtype=d, tokens=tokens, v_local=v_local) for d in args.dtypes]
-        results += run_tp(tp, setups, args.device, repeats)
+        tp_results, tp_missing = run_tp(tp, setups, args.device, repeats, args.timeout)
+        results += tp_results
+        missing.update(tp_missing)
+    for name, why in missing.items():
+        print(f"bench logprob: {name} not measured: {why}", file=sys.stderr)
     bandwidth = copy_bandwidth_bytes_per_s(device, 2**30 if not args.quick else 2**27, repeats)
-    text = report(results, device, bandwidth, repeats, args.quick)
+    command = "python -m megatron_grpo bench logprob " + " ".join(argv) if argv else None
+    text = report(results, device, bandwidth, repeats, args.quick, missing, command)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"logprob_{args.device}{'_quick' if args.quick else ''}"
     (args.out / f"{stem}.md").write_text(text + f"\n![forward+backward time]({stem}.png)\n")
-    (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    (args.out / f"{stem}.json").write_text(json.dumps({"missing_peers": missing, "results": results}, indent=1))
     plot(results, args.out / f"{stem}.png")
     print(text)
     print(f"wrote {args.out / (stem + '.md')}")

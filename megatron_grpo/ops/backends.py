@@ -15,31 +15,37 @@ import torch
 from . import reference
 
 Implementation = Literal["auto", "fused", "reference"]
+IMPLEMENTATIONS = ("auto", "fused", "reference")
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Kernels(Protocol):
+    """`threshold` (float32 `[rows]`, or None) keeps only the logits `>=` it: the top-k/top-p filter."""
+
     def logprob_partials(
-        self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, with_entropy: bool
+        self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, with_entropy: bool,
+        threshold: torch.Tensor | None,
     ) -> torch.Tensor: ...
 
     def logprob_backward(
         self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, lse: torch.Tensor,
         mean_x: torch.Tensor | None, grad_logprob: torch.Tensor, grad_entropy: torch.Tensor | None,
-        grad_logits: torch.Tensor,
+        grad_logits: torch.Tensor, threshold: torch.Tensor | None,
     ) -> None: ...
 
 
 class FusedKernels:
     """The C++/CUDA kernels, through `torch.ops.megatron_grpo`."""
 
-    def logprob_partials(self, logits, targets, vocab_start, valid_cols, with_entropy):
-        return torch.ops.megatron_grpo.logprob_partials(logits, targets, vocab_start, valid_cols, with_entropy)
+    def logprob_partials(self, logits, targets, vocab_start, valid_cols, with_entropy, threshold):
+        return torch.ops.megatron_grpo.logprob_partials(logits, targets, vocab_start, valid_cols, with_entropy,
+                                                        threshold)
 
     def logprob_backward(self, logits, targets, vocab_start, valid_cols, lse, mean_x, grad_logprob, grad_entropy,
-                         grad_logits):
+                         grad_logits, threshold):
         torch.ops.megatron_grpo.logprob_backward(
-            logits, targets, vocab_start, valid_cols, lse, mean_x, grad_logprob, grad_entropy, grad_logits
+            logits, targets, vocab_start, valid_cols, lse, mean_x, grad_logprob, grad_entropy, grad_logits,
+            threshold,
         )
 
 
@@ -86,6 +92,9 @@ def _warn_fallback(reason: str) -> None:
 
 def select_kernels(logits: torch.Tensor, implementation: Implementation) -> Kernels:
     """The kernels for these logits; `auto` prefers fused and falls back to the reference with a warning."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {', '.join(map(repr, IMPLEMENTATIONS))}, "
+                         f"got {implementation!r}")
     if implementation == "reference":
         return ReferenceKernels()
     if logits.dtype not in FUSED_DTYPES:

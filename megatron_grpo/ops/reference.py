@@ -24,26 +24,38 @@ def _local_target_column(targets: torch.Tensor, vocab_start: int, valid_cols: in
     return col.clamp(0, max(valid_cols - 1, 0)), owned
 
 
+def _filtered(x: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
+    """x with the logits below the row's threshold set to -inf (NaN stays NaN, so it still poisons its row)."""
+    if threshold is None:
+        return x
+    return x.masked_fill(x < threshold.to(x.dtype)[:, None], float("-inf"))
+
+
 def logprob_partials(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, with_entropy: bool
+    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, with_entropy: bool,
+    threshold: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Stacked partials [rows, k]: max m, sum exp(x - m), target logit, (sum exp(x - m) * (x - m)). See `Partials`."""
+    """Stacked partials [rows, k]: max m, sum exp(x - m), target logit, (sum exp(x - m) * (x - m)). See `Partials`.
+
+    With a per-row `threshold` ([rows]), only logits `>=` it take part; a target below it has logit -inf.
+    """
     dtype = _compute_dtype(logits)
     rows = logits.shape[0]
     out = torch.empty(rows, Partials.width(with_entropy), dtype=dtype, device=logits.device)
     for start in range(0, rows, ROWS_PER_CHUNK):
         sl = slice(start, start + ROWS_PER_CHUNK)
-        out[sl] = _chunk_partials(logits[sl], targets[sl], vocab_start, valid_cols, with_entropy, dtype)
+        out[sl] = _chunk_partials(logits[sl], targets[sl], vocab_start, valid_cols, with_entropy, dtype,
+                                  None if threshold is None else threshold[sl])
     return out
 
 
 def _chunk_partials(
     logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, with_entropy: bool,
-    dtype: torch.dtype,
+    dtype: torch.dtype, threshold: torch.Tensor | None,
 ) -> torch.Tensor:
     rows = logits.shape[0]
     out = torch.empty(rows, Partials.width(with_entropy), dtype=dtype, device=logits.device)
-    x = logits[:, :valid_cols].to(dtype)
+    x = _filtered(logits[:, :valid_cols].to(dtype), threshold)
     if valid_cols == 0:
         out[:, Partials.MAX] = float("-inf")
         out[:, Partials.SUM_EXP] = 0.0
@@ -79,14 +91,19 @@ def logprob_backward(
     grad_logprob: torch.Tensor,
     grad_entropy: torch.Tensor | None,
     grad_logits: torch.Tensor,
+    threshold: torch.Tensor | None = None,
 ) -> None:
-    """Writes dx = g_lp * (1[v = y] - p) + g_H * p * (E[x] - x) into grad_logits (which may alias logits)."""
+    """Writes dx = g_lp * (1[v = y] - p) + g_H * p * (E[x] - x) into grad_logits (which may alias logits).
+
+    With a per-row `threshold`, logits below it (the target included) get exactly 0.
+    """
     for start in range(0, logits.shape[0], ROWS_PER_CHUNK):
         sl = slice(start, start + ROWS_PER_CHUNK)
         grad = _chunk_backward(
             logits[sl], targets[sl], vocab_start, valid_cols, lse[sl],
             None if mean_x is None else mean_x[sl], grad_logprob[sl],
             None if grad_entropy is None else grad_entropy[sl],
+            None if threshold is None else threshold[sl],
         )
         grad_logits[sl] = grad.to(grad_logits.dtype)
 
@@ -94,10 +111,12 @@ def logprob_backward(
 def _chunk_backward(
     logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, lse: torch.Tensor,
     mean_x: torch.Tensor | None, grad_logprob: torch.Tensor, grad_entropy: torch.Tensor | None,
+    threshold: torch.Tensor | None,
 ) -> torch.Tensor:
     dtype = _compute_dtype(logits)
     grad = torch.zeros(logits.shape, dtype=dtype, device=logits.device)
     x = logits[:, :valid_cols].to(dtype)
+    kept = None if threshold is None else ~(x < threshold.to(dtype)[:, None])
     p = torch.exp(x - lse[:, None].to(dtype))
     g_lp = grad_logprob.to(dtype)[:, None]
     valid = -g_lp * p
@@ -107,6 +126,8 @@ def _chunk_backward(
     col, owned = _local_target_column(targets, vocab_start, valid_cols)
     if valid_cols:
         valid.scatter_add_(1, col[:, None], torch.where(owned, g_lp.squeeze(1), 0.0)[:, None])
+    if kept is not None:
+        valid = torch.where(kept, valid, torch.zeros_like(valid))
     grad[:, :valid_cols] = valid
     grad[targets < 0] = 0.0
     return grad

@@ -4,6 +4,9 @@ Forward: one pass over each local row computes softmax partials, one all-gather 
 combines them across ranks (see `partials`). Backward recomputes p from the logits and needs no collective;
 only lse (and E[x] with entropy) is kept per row. Padded vocab columns never enter the softmax and get a
 gradient of exactly 0.
+
+With `top_k` / `top_p` the distribution is the filtered one the rollout sampler draws from (see `filtering`):
+a per-row threshold is found first (a few small collectives), and the kernels count only logits at or above it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import Implementation, Kernels, select_kernels
+from .filtering import SamplingFilter, kept_threshold
 from .partials import combine_partials, gather_partials
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -54,10 +58,14 @@ class VocabParallelLogprobs(torch.autograd.Function):
     """Autograd wrapper around the kernels; the functional API below validates and reshapes."""
 
     @staticmethod
-    def forward(ctx, logits, targets, layout: ShardLayout, group, with_entropy, inplace_backward, kernels: Kernels):
-        partials = kernels.logprob_partials(logits, targets, layout.vocab_start, layout.valid_cols, with_entropy)
+    def forward(ctx, logits, targets, layout: ShardLayout, group, with_entropy, inplace_backward, kernels: Kernels,
+                threshold: torch.Tensor | None):
+        partials = kernels.logprob_partials(logits, targets, layout.vocab_start, layout.valid_cols, with_entropy,
+                                            threshold)
         stats = combine_partials(gather_partials(partials, group), targets, with_entropy)
-        ctx.save_for_backward(logits, targets, stats.lse, stats.mean_x)
+        # A target outside the kept set has logprob -inf, a constant: it passes no gradient back.
+        filtered_target = None if threshold is None else stats.logprob == float("-inf")
+        ctx.save_for_backward(logits, targets, stats.lse, stats.mean_x, threshold, filtered_target)
         ctx.layout, ctx.inplace_backward, ctx.kernels = layout, inplace_backward, kernels
         if with_entropy:
             return stats.logprob, stats.entropy
@@ -65,22 +73,47 @@ class VocabParallelLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy=None):
-        logits, targets, lse, mean_x = ctx.saved_tensors
+        logits, targets, lse, mean_x, threshold, filtered_target = ctx.saved_tensors
         rows = logits.shape[0]
         grad_logprob = _row_gradient(grad_logprob, rows, lse)
+        if filtered_target is not None:
+            grad_logprob = grad_logprob.masked_fill(filtered_target, 0.0)
         if mean_x is not None:
             grad_entropy = _row_gradient(grad_entropy, rows, lse)
         else:
             grad_entropy = None
-        grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
+        grad_logits = logits if ctx.inplace_backward else empty_with_alignment_of(logits)
         ctx.kernels.logprob_backward(
             logits, targets, ctx.layout.vocab_start, ctx.layout.valid_cols, lse, mean_x, grad_logprob,
-            grad_entropy, grad_logits,
+            grad_entropy, grad_logits, threshold,
         )
         if ctx.inplace_backward:
             # Anyone else who saved these logits now fails loudly at unpack instead of reading gradients.
             torch.autograd.graph.increment_version(logits)
-        return grad_logits, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None, None
+
+
+VECTOR_BYTES = 16  # the kernels' vector width: a row takes the vector path where grad and logits share it
+
+
+def empty_with_alignment_of(logits: torch.Tensor) -> torch.Tensor:
+    """An uninitialised `[rows, cols]` tensor whose every row has the 16-byte alignment of the logits' row.
+
+    A sliced or offset view of logits would otherwise get a gradient buffer aligned differently, and the
+    kernels would fall back to scalar stores for most rows. The row stride is the smallest one `>= cols`
+    that is congruent to the logits' modulo 16 bytes, so at most 15 bytes per row are wasted.
+    """
+    rows, cols = logits.shape
+    element = logits.element_size()
+    per_vector = VECTOR_BYTES // element
+    if rows == 0 or cols == 0 or VECTOR_BYTES % element:
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
+    row_stride = cols + (logits.stride(0) - cols) % per_vector if rows > 1 else cols
+    offset = (logits.data_ptr() % VECTOR_BYTES) // element
+    size = offset + (rows - 1) * row_stride + cols + per_vector
+    storage = torch.empty(size, dtype=logits.dtype, device=logits.device)
+    offset = (offset - (storage.data_ptr() % VECTOR_BYTES) // element) % per_vector
+    return storage.as_strided((rows, cols), (row_stride, 1), offset)
 
 
 def _row_gradient(grad: torch.Tensor | None, rows: int, like: torch.Tensor) -> torch.Tensor:
@@ -101,8 +134,15 @@ def vocab_parallel_logprobs(
     inplace_backward: bool = False,
     check_inputs: bool = True,
     implementation: Implementation = "auto",
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of `targets` under softmax(logits) over the whole (sharded, unpadded) vocab.
+
+    With `top_k` / `top_p`, under the filtered distribution the sampler draws from: the softmax over the kept
+    tokens only (see `megatron_grpo.ops.filtering` for the exact rule, ties and collectives). A target outside
+    the kept set has logprob -inf and no gradient; the entropy is that of the filtered distribution; filtered
+    logits get a gradient of exactly 0.
 
     Args:
         logits: `[..., V_local]` float32/bfloat16/float16 (float64 on the reference path): this rank's shard.
@@ -115,11 +155,14 @@ def vocab_parallel_logprobs(
             The logits must not be needed afterwards; autograd's version counter enforces this loudly.
         check_inputs: check target ids against the vocab (a host sync); pass False in hot loops.
         implementation: "auto" (fused kernels where available), "fused" or "reference".
+        top_k: keep the logits `>=` the k-th largest of the row; None (or k >= the true vocab) keeps all.
+        top_p: then keep the most probable tokens until their mass reaches p; None or 1 keeps all.
 
     Returns:
         float32 logprobs `[...]` (float64 for float64 logits), or `(logprobs, entropy)` with `with_entropy`.
     """
     _check_tensors(logits, targets)
+    sampling = SamplingFilter(top_k=top_k, top_p=top_p)
     layout = ShardLayout.resolve(logits.shape[-1], vocab_start_index, true_vocab_size, group)
     if check_inputs:
         _check_target_ids(targets, layout)
@@ -129,8 +172,11 @@ def vocab_parallel_logprobs(
         rows_logits = rows_logits.contiguous()
     rows_targets = targets.reshape(-1).to(torch.int64).contiguous()
     kernels = select_kernels(rows_logits, implementation)
+    with torch.no_grad():
+        threshold = kept_threshold(rows_logits[:, :layout.valid_cols], sampling,
+                                   true_vocab_size=layout.true_vocab_size, group=group)
     out = VocabParallelLogprobs.apply(
-        rows_logits, rows_targets, layout, group, with_entropy, inplace_backward, kernels
+        rows_logits, rows_targets, layout, group, with_entropy, inplace_backward, kernels, threshold
     )
     if with_entropy:
         logprob, entropy = out
