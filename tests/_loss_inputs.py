@@ -86,4 +86,5 @@ def batch_for_logits(
     untrained = token_mask == 0
     batch["prev_logprobs"][untrained] = -torch.inf  # garbage off the mask must never leak
     batch["generation_logprobs"][untrained] = 1e6
+    batch["rewards"] = (torch.rand(batch_size, generator=gen) < 0.5).to(torch.float32)  # VAPO's positive samples
     return batch

@@ -176,7 +176,45 @@ CONFLICTS = {
         dict(use_on_policy_kl_approximation=True, use_kl_in_reward=True),
         ["loss_fn.use_on_policy_kl_approximation", "loss_fn.use_kl_in_reward"],
     ),
+    "seq_mask_tis_with_gspo": (
+        dict(
+            IS_ON,
+            sequence_level_importance_ratio=True,
+            loss_agg_mode="seq-mean-token-mean",
+            truncated_importance_sampling=dict(type="seq-mask-tis", ratio_min=0.5, ratio_max=2.0),
+        ),
+        ["loss_fn.truncated_importance_sampling.type", "loss_fn.sequence_level_importance_ratio"],
+    ),
+    "geometric_mean_weight_without_gspo": (
+        dict(sequence_level_importance_weight="geometric_mean"),
+        ["loss_fn.sequence_level_importance_weight", "loss_fn.sequence_level_importance_ratio"],
+    ),
+    "negative_nll_weight": (dict(positive_example_nll_weight=-0.1), ["loss_fn.positive_example_nll_weight"]),
+    # NeMo-RL's ClippedPGLossFn rejects the same four combinations with CISPO, and needs a token-level loss
+    "cispo_with_reinforce": (
+        dict(use_cispo=True, disable_ppo_ratio=True), ["loss_fn.use_cispo", "loss_fn.disable_ppo_ratio"]
+    ),
+    "cispo_with_forced_ratio": (
+        dict(use_cispo=True, force_on_policy_ratio=True), ["loss_fn.use_cispo", "loss_fn.force_on_policy_ratio"]
+    ),
+    "cispo_with_dual_clip": (dict(use_cispo=True, ratio_clip_c=3.0), ["loss_fn.use_cispo", "loss_fn.ratio_clip_c"]),
+    "cispo_with_sequence_mean": (
+        dict(use_cispo=True, loss_agg_mode="seq-mean-token-mean"), ["loss_fn.use_cispo", "loss_fn.loss_agg_mode"]
+    ),
 }
+
+
+def test_cispo_with_gspo_names_both_keys(construct):
+    section = dict(
+        exemplar_loss_section(),
+        use_cispo=True,
+        sequence_level_importance_ratio=True,
+        loss_agg_mode="seq-mean-token-mean",
+    )
+    problems = problems_of(construct, section)
+    assert any(
+        "loss_fn.use_cispo" in p and "loss_fn.sequence_level_importance_ratio" in p for p in problems
+    ), problems
 
 
 @pytest.mark.parametrize("name", sorted(CONFLICTS))

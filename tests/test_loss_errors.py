@@ -168,3 +168,19 @@ def test_aggregate_metrics_rejects_undeclared_metrics_by_name():
 def test_aggregate_metrics_needs_the_token_count_for_token_means():
     with pytest.raises(ValueError, match="'num_valid_tokens' is missing"):
         aggregate_metrics([_metrics(loss=1.0, entropy=0.5)])
+
+
+def test_aggregate_metrics_needs_the_sequence_count_for_sequence_means():
+    from megatron_grpo.loss import Aggregation, METRIC_AGGREGATION
+
+    per_sequence = {**METRIC_AGGREGATION, "is_oob_ratio": Aggregation.SEQUENCE_MEAN}
+    with pytest.raises(ValueError, match="'num_valid_samples' is missing"):
+        aggregate_metrics([_metrics(loss=1.0, num_valid_tokens=2.0, is_oob_ratio=0.5)], aggregation=per_sequence)
+    combined = aggregate_metrics(
+        [
+            _metrics(loss=1.0, num_valid_tokens=2.0, num_valid_samples=1.0, is_oob_ratio=1.0),
+            _metrics(loss=1.0, num_valid_tokens=9.0, num_valid_samples=3.0, is_oob_ratio=0.0),
+        ],
+        aggregation=per_sequence,
+    )
+    assert combined["is_oob_ratio"] == pytest.approx(1 / 4)  # weighted by sequences, not by tokens

@@ -28,7 +28,10 @@ def reference_loss(
     prev_in = None if prev_from_current or cfg.force_on_policy_ratio else batch["prev_logprobs"].double()
     tis = cfg.truncated_importance_sampling
     total = logits.new_zeros(())
-    seen: dict[str, list[float]] = {k: [] for k in ("ratio", "clamped", "w", "oob", "mult", "genkl", "kl", "ent")}
+    seen: dict[str, list[float]] = {
+        k: [] for k in ("ratio", "clamped", "w", "oob", "oob_seq", "mult", "genkl", "kl", "ent", "approx_ent")
+    }
+    nll = logits.new_zeros(())
     for b in range(ids.shape[0]):
         tokens = [t for t in range(1, ids.shape[1]) if batch["token_mask"][b, t] != 0 and batch["sample_mask"][b] != 0]
         if not tokens:
@@ -41,15 +44,17 @@ def reference_loss(
         if cfg.sequence_level_importance_ratio:
             seq_log_ratio = sum(curr[t] - prev[t] for t in tokens) / len(tokens)
             ratio = {t: torch.exp(seq_log_ratio) for t in tokens}
-            weight = {t: math.exp(seq_log_w) for t in tokens}
+            product = cfg.sequence_level_importance_weight == "product"
+            weight = {t: math.exp(sum(log_w.values()) if product else seq_log_w) for t in tokens}
         else:
             ratio = {t: torch.exp(curr[t] - prev[t]) for t in tokens}
             weight = {t: math.exp(log_w[t]) for t in tokens}
         out_of_bounds = {t: False for t in tokens}
         for t in tokens:
             if tis.type == "tis":
-                out_of_bounds[t] = weight[t] > tis.ratio_max
-                weight[t] = min(weight[t], tis.ratio_max)
+                low = tis.ratio_min or 0.0
+                out_of_bounds[t] = not low <= weight[t] <= tis.ratio_max
+                weight[t] = min(max(weight[t], low), tis.ratio_max)
             elif tis.type == "icepop":
                 out_of_bounds[t] = not tis.ratio_min <= weight[t] <= tis.ratio_max
             elif tis.type == "seq-mask-tis":
@@ -62,6 +67,8 @@ def reference_loss(
             r_clamped = r if cfg.disable_ppo_ratio else r.clamp(1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max)
             if cfg.disable_ppo_ratio:
                 pg = -a * curr[t]
+            elif cfg.use_cispo:
+                pg = -a * r_clamped.detach() * curr[t]
             else:
                 pg = torch.maximum(-a * r, -a * r_clamped)
                 if cfg.ratio_clip_c is not None and a < 0:
@@ -70,10 +77,10 @@ def reference_loss(
                 pg = weight[t] * pg
             token_loss = pg
             if cfg.reference_policy_kl_penalty > 0 and not cfg.use_kl_in_reward:
-                kl = _reference_kl(curr[t], ref_in[b, t], cfg)
-                kl = kl * torch.exp(curr[t] - curr[t].detach())
+                kl_weight = torch.exp(curr[t] - curr[t].detach())
                 if cfg.use_on_policy_kl_approximation:
-                    kl = kl * math.exp(float(curr[t].detach()) - float(gen_in[b, t]))
+                    kl_weight = kl_weight * math.exp(float(curr[t].detach()) - float(gen_in[b, t]))
+                kl = _reference_kl(curr[t], ref_in[b, t], cfg, weight=kl_weight)
                 token_loss = token_loss + cfg.reference_policy_kl_penalty * kl
                 seen["kl"].append(float(kl.detach()))
             row = logprobs[b, t - 1]
@@ -87,6 +94,12 @@ def reference_loss(
             seen["mult"].append(math.exp(abs(float(gen_in[b, t]) - float(prev[t].detach()))))
             seen["genkl"].append(float(_reference_kl(gen_in[b, t], prev[t].detach(), cfg, clamp=False)))
             seen["ent"].append(float(entropy.detach()))
+            p_ratio = math.exp(float(curr[t].detach()) - float(gen_in[b, t]))
+            seen["approx_ent"].append(-p_ratio * float(curr[t].detach()))
+            if cfg.positive_example_nll_weight > 0 and batch["rewards"][b] > 0:
+                nll = nll - curr[t] / global_valid_tokens
+        if tis.type == "seq-mask-tis":
+            seen["oob_seq"].append(float(out_of_bounds[tokens[0]]))
         seq_sum = torch.stack(token_losses).sum()
         if cfg.loss_agg_mode == "token-mean":
             total = total + seq_sum / global_valid_tokens
@@ -96,20 +109,27 @@ def reference_loss(
             total = total + seq_sum / global_valid_seqs
         else:
             total = total + seq_sum / cfg.max_response_length / global_valid_seqs
-    return total, _reference_metrics(seen)
+    total = total + cfg.positive_example_nll_weight * nll
+    return total, _reference_metrics(seen, tis.type, float(nll.detach()))
 
 
-def _reference_kl(logprob, reference, cfg: ClippedPGLossConfig, clamp: bool = True):
+def _reference_kl(logprob, reference, cfg: ClippedPGLossConfig, clamp: bool = True, weight=None):
+    """NeMo-RL's calculate_kl: where the input clamp binds, the weight is detached; the output clamp comes last."""
     x = reference - logprob
     if clamp and cfg.kl_input_clamp_value is not None:
-        x = x.clamp(-cfg.kl_input_clamp_value, cfg.kl_input_clamp_value)
+        c = cfg.kl_input_clamp_value
+        if weight is not None and not -c <= float(x.detach()) <= c:
+            weight = weight.detach()
+        x = x.clamp(-c, c)
     kl = {"k1": -x, "k2": x * x / 2, "k3": torch.exp(x) - 1 - x}[cfg.reference_policy_kl_type]
+    if weight is not None:
+        kl = weight * kl
     if clamp and cfg.kl_output_clamp_value is not None:
         kl = kl.clamp(-cfg.kl_output_clamp_value, cfg.kl_output_clamp_value)
     return kl
 
 
-def _reference_metrics(seen: dict[str, list[float]]) -> dict[str, float]:
+def _reference_metrics(seen: dict[str, list[float]], truncation: str | None, nll: float) -> dict[str, float]:
     def mean(key: str) -> float:
         return sum(seen[key]) / len(seen[key])
 
@@ -120,14 +140,19 @@ def _reference_metrics(seen: dict[str, list[float]]) -> dict[str, float]:
         "probs_ratio_min": min(ratios),
         "probs_ratio_max": max(ratios),
         "probs_ratio_clamped": mean("clamped"),
+        "probs_ratio_clamped_min": min(clamped),
+        "probs_ratio_clamped_max": max(clamped),
         "clip_fraction_lower": sum(c > r for r, c in zip(ratios, clamped, strict=True)) / len(ratios),
         "clip_fraction_upper": sum(c < r for r, c in zip(ratios, clamped, strict=True)) / len(ratios),
         "token_mult_prob_error": mean("mult"),
         "gen_kl_error": mean("genkl"),
         "sampling_importance_ratio": mean("w"),
-        "is_oob_ratio": mean("oob"),
+        "is_oob_ratio": mean("oob_seq") if truncation == "seq-mask-tis" else mean("oob"),
+        "is_oob_token_ratio": mean("oob"),
         "kl_penalty": mean("kl") if seen["kl"] else None,
         "entropy": mean("ent"),
+        "approx_entropy": mean("approx_ent"),
+        "positive_nll_loss": nll,
     }
 
 
@@ -179,8 +204,29 @@ CASES = {
     "kl_k3_output_clamp": dict(reference_policy_kl_penalty=0.3, kl_output_clamp_value=0.02),
     "kl_on_policy_approximation": dict(reference_policy_kl_penalty=0.3, use_on_policy_kl_approximation=True),
     "kl_in_reward_adds_nothing": dict(reference_policy_kl_penalty=0.3, use_kl_in_reward=True),
+    "kl_k3_input_clamp_on_policy_weight": dict(
+        reference_policy_kl_penalty=0.3, kl_input_clamp_value=0.25, use_on_policy_kl_approximation=True
+    ),
+    "kl_k1_output_clamp_on_policy_weight": dict(
+        reference_policy_kl_penalty=0.3,
+        reference_policy_kl_type="k1",
+        kl_output_clamp_value=0.2,
+        use_on_policy_kl_approximation=True,
+    ),
     "is_correction": dict(use_importance_sampling_correction=True),
     "tis": dict(use_importance_sampling_correction=True, truncated_importance_sampling=dict(type="tis", ratio_max=1.2)),
+    "tis_with_ratio_min": dict(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling=dict(type="tis", ratio_min=0.9, ratio_max=1.2),
+    ),
+    "gspo_geometric_mean_weight": dict(
+        sequence_level_importance_ratio=True,
+        sequence_level_importance_weight="geometric_mean",
+        loss_agg_mode="seq-mean-token-mean",
+        use_importance_sampling_correction=True,
+    ),
+    "cispo": dict(use_cispo=True, use_importance_sampling_correction=True),
+    "vapo_positive_example_nll": dict(positive_example_nll_weight=0.7),
     "icepop": dict(
         use_importance_sampling_correction=True,
         truncated_importance_sampling=dict(type="icepop", ratio_min=0.8, ratio_max=1.25),
@@ -221,10 +267,14 @@ def _assert_metrics_match(metrics: dict, expected: dict, cfg: ClippedPGLossConfi
     always = ["num_valid_tokens", "probs_ratio", "probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped"]
     always += ["clip_fraction_lower", "clip_fraction_upper", "token_mult_prob_error", "gen_kl_error"]
     always += ["sampling_importance_ratio"]
+    always += ["probs_ratio_clamped_min", "probs_ratio_clamped_max"]
     optional = {
         "is_oob_ratio": cfg.truncated_importance_sampling.type is not None,
+        "is_oob_token_ratio": cfg.truncated_importance_sampling.type == "seq-mask-tis",
         "kl_penalty": cfg.reference_policy_kl_penalty > 0 and not cfg.use_kl_in_reward,
         "entropy": cfg.entropy_coef != 0,
+        "approx_entropy": cfg.entropy_coef == 0,
+        "positive_nll_loss": cfg.positive_example_nll_weight > 0,
     }
     for name in always + [name for name, present in optional.items() if present]:
         assert float(metrics[name]) == pytest.approx(expected[name], rel=1e-5, abs=1e-6), name

@@ -1,4 +1,4 @@
-"""The loss's batch contract (DESIGN.md, data contracts): validation, the trained-token mask, valid counts.
+"""The loss's batch contract (docs/design.md, data contracts): validation, the trained-token mask, valid counts.
 
 Every problem is a `ValueError` that names the offending batch key. Per-token float inputs come back as float32
 with zeros off the trained-token mask, so garbage in padding (e.g. -inf logprobs) can never reach a NaN.
@@ -21,6 +21,7 @@ class BatchRequirements:
     prev_logprobs: str | None
     generation_logprobs: str | None
     reference_policy_logprobs: str | None
+    rewards: str | None = None  # [B] per-sequence rewards (VAPO's positive-example NLL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,7 @@ class LossBatch:
     prev_logprobs: torch.Tensor | None  # float32
     generation_logprobs: torch.Tensor | None  # float32
     reference_policy_logprobs: torch.Tensor | None  # float32
+    rewards: torch.Tensor | None = None  # float32 [B], only when required
 
 
 def validate_batch(
@@ -60,7 +62,10 @@ def validate_batch(
         _check_shape(key, tensor, [(batch_size, seq_len)])
         _check_floating(key, tensor)
         logprobs[key] = _on_mask(tensor, mask)
-    return LossBatch(input_ids=batch["input_ids"], mask=mask, advantages=_on_mask(advantages, mask), **logprobs)
+    rewards = _rewards(batch, batch_size, requirements.rewards) if requirements.rewards is not None else None
+    return LossBatch(
+        input_ids=batch["input_ids"], mask=mask, advantages=_on_mask(advantages, mask), rewards=rewards, **logprobs
+    )
 
 
 def trained_token_mask(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -100,6 +105,17 @@ def _advantages(batch: Mapping[str, torch.Tensor], batch_size: int, seq_len: int
     if not bool(torch.isfinite(advantages).all()):
         raise ValueError("batch['advantages']: contains NaN or infinite values")
     return advantages[:, None].expand(batch_size, seq_len) if advantages.dim() == 1 else advantages
+
+
+def _rewards(batch: Mapping[str, torch.Tensor], batch_size: int, reason: str) -> torch.Tensor:
+    if "rewards" not in batch:
+        raise ValueError(f"batch['rewards'] is missing: it is required {reason}")
+    rewards = _tensor(batch, "rewards")
+    _check_shape("rewards", rewards, [(batch_size,)])
+    _check_floating("rewards", rewards)
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError("batch['rewards']: contains NaN or infinite values")
+    return rewards.to(torch.float32)
 
 
 def _on_mask(tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -4,14 +4,19 @@ Per trained token `t` (ratio `r = exp(curr - prev)`, advantage `A`):
 
     loss_t = w_t * max(-A r, -A clip(r, 1 - ratio_clip_min, 1 + ratio_clip_max))     (PPO / GRPO / DAPO)
              ... then min(., -A ratio_clip_c) where A < 0                            (dual clip)
-           + reference_policy_kl_penalty * v_t * exp(curr - sg(curr)) * KL_t         (KL to the reference)
+           + reference_policy_kl_penalty * clamp_out(v_t * exp(curr - sg(curr)) * KL_t)   (KL to the reference)
+           + positive_example_nll_weight * (-curr) on samples with reward > 0        (VAPO)
            - entropy_coef * H_t                                                      (entropy bonus)
 
-`disable_ppo_ratio` replaces the clipped term by `-A curr` (REINFORCE / RLOO). With
-`sequence_level_importance_ratio` (GSPO) `r` is the sequence's `exp(mean over its trained tokens of
-(curr - prev))`, differentiable through every token. `w_t` are the detached importance-sampling weights
-(see `importance.py`; 1 without the correction), `v_t = sg(exp(curr - generation))` with the on-policy KL
-approximation (else 1), and `exp(curr - sg(curr))` (value 1) keeps the KL's score-function gradient.
+`disable_ppo_ratio` replaces the clipped term by `-A curr` (REINFORCE / RLOO); `use_cispo` by
+`-A sg(clip(r)) curr` (CISPO). With `sequence_level_importance_ratio` (GSPO) `r` is the sequence's
+`exp(mean over its trained tokens of (curr - prev))`, differentiable through every token. `w_t` are the detached
+importance-sampling weights (see `importance.py`; 1 without the correction), `v_t = sg(exp(curr - generation))`
+with the on-policy KL approximation (else 1), and `exp(curr - sg(curr))` (value 1) keeps the KL's score-function
+gradient; the KL follows NeMo-RL's `calculate_kl` (see `kl.py`). A trained token whose current (or prev) logprob
+is -inf, a target outside the kept set of a top-k / top-p filtered distribution, is dropped from every term but
+the KL, which reads unfiltered current logprobs, and is counted in `filtered_out_tokens`; the global counts that
+normalise the loss still include it.
 The per-token losses are reduced by `loss_agg_mode` with global normalisation (`reductions.aggregate_loss`).
 """
 
@@ -19,14 +24,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from megatron_grpo.loss.batch import BatchRequirements, LossBatch, validate_batch
 from megatron_grpo.loss.config import ClippedPGLossConfig
-from megatron_grpo.loss.importance import ImportanceWeights, importance_weights
+from megatron_grpo.loss.importance import ImportanceWeights, finite_or_zero, importance_weights
 from megatron_grpo.loss.kl import kl_estimate
+from megatron_grpo.loss.metrics import METRIC_AGGREGATION, Aggregation
 from megatron_grpo.loss.next_token import next_token_logprobs
 from megatron_grpo.loss.reductions import (
     Count,
@@ -49,24 +56,38 @@ class ClippedPGLoss:
     """Callable loss: `loss, metrics = loss_fn(logits, batch, global_valid_tokens=..., global_valid_seqs=...)`.
 
     `loss` is this microbatch's share of the step's globally normalised loss. `metrics` maps the names in
-    `metrics.METRIC_AGGREGATION` to detached tensors:
+    `metrics.METRIC_AGGREGATION` to detached tensors (`self.metric_aggregation` says how each aggregates):
     - `loss`, `num_valid_tokens`, `num_valid_samples` (sequences with a trained token);
-    - `probs_ratio` (token mean), `probs_ratio_min`, `probs_ratio_max`, `probs_ratio_clamped`;
+    - `filtered_out_tokens`: trained tokens dropped because their current or prev logprob is -inf (top-k / top-p);
+      every token mean below is over the remaining tokens, except `kl_penalty`, over the tokens the KL reads;
+    - `probs_ratio` (token mean), `probs_ratio_min`, `probs_ratio_max`, `probs_ratio_clamped` and its
+      `probs_ratio_clamped_min` / `_max` (NeMo-RL's names);
     - `clip_fraction_lower` / `clip_fraction_upper`: fraction of trained tokens whose ratio was raised to
       `1 - ratio_clip_min` / lowered to `1 + ratio_clip_max` (0 with `disable_ppo_ratio`: nothing is clipped);
-    - `kl_penalty`: token mean of the KL estimate (weighted as in the loss, before the penalty factor), only
-      when the loss carries a KL term;
-    - `entropy`: token mean of the exact entropy from the op, only when `entropy_coef != 0` (0 skips computing it);
+    - `kl_penalty`: token mean of the weighted, clamped KL estimate (before the penalty factor), only when the loss
+      carries a KL term;
+    - `entropy`: token mean of the exact entropy from the op, only when `entropy_coef != 0`; otherwise, with
+      `generation_logprobs`, `approx_entropy`: NeMo-RL's `mean(-exp(curr - generation) * curr)`;
+    - `positive_nll_loss`: the VAPO term before its weight, only when `positive_example_nll_weight > 0`;
     - with `generation_logprobs`: `token_mult_prob_error` (mean `exp(|generation - prev|)`), `gen_kl_error`
-      (KL(generation || prev) with the configured estimator), `sampling_importance_ratio` (mean weight after
-      truncation) and, with truncation, `is_oob_ratio` (fraction of trained tokens out of bounds; for
-      `seq-mask-tis`, in a rejected sequence);
-    - `curr_logprobs` `[B, S]`: the current logprobs (0 where a token is not trained).
+      (KL(generation || prev) with the configured estimator), both over tokens with a finite generation logprob
+      (`nonfinite_generation_logprobs` counts the others), `sampling_importance_ratio` (mean weight after
+      truncation) and, with truncation, `is_oob_ratio`: the fraction of trained tokens out of bounds, or for
+      `seq-mask-tis` the fraction of sequences rejected (then `is_oob_token_ratio` is the token fraction);
+    - `curr_logprobs` `[B, S]`: the current logprobs (0 where a token is not trained or was filtered out).
     The mismatch metrics always use the prev logprobs the ratio used, `curr.detach()` when the pass was skipped.
     """
 
     def __init__(self, config: ClippedPGLossConfig) -> None:
         self.config = config
+
+    @property
+    def metric_aggregation(self) -> Mapping[str, Aggregation]:
+        """How each metric aggregates over microbatches and DP ranks: `METRIC_AGGREGATION`, except that
+        `is_oob_ratio` is a mean over sequences for `seq-mask-tis`."""
+        if self.config.truncated_importance_sampling.type != "seq-mask-tis":
+            return METRIC_AGGREGATION
+        return {**METRIC_AGGREGATION, "is_oob_ratio": Aggregation.SEQUENCE_MEAN}
 
     def __call__(
         self,
@@ -79,35 +100,60 @@ class ClippedPGLoss:
         true_vocab_size: int | None = None,
         group: dist.ProcessGroup | None = None,
         prev_logprobs_from_current: bool = False,
+        top_k: int | None = None,
+        top_p: float | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """This microbatch's globally normalised loss and its detached metrics (see the class docstring)."""
+        """This microbatch's globally normalised loss and its detached metrics (see the class docstring).
+
+        `top_k` / `top_p`: the rollouts' sampling filter. The policy term trains the filtered distribution they
+        came from; the KL to the (unfiltered) reference reads unfiltered current logprobs, as NeMo-RL does.
+        """
         cfg = self.config
         prev_from_current = prev_logprobs_from_current or cfg.force_on_policy_ratio
         inputs = validate_batch(batch, logits, self._requirements(prev_from_current))
         curr, entropy = self._current_logprobs(
-            logits, inputs, vocab_start_index=vocab_start_index, true_vocab_size=true_vocab_size, group=group
+            logits, inputs, vocab_start_index=vocab_start_index, true_vocab_size=true_vocab_size, group=group,
+            top_k=top_k, top_p=top_p,
         )
+        curr_unfiltered = None  # the KL's current logprobs, where a sampling filter makes them differ
+        if cfg.kl_in_loss and (top_k is not None or top_p is not None):
+            curr_unfiltered, _ = self._current_logprobs(
+                logits, inputs, vocab_start_index=vocab_start_index, true_vocab_size=true_vocab_size, group=group,
+                top_k=None, top_p=None, with_entropy=False,
+            )
         prev = curr.detach() if prev_from_current else inputs.prev_logprobs
-        policy = self._policy_term(curr, prev, inputs)
-        weights = self._importance_weights(prev, inputs)
+        kept = ~(torch.isneginf(curr) | torch.isneginf(prev))  # -inf: target outside a top-k / top-p kept set
+        zero = torch.zeros((), dtype=curr.dtype, device=curr.device)
+        curr, prev = torch.where(kept, curr, zero), torch.where(kept, prev, zero)
+        mask = inputs.mask * kept
+        policy = self._policy_term(curr, prev, inputs.advantages, mask)
+        weights = self._importance_weights(prev, inputs, mask)
         per_token_loss = policy.per_token_loss
         if cfg.use_importance_sampling_correction:
             per_token_loss = weights.weights * per_token_loss
-        kl = self._kl(curr, inputs) if cfg.kl_in_loss else None
-        if kl is not None:
-            per_token_loss = per_token_loss + cfg.reference_policy_kl_penalty * kl
         if entropy is not None:
             per_token_loss = per_token_loss - cfg.entropy_coef * entropy
-        loss = aggregate_loss(
-            per_token_loss,
-            inputs.mask,
-            cfg.loss_agg_mode,
+        aggregate = partial(
+            aggregate_loss,
+            mode=cfg.loss_agg_mode,
             global_valid_tokens=global_valid_tokens,
             global_valid_seqs=global_valid_seqs,
             max_response_length=cfg.max_response_length,
         )
+        loss = aggregate(per_token_loss, mask)
+        kl = kl_mask = None
+        if cfg.kl_in_loss:
+            # The unfiltered current logprobs are finite at filtered-out tokens, so the KL keeps them (NeMo-RL);
+            # without a filter the KL reduces over the same tokens as the policy term.
+            kl_mask = mask if curr_unfiltered is None else inputs.mask
+            kl = self._kl(curr if curr_unfiltered is None else curr_unfiltered, inputs)
+            loss = loss + cfg.reference_policy_kl_penalty * aggregate(kl, kl_mask)
+        nll = None
+        if cfg.positive_example_nll_weight > 0:
+            nll = self._positive_example_nll(curr, inputs.rewards, mask, global_valid_tokens)
+            loss = loss + cfg.positive_example_nll_weight * nll
         with torch.no_grad():
-            metrics = self._metrics(loss, curr, prev, inputs, policy, weights, kl, entropy)
+            metrics = self._metrics(loss, curr, prev, inputs, mask, policy, weights, kl, kl_mask, entropy, nll)
         return loss, metrics
 
     def _requirements(self, prev_from_current: bool) -> BatchRequirements:
@@ -124,6 +170,7 @@ class ClippedPGLoss:
             prev_logprobs=None if prev_from_current else prev_reason,
             generation_logprobs=f"by {' and '.join(generation_users)}" if generation_users else None,
             reference_policy_logprobs=reference_reason if cfg.kl_in_loss else None,
+            rewards="because loss_fn.positive_example_nll_weight > 0" if cfg.positive_example_nll_weight > 0 else None,
         )
 
     def _current_logprobs(
@@ -134,8 +181,12 @@ class ClippedPGLoss:
         vocab_start_index: int | None,
         true_vocab_size: int | None,
         group: dist.ProcessGroup | None,
+        top_k: int | None,
+        top_p: float | None,
+        with_entropy: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`[B, S]` logprobs (and entropies) of the trained tokens, from the logits one position earlier."""
+        """`[B, S]` logprobs (and entropies) of the trained tokens, from the logits one position earlier, under
+        the top-k/top-p filtered distribution when a filter is given."""
         return next_token_logprobs(
             logits,
             inputs.input_ids,
@@ -143,50 +194,69 @@ class ClippedPGLoss:
             vocab_start_index=vocab_start_index,
             true_vocab_size=true_vocab_size,
             group=group,
-            with_entropy=self.config.entropy_coef != 0,
+            with_entropy=self.config.entropy_coef != 0 if with_entropy is None else with_entropy,
+            top_k=top_k,
+            top_p=top_p,
         )
 
-    def _policy_term(self, curr: torch.Tensor, prev: torch.Tensor, inputs: LossBatch) -> _PolicyTerm:
+    def _policy_term(
+        self, curr: torch.Tensor, prev: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+    ) -> _PolicyTerm:
         cfg = self.config
         log_ratio = curr - prev
         if cfg.sequence_level_importance_ratio:
-            log_ratio = token_mean_per_sequence(log_ratio, inputs.mask)[:, None].expand_as(log_ratio)
+            log_ratio = token_mean_per_sequence(log_ratio, mask)[:, None].expand_as(log_ratio)
         ratio = torch.exp(log_ratio)
-        advantages = inputs.advantages
         if cfg.disable_ppo_ratio:
             return _PolicyTerm(per_token_loss=-advantages * curr, ratio=ratio, clamped_ratio=ratio)
         clamped = ratio.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
+        if cfg.use_cispo:  # the clipped ratio is a detached weight of the REINFORCE term
+            return _PolicyTerm(per_token_loss=-advantages * clamped.detach() * curr, ratio=ratio, clamped_ratio=clamped)
         clipped_loss = torch.maximum(-advantages * ratio, -advantages * clamped)
         if cfg.ratio_clip_c is not None:
             dual_clipped = torch.minimum(clipped_loss, -advantages * cfg.ratio_clip_c)
             clipped_loss = torch.where(advantages < 0, dual_clipped, clipped_loss)
         return _PolicyTerm(per_token_loss=clipped_loss, ratio=ratio, clamped_ratio=clamped)
 
-    def _importance_weights(self, prev: torch.Tensor, inputs: LossBatch) -> ImportanceWeights | None:
+    def _importance_weights(
+        self, prev: torch.Tensor, inputs: LossBatch, mask: torch.Tensor
+    ) -> ImportanceWeights | None:
         if inputs.generation_logprobs is None:
             return None
         return importance_weights(
             prev,
             inputs.generation_logprobs,
-            inputs.mask,
+            mask,
             self.config.truncated_importance_sampling,
             sequence_level=self.config.sequence_level_importance_ratio,
+            sequence_weight=self.config.sequence_level_importance_weight,
         )
 
     def _kl(self, curr: torch.Tensor, inputs: LossBatch) -> torch.Tensor:
-        """Per-token KL(pi || pi_ref) estimate with the score-function weight (and on-policy weight)."""
+        """Per-token KL(pi || pi_ref) estimate, weighted by the score-function (and on-policy) weight, clamped."""
         cfg = self.config
-        kl = kl_estimate(
+        weight = torch.exp(curr - curr.detach())
+        if cfg.use_on_policy_kl_approximation:
+            weight = weight * finite_or_zero(torch.exp(curr - inputs.generation_logprobs).detach())
+        return kl_estimate(
             curr,
             inputs.reference_policy_logprobs,
             cfg.reference_policy_kl_type,
             input_clamp=cfg.kl_input_clamp_value,
             output_clamp=cfg.kl_output_clamp_value,
+            weights=weight,
         )
-        weight = torch.exp(curr - curr.detach())
-        if cfg.use_on_policy_kl_approximation:
-            weight = weight * torch.exp(curr - inputs.generation_logprobs).detach()
-        return weight * kl
+
+    @staticmethod
+    def _positive_example_nll(
+        curr: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, global_valid_tokens: Count
+    ) -> torch.Tensor:
+        """VAPO's NLL of the samples with reward > 0, summed over their trained tokens / `global_valid_tokens`."""
+        positive = mask * (rewards > 0).to(mask.dtype)[:, None]
+        return aggregate_loss(
+            -curr, positive, "token-mean", global_valid_tokens=global_valid_tokens, global_valid_seqs=1,
+            max_response_length=None,
+        )
 
     def _metrics(
         self,
@@ -194,29 +264,39 @@ class ClippedPGLoss:
         curr: torch.Tensor,
         prev: torch.Tensor,
         inputs: LossBatch,
+        mask: torch.Tensor,
         policy: _PolicyTerm,
         weights: ImportanceWeights | None,
         kl: torch.Tensor | None,
+        kl_mask: torch.Tensor | None,
         entropy: torch.Tensor | None,
+        nll: torch.Tensor | None,
     ) -> dict[str, torch.Tensor]:
-        mask = inputs.mask
         ratio, clamped = policy.ratio.detach(), policy.clamped_ratio.detach()
         metrics = {
             "loss": loss.detach().clone(),  # Megatron divides the returned loss in place
-            "num_valid_tokens": mask.sum(),
-            "num_valid_samples": (mask.sum(dim=-1) > 0).sum().to(torch.float32),
+            "num_valid_tokens": inputs.mask.sum(),
+            "num_valid_samples": (inputs.mask.sum(dim=-1) > 0).sum().to(torch.float32),
+            "filtered_out_tokens": inputs.mask.sum() - mask.sum(),
             "probs_ratio": token_mean(ratio, mask),
             "probs_ratio_min": token_min(ratio, mask),
             "probs_ratio_max": token_max(ratio, mask),
             "probs_ratio_clamped": token_mean(clamped, mask),
+            "probs_ratio_clamped_min": token_min(clamped, mask),
+            "probs_ratio_clamped_max": token_max(clamped, mask),
             "clip_fraction_lower": token_mean((clamped > ratio).to(torch.float32), mask),
             "clip_fraction_upper": token_mean((clamped < ratio).to(torch.float32), mask),
             "curr_logprobs": curr.detach(),
         }
         if kl is not None:
-            metrics["kl_penalty"] = token_mean(kl.detach(), mask)
+            metrics["kl_penalty"] = token_mean(kl.detach(), kl_mask)
         if entropy is not None:
             metrics["entropy"] = token_mean(entropy.detach(), mask)
+        elif inputs.generation_logprobs is not None:
+            approx = finite_or_zero(-torch.exp(curr - inputs.generation_logprobs) * curr)
+            metrics["approx_entropy"] = token_mean(approx.detach(), mask)
+        if nll is not None:
+            metrics["positive_nll_loss"] = nll.detach()
         if inputs.generation_logprobs is not None:
             metrics.update(self._mismatch_metrics(prev.detach(), inputs.generation_logprobs, mask, weights))
         return metrics
@@ -225,12 +305,23 @@ class ClippedPGLoss:
         self, prev: torch.Tensor, generation: torch.Tensor, mask: torch.Tensor, weights: ImportanceWeights
     ) -> dict[str, torch.Tensor]:
         """How far the rollout engine's logprobs are from the trainer's prev logprobs."""
+        finite = mask * torch.isfinite(generation)
+        safe_generation = torch.where(finite.bool(), generation, torch.zeros((), device=generation.device))
         metrics = {
-            "token_mult_prob_error": token_mean(torch.exp((generation - prev).abs()), mask),
-            "gen_kl_error": token_mean(kl_estimate(generation, prev, self.config.reference_policy_kl_type), mask),
+            "nonfinite_generation_logprobs": mask.sum() - finite.sum(),
+            "token_mult_prob_error": token_mean(torch.exp((safe_generation - prev).abs()), finite),
+            "gen_kl_error": token_mean(
+                kl_estimate(safe_generation, prev, self.config.reference_policy_kl_type), finite
+            ),
             "sampling_importance_ratio": token_mean(weights.weights, mask),
         }
-        if weights.out_of_bounds is not None:
-            metrics["is_oob_ratio"] = token_mean(weights.out_of_bounds.to(torch.float32), mask)
+        oob = weights.out_of_bounds
+        if oob is None:
+            return metrics
+        if oob.dim() == 1:  # seq-mask-tis: one flag per sequence
+            has_tokens = (mask.sum(dim=-1) > 0).to(torch.float32)
+            metrics["is_oob_ratio"] = (oob.to(torch.float32) * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+            metrics["is_oob_token_ratio"] = token_mean(oob[:, None].expand_as(mask).to(torch.float32), mask)
+        else:
+            metrics["is_oob_ratio"] = token_mean(oob.to(torch.float32), mask)
         return metrics
-

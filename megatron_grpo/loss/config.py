@@ -17,6 +17,7 @@ from megatron_grpo.config import ConfigError, build_section
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 KLType = Literal["k1", "k2", "k3"]
 TruncationType = Literal["tis", "icepop", "seq-mask-tis"]
+SequenceWeight = Literal["product", "geometric_mean"]
 
 SectionT = TypeVar("SectionT", bound="StrictSection")
 
@@ -77,7 +78,7 @@ def _checked_value(field_type: Any, value: Any, path: str) -> Any:
 class TruncatedImportanceSamplingConfig(StrictSection):
     """Truncation of the importance-sampling weights `exp(prev - generation)`.
 
-    - `tis`: token weights clamped to at most `ratio_max`.
+    - `tis`: token weights clamped to `[ratio_min, ratio_max]`; a null `ratio_min` means 0, as in NeMo-RL.
     - `icepop`: tokens whose weight lies outside `[ratio_min, ratio_max]` get weight 0.
     - `seq-mask-tis`: sequences whose geometric-mean weight lies outside `[ratio_min, ratio_max]` get weight 0;
       kept sequences keep their untruncated token weights.
@@ -103,6 +104,7 @@ class ClippedPGLossConfig(StrictSection):
     loss_agg_mode: LossAggMode
     max_response_length: int | None
     sequence_level_importance_ratio: bool
+    sequence_level_importance_weight: SequenceWeight
     reference_policy_kl_penalty: float
     reference_policy_kl_type: KLType
     kl_input_clamp_value: float | None
@@ -112,6 +114,8 @@ class ClippedPGLossConfig(StrictSection):
     use_importance_sampling_correction: bool
     truncated_importance_sampling: TruncatedImportanceSamplingConfig
     force_on_policy_ratio: bool
+    use_cispo: bool
+    positive_example_nll_weight: float
     entropy_coef: float
 
     @property
@@ -126,6 +130,7 @@ class ClippedPGLossConfig(StrictSection):
             *self._aggregation_conflicts(),
             *self._kl_conflicts(),
             *self._importance_sampling_conflicts(),
+            *self._option_conflicts(),
         ]
 
     def _clipping_conflicts(self) -> list[str]:
@@ -196,9 +201,44 @@ class ClippedPGLossConfig(StrictSection):
             problems.append(f"loss_fn.truncated_importance_sampling.ratio_min: must be >= 0, got {tis.ratio_min}")
         if tis.ratio_max is not None and tis.ratio_max <= 0:
             problems.append(f"loss_fn.truncated_importance_sampling.ratio_max: must be > 0, got {tis.ratio_max}")
+        if tis.type == "seq-mask-tis" and self.sequence_level_importance_ratio:
+            problems.append(
+                "loss_fn.truncated_importance_sampling.type and loss_fn.sequence_level_importance_ratio: "
+                "seq-mask-tis masks sequences but keeps token-level weights, which GSPO's sequence weights replace; "
+                "set at most one"
+            )
+        if self.sequence_level_importance_weight != "product" and not self.sequence_level_importance_ratio:
+            problems.append(
+                "loss_fn.sequence_level_importance_weight and loss_fn.sequence_level_importance_ratio: "
+                f"{self.sequence_level_importance_weight!r} only applies to GSPO's sequence-level weights, which are "
+                "off"
+            )
         if tis.ratio_min is not None and tis.ratio_max is not None and tis.ratio_min > tis.ratio_max:
             problems.append(
                 "loss_fn.truncated_importance_sampling.ratio_min and loss_fn.truncated_importance_sampling.ratio_max: "
                 f"ratio_min {tis.ratio_min} > ratio_max {tis.ratio_max}"
             )
         return problems
+
+    def _option_conflicts(self) -> list[str]:
+        """CISPO's clipped, detached token ratio cannot be combined with what removes or replaces it (as NeMo-RL);
+        VAPO's NLL weight must not be negative."""
+        problems = []
+        if self.positive_example_nll_weight < 0:
+            problems.append(
+                f"loss_fn.positive_example_nll_weight: must be >= 0, got {self.positive_example_nll_weight}"
+            )
+        if not self.use_cispo:
+            return problems
+        clashes = {
+            "disable_ppo_ratio": (self.disable_ppo_ratio, "CISPO needs the ratio that disable_ppo_ratio removes"),
+            "force_on_policy_ratio": (self.force_on_policy_ratio, "a forced ratio of 1 removes the clipped weight"),
+            "sequence_level_importance_ratio": (
+                self.sequence_level_importance_ratio, "CISPO weights tokens, not sequences"
+            ),
+            "ratio_clip_c": (self.ratio_clip_c is not None, "dual clipping would overwrite the CISPO term"),
+            "loss_agg_mode": (self.loss_agg_mode != "token-mean", "CISPO is a token-level loss: use token-mean"),
+        }
+        return problems + [
+            f"loss_fn.use_cispo and loss_fn.{key}: {reason}" for key, (clash, reason) in clashes.items() if clash
+        ]

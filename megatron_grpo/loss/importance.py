@@ -6,16 +6,25 @@ import dataclasses
 
 import torch
 
-from megatron_grpo.loss.config import TruncatedImportanceSamplingConfig
-from megatron_grpo.loss.reductions import token_mean_per_sequence
+from megatron_grpo.loss.config import SequenceWeight, TruncatedImportanceSamplingConfig
+from megatron_grpo.loss.reductions import token_mean_per_sequence, token_sum_per_sequence
 
 
 @dataclasses.dataclass(frozen=True)
 class ImportanceWeights:
-    """Detached `[B, S]` weights, and where truncation rejected or capped them (None without truncation)."""
+    """Detached `[B, S]` weights, and where truncation rejected or capped them (None without truncation).
+
+    `out_of_bounds` is `[B, S]` for `tis` and `icepop`; for `seq-mask-tis` it is `[B]`, one flag per sequence.
+    """
 
     weights: torch.Tensor
     out_of_bounds: torch.Tensor | None
+
+
+def finite_or_zero(values: torch.Tensor) -> torch.Tensor:
+    """`values` with NaN and +-inf replaced by 0: a weight from a -inf logprob must not poison the batch (NeMo-RL
+    zeroes such weights the same way)."""
+    return torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def importance_weights(
@@ -25,29 +34,40 @@ def importance_weights(
     truncation: TruncatedImportanceSamplingConfig,
     *,
     sequence_level: bool,
+    sequence_weight: SequenceWeight,
 ) -> ImportanceWeights:
-    """Weights `w = exp(prev - generation)`, truncated as `truncation.type` says.
+    """Weights `w = exp(prev - generation)`, truncated as `truncation.type` says; non-finite weights are 0.
 
-    With `sequence_level` (GSPO) each token carries its sequence's geometric-mean weight
-    `exp(mean over trained tokens of (prev - generation))`, matching GSPO's length-normalised ratio.
-    - `tis`: `w = min(w, ratio_max)` per token; out of bounds means `w > ratio_max`.
+    With `sequence_level` (GSPO) each token carries its sequence's weight: `sequence_weight = "product"` is
+    `exp(sum over trained tokens of (prev - generation))`, the probability ratio of the whole sequence (NeMo-RL,
+    verl); `"geometric_mean"` is `exp(mean(...))`, length-normalised like GSPO's ratio.
+    - `tis`: `w = clamp(w, ratio_min or 0, ratio_max)`; out of bounds means outside those bounds.
     - `icepop`: `w = 0` for tokens with `w` outside `[ratio_min, ratio_max]`.
-    - `seq-mask-tis`: `w = 0` for every token of a sequence whose geometric-mean weight lies outside
-      `[ratio_min, ratio_max]`; kept sequences keep their weights untruncated (they are in bounds on average).
+    - `seq-mask-tis`: `w = 0` for every token of a sequence whose geometric-mean weight (non-finite token log
+      weights counted as 0) lies outside `[ratio_min, ratio_max]`; kept sequences keep their token weights
+      untruncated.
     """
     log_weights = (prev_logprobs - generation_logprobs).detach()
-    sequence_log_weights = token_mean_per_sequence(log_weights, mask)[:, None].expand_as(log_weights)
-    weights = torch.exp(sequence_log_weights if sequence_level else log_weights)
+    if sequence_level:
+        if sequence_weight == "product":
+            per_sequence = token_sum_per_sequence(log_weights, mask)
+        else:
+            per_sequence = token_mean_per_sequence(log_weights, mask)
+        weights = torch.exp(per_sequence)[:, None].expand_as(log_weights)
+    else:
+        weights = torch.exp(log_weights)
+    weights = finite_or_zero(weights)
     if truncation.type is None:
         return ImportanceWeights(weights=weights, out_of_bounds=None)
     if truncation.type == "tis":
-        out_of_bounds = weights > truncation.ratio_max
-        return ImportanceWeights(weights=weights.clamp(max=truncation.ratio_max), out_of_bounds=out_of_bounds)
+        ratio_min = 0.0 if truncation.ratio_min is None else truncation.ratio_min
+        out_of_bounds = (weights < ratio_min) | (weights > truncation.ratio_max)
+        return ImportanceWeights(weights=weights.clamp(ratio_min, truncation.ratio_max), out_of_bounds=out_of_bounds)
     if truncation.type == "icepop":
-        tested = weights
-    elif truncation.type == "seq-mask-tis":
-        tested = torch.exp(sequence_log_weights)
-    else:
-        raise ValueError(f"loss_fn.truncated_importance_sampling.type: unknown type {truncation.type!r}")
-    out_of_bounds = (tested < truncation.ratio_min) | (tested > truncation.ratio_max)
-    return ImportanceWeights(weights=weights.masked_fill(out_of_bounds, 0.0), out_of_bounds=out_of_bounds)
+        out_of_bounds = (weights < truncation.ratio_min) | (weights > truncation.ratio_max)
+        return ImportanceWeights(weights=weights.masked_fill(out_of_bounds, 0.0), out_of_bounds=out_of_bounds)
+    if truncation.type == "seq-mask-tis":
+        geometric_mean = torch.exp(token_mean_per_sequence(finite_or_zero(log_weights), mask))
+        rejected = (geometric_mean < truncation.ratio_min) | (geometric_mean > truncation.ratio_max)
+        return ImportanceWeights(weights=weights.masked_fill(rejected[:, None], 0.0), out_of_bounds=rejected)
+    raise ValueError(f"loss_fn.truncated_importance_sampling.type: unknown type {truncation.type!r}")

@@ -14,17 +14,24 @@ def kl_estimate(
     *,
     input_clamp: float | None = None,
     output_clamp: float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate, with `log r = reference_logprobs - logprobs`.
+    """Per-token KL(pi || pi_ref) estimate, with `log r = reference_logprobs - logprobs`; NeMo-RL's `calculate_kl`.
 
     - `k1 = -log r`, unbiased but signed;
     - `k2 = (log r)^2 / 2`;
     - `k3 = r - 1 - log r`, unbiased and never negative.
-    `input_clamp` clamps `log r` to `[-c, c]` first; `output_clamp` clamps the estimate to `[-c, c]`.
+    `input_clamp` clamps `log r` to `[-c, c]` first. `weights` (e.g. the score-function weight
+    `exp(curr - sg(curr))`) multiply the estimate; where the input clamp binds they are detached, so the clamp
+    stops every gradient of that token. `output_clamp` then clamps the weighted estimate to `[-c, c]`, so it
+    bounds what enters the loss.
     """
     log_ratio = reference_logprobs - logprobs
     if input_clamp is not None:
-        log_ratio = log_ratio.clamp(-input_clamp, input_clamp)
+        clamped = log_ratio.clamp(-input_clamp, input_clamp)
+        if weights is not None:
+            weights = torch.where(log_ratio == clamped, weights, weights.detach())
+        log_ratio = clamped
     if kl_type == "k1":
         kl = -log_ratio
     elif kl_type == "k2":
@@ -33,6 +40,8 @@ def kl_estimate(
         kl = torch.exp(log_ratio) - 1 - log_ratio
     else:
         raise ValueError(f"loss_fn.reference_policy_kl_type: unknown estimator {kl_type!r}")
+    if weights is not None:
+        kl = weights * kl
     if output_clamp is not None:
         kl = kl.clamp(-output_clamp, output_clamp)
     return kl

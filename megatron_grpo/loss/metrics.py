@@ -2,7 +2,9 @@
 
 A microbatch's metrics dict holds detached 0-dim tensors. `token_mean` metrics are means over that
 microbatch's trained tokens; they are combined weighted by its `num_valid_tokens`, so the aggregate is the
-mean over every trained token of the step whatever the split.
+mean over every trained token of the step whatever the split (`sequence_mean` ones likewise, weighted by
+`num_valid_samples`). Tokens a metric leaves out (filtered out by top-k / top-p, or with a non-finite generation
+logprob) still carry weight, so with such tokens the aggregate is a close approximation, exact per microbatch.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.distributed as dist
 class Aggregation(enum.Enum):
     SUM = "sum"
     TOKEN_MEAN = "token_mean"
+    SEQUENCE_MEAN = "sequence_mean"
     MIN = "min"
     MAX = "max"
     PER_TOKEN = "per_token"  # a [B, S] tensor for the training loop, not a scalar; aggregation skips it
@@ -28,45 +31,59 @@ METRIC_AGGREGATION: Mapping[str, Aggregation] = MappingProxyType(
         "loss": Aggregation.SUM,  # already globally normalised: the step's loss is the sum
         "num_valid_tokens": Aggregation.SUM,
         "num_valid_samples": Aggregation.SUM,
+        "filtered_out_tokens": Aggregation.SUM,
+        "nonfinite_generation_logprobs": Aggregation.SUM,
+        "positive_nll_loss": Aggregation.SUM,  # globally normalised like the loss
         "probs_ratio": Aggregation.TOKEN_MEAN,
         "probs_ratio_min": Aggregation.MIN,
         "probs_ratio_max": Aggregation.MAX,
         "probs_ratio_clamped": Aggregation.TOKEN_MEAN,
+        "probs_ratio_clamped_min": Aggregation.MIN,
+        "probs_ratio_clamped_max": Aggregation.MAX,
         "clip_fraction_lower": Aggregation.TOKEN_MEAN,
         "clip_fraction_upper": Aggregation.TOKEN_MEAN,
         "kl_penalty": Aggregation.TOKEN_MEAN,
         "entropy": Aggregation.TOKEN_MEAN,
+        "approx_entropy": Aggregation.TOKEN_MEAN,
         "token_mult_prob_error": Aggregation.TOKEN_MEAN,
         "gen_kl_error": Aggregation.TOKEN_MEAN,
         "sampling_importance_ratio": Aggregation.TOKEN_MEAN,
-        "is_oob_ratio": Aggregation.TOKEN_MEAN,
+        "is_oob_ratio": Aggregation.TOKEN_MEAN,  # SEQUENCE_MEAN for seq-mask-tis: see ClippedPGLoss.metric_aggregation
+        "is_oob_token_ratio": Aggregation.TOKEN_MEAN,
         "curr_logprobs": Aggregation.PER_TOKEN,
     }
 )
 
 TOKEN_WEIGHT = "num_valid_tokens"
+SEQUENCE_WEIGHT = "num_valid_samples"
 
 
 def aggregate_metrics(
-    per_microbatch: Sequence[Mapping[str, torch.Tensor]], group: dist.ProcessGroup | None = None
+    per_microbatch: Sequence[Mapping[str, torch.Tensor]],
+    group: dist.ProcessGroup | None = None,
+    aggregation: Mapping[str, Aggregation] = METRIC_AGGREGATION,
 ) -> dict[str, float]:
     """Combines the scalar metrics of a step's microbatches, and over the ranks of `group` when given.
 
-    Every rank of `group` must call this with the same metric names. One all-reduce per aggregation kind.
+    `aggregation` says how each metric combines (a loss's own `metric_aggregation`, where it has one). Every
+    rank of `group` must call this with the same metric names. One all-reduce per aggregation kind.
     """
     if not per_microbatch:
         raise ValueError("aggregate_metrics: no microbatch metrics to aggregate")
-    names = _scalar_metric_names(per_microbatch)
+    names = _scalar_metric_names(per_microbatch, aggregation)
     stacked = {name: torch.stack([m[name].detach().to(torch.float64) for m in per_microbatch]) for name in names}
-    by_kind = {kind: [name for name in names if METRIC_AGGREGATION[name] is kind] for kind in Aggregation}
-    token_weights = stacked[TOKEN_WEIGHT]
+    by_kind = {kind: [name for name in names if aggregation[name] is kind] for kind in Aggregation}
+    means = {Aggregation.TOKEN_MEAN: TOKEN_WEIGHT, Aggregation.SEQUENCE_MEAN: SEQUENCE_WEIGHT}
     sums = [stacked[name].sum() for name in by_kind[Aggregation.SUM]]
-    weighted_sums = [(stacked[name] * token_weights).sum() for name in by_kind[Aggregation.TOKEN_MEAN]]
+    weighted_sums = [
+        (stacked[name] * stacked[weight]).sum() for kind, weight in means.items() for name in by_kind[kind]
+    ]
+    mean_names = [name for kind in means for name in by_kind[kind]]
     summed = _all_reduced(sums + weighted_sums, dist.ReduceOp.SUM, group)
-    result = dict(zip(by_kind[Aggregation.SUM] + by_kind[Aggregation.TOKEN_MEAN], summed, strict=True))
-    total_tokens = max(result[TOKEN_WEIGHT], 1.0)
-    for name in by_kind[Aggregation.TOKEN_MEAN]:
-        result[name] /= total_tokens
+    result = dict(zip(by_kind[Aggregation.SUM] + mean_names, summed, strict=True))
+    for kind, weight in means.items():
+        for name in by_kind[kind]:
+            result[name] /= max(result[weight], 1.0)
     for kind, op, reduce in (
         (Aggregation.MIN, dist.ReduceOp.MIN, torch.amin),
         (Aggregation.MAX, dist.ReduceOp.MAX, torch.amax),
@@ -86,16 +103,20 @@ def _all_reduced(values: list[torch.Tensor], op: dist.ReduceOp, group: dist.Proc
     return stacked.tolist()
 
 
-def _scalar_metric_names(per_microbatch: Sequence[Mapping[str, torch.Tensor]]) -> list[str]:
+def _scalar_metric_names(
+    per_microbatch: Sequence[Mapping[str, torch.Tensor]], aggregation: Mapping[str, Aggregation]
+) -> list[str]:
     names = list(per_microbatch[0])
     for index, metrics in enumerate(per_microbatch[1:], start=1):
         if set(metrics) != set(names):
             raise ValueError(
                 f"aggregate_metrics: microbatch {index} has metrics {sorted(metrics)}, microbatch 0 has {sorted(names)}"
             )
-    undeclared = [name for name in names if name not in METRIC_AGGREGATION]
+    undeclared = [name for name in names if name not in aggregation]
     if undeclared:
         raise ValueError(f"aggregate_metrics: metrics without a declared aggregation: {undeclared}")
     if TOKEN_WEIGHT not in names:
         raise ValueError(f"aggregate_metrics: {TOKEN_WEIGHT!r} is missing; token means are weighted by it")
-    return [name for name in names if METRIC_AGGREGATION[name] is not Aggregation.PER_TOKEN]
+    if SEQUENCE_WEIGHT not in names and any(aggregation[name] is Aggregation.SEQUENCE_MEAN for name in names):
+        raise ValueError(f"aggregate_metrics: {SEQUENCE_WEIGHT!r} is missing; sequence means are weighted by it")
+    return [name for name in names if aggregation[name] is not Aggregation.PER_TOKEN]

@@ -1,4 +1,4 @@
-"""Next-token logprobs aligned with `input_ids`: the one place that does DESIGN.md's shift by one."""
+"""Next-token logprobs aligned with `input_ids`: the one place that does the shift by one in docs/design.md."""
 
 from __future__ import annotations
 
@@ -17,12 +17,16 @@ def next_token_logprobs(
     true_vocab_size: int | None = None,
     group: dist.ProcessGroup | None = None,
     with_entropy: bool = False,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float32 `[B, S]` logprobs of `input_ids[:, t]` under `logits[:, t-1]`, and their entropies if asked.
 
     Position 0 has no logprob and is 0, as is every position where `trained` (`[B, S]`, optional) is 0. The op
     runs on the whole, contiguous logits with targets shifted left by one and -1 (ignore) where the next token
-    is not wanted, so the logits are never sliced, copied or checked where they are not used.
+    is not wanted, so the logits are never sliced, copied or checked where they are not used. `top_k` /
+    `top_p` select the filtered distribution of the sampler (see `vocab_parallel_logprobs`): a token outside
+    its kept set has logprob -inf.
     """
     next_targets = torch.full_like(input_ids, -1)
     following = input_ids[:, 1:]
@@ -36,6 +40,8 @@ def next_token_logprobs(
         true_vocab_size=true_vocab_size,
         group=group,
         with_entropy=with_entropy,
+        top_k=top_k,
+        top_p=top_p,
     )
     logprobs, entropy = out if with_entropy else (out, None)
     return _shift_right(logprobs), (_shift_right(entropy) if entropy is not None else None)
