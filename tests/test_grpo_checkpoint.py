@@ -11,8 +11,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.config import load_config
-from megatron_grpo.grpo.checkpoint import load_checkpoint, save_checkpoint
-from megatron_grpo.grpo.checkpoint_dir import CheckpointError, latest_checkpoint, retire_latest, step_dir_name
+from megatron_grpo.grpo.checkpoint import CheckpointSaveError, load_checkpoint, save_checkpoint
+from megatron_grpo.grpo.checkpoint_dir import (
+    CheckpointError,
+    find_resumable,
+    latest_checkpoint,
+    loadable_sentence,
+    read_marker,
+    step_dir_name,
+    verify_checksums,
+)
 from _dist import run_on_ranks
 from grpo_workers.launch import TINY_CONFIG
 
@@ -62,9 +70,9 @@ def _save(directory: Path, steps_done: int, model, optimizer) -> Path:
                            world_size=dist.get_world_size(), barrier=dist.barrier)
 
 
-def _load(directory: Path, model, optimizer) -> int:
+def _load(directory: Path, model, optimizer, verify: bool = True) -> int:
     return load_checkpoint(latest_checkpoint(directory), model=model, optimizer=optimizer, rank=dist.get_rank(),
-                           world_size=dist.get_world_size())
+                           world_size=dist.get_world_size(), verify=verify)
 
 
 def _resume_is_bit_exact(rank: int, world_size: int, directory: Path) -> dict:
@@ -96,11 +104,23 @@ def _load_logits(rank: int, world_size: int, directory: Path) -> torch.Tensor:
     return _full_logits(model)
 
 
-def _load_error(rank: int, world_size: int, directory: Path) -> str:
+def _load_error(rank: int, world_size: int, directory: Path, verify: bool) -> str:
     _cfg, build_model, build_optimizer = _setup(tp=world_size)
     model = build_model()
     with pytest.raises(CheckpointError) as caught:
-        _load(directory, model, build_optimizer(model))
+        _load(directory, model, build_optimizer(model), verify)
+    return str(caught.value)
+
+
+def _save_error(rank: int, world_size: int, directory: Path) -> str:
+    """Saves step 2, then step 4 where a directory blocks a shard file's path: the save fails with EISDIR."""
+    _cfg, build_model, build_optimizer = _setup(tp=world_size)
+    model = build_model()
+    optimizer = build_optimizer(model)
+    _save(directory, 2, model, optimizer)
+    (directory / step_dir_name(4) / "__0_0.distcp").mkdir(parents=True)
+    with pytest.raises(CheckpointSaveError) as caught:
+        _save(directory, 4, model, optimizer)
     return str(caught.value)
 
 
@@ -123,7 +143,7 @@ def test_a_tp2_checkpoint_loads_into_tp1(tp2_checkpoints):
     torch.testing.assert_close(tp1_logits[..., :VOCAB], results[0]["logits"][..., :VOCAB], rtol=1e-5, atol=1e-5)
 
 
-def test_a_corrupt_checkpoint_is_a_clear_error(tp2_checkpoints, tmp_path):
+def test_a_corrupt_checkpoint_is_a_clear_error_without_checksums_too(tp2_checkpoints, tmp_path):
     source, _results = tp2_checkpoints
     shutil.copytree(source, tmp_path, dirs_exist_ok=True)
     step_dir = latest_checkpoint(tmp_path)
@@ -131,8 +151,52 @@ def test_a_corrupt_checkpoint_is_a_clear_error(tp2_checkpoints, tmp_path):
     assert shards, f"no shard files in {sorted(p.name for p in step_dir.iterdir())}"
     for shard in shards:
         shard.write_bytes(b"garbage")
-    for message in run_on_ranks(2, _load_error, tmp_path):
+    for message in run_on_ranks(2, _load_error, tmp_path, False):
         assert f"{step_dir} is corrupt" in message
+
+
+def test_the_marker_records_a_checksum_of_every_file_and_a_flipped_byte_is_named(tp2_checkpoints, tmp_path):
+    source, _results = tp2_checkpoints
+    shutil.copytree(source, tmp_path, dirs_exist_ok=True)
+    step_dir = latest_checkpoint(tmp_path)
+    marker = read_marker(step_dir)
+    files = sorted(p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file())
+    assert marker.world_size == 2 and sorted(marker.checksums) == [name for name in files if name != "COMPLETE"]
+    verify_checksums(step_dir)
+    shard = sorted(step_dir.glob("*.distcp"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{shard} does not match its checksum"):
+        verify_checksums(step_dir)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"{shard} is missing, but {step_dir / 'COMPLETE'} lists it"):
+        verify_checksums(step_dir)
+
+
+@pytest.mark.parametrize("content, problem", [("", "is empty"), ("{garbage", "is not a valid marker"),
+                                              ('{"world_size": 2}', "is not a valid marker")])
+def test_a_damaged_marker_is_named_and_skipped_for_the_newest_complete_checkpoint(tp2_checkpoints, tmp_path,
+                                                                                 content, problem):
+    source, _results = tp2_checkpoints
+    shutil.copytree(source, tmp_path, dirs_exist_ok=True)
+    (tmp_path / step_dir_name(4) / "COMPLETE").write_text(content)
+    found = find_resumable(tmp_path)
+    assert found.step_dir == tmp_path / step_dir_name(2)
+    assert found.skipped == [f"skipped {step_dir_name(4)}: {tmp_path / step_dir_name(4) / 'COMPLETE'} {problem}"
+                             + found.skipped[0].split(problem, 1)[1]]
+
+
+def test_a_failed_save_names_the_path_and_errno_and_what_is_still_loadable(tmp_path):
+    (message,) = run_on_ranks(1, _save_error, tmp_path)
+    assert message.startswith(f"rank 0: could not save checkpoint {tmp_path / step_dir_name(4)}: [Errno 21] ")
+    assert f"{tmp_path / step_dir_name(2)} is the newest complete checkpoint" in message
+    assert "\n" not in message
+
+
+def test_loadable_sentence_says_so_when_nothing_is_loadable(tmp_path):
+    assert loadable_sentence(tmp_path) == (f"no checkpoint has been completed in {tmp_path}, so a rerun starts from "
+                                           "scratch")
 
 
 def test_latest_points_to_the_newest_complete_checkpoint(tp2_checkpoints, tmp_path):
@@ -148,13 +212,5 @@ def test_resume_from_a_missing_directory_is_a_clear_error(tmp_path):
 
 
 def test_resume_from_an_empty_directory_is_a_clear_error(tmp_path):
-    with pytest.raises(CheckpointError, match="no complete checkpoint"):
-        latest_checkpoint(tmp_path)
-
-
-def test_a_fresh_run_retires_an_older_runs_latest_so_resume_cannot_pick_it_up(tp2_checkpoints, tmp_path):
-    source, _results = tp2_checkpoints
-    shutil.copytree(source, tmp_path, dirs_exist_ok=True)
-    assert retire_latest(tmp_path) and not retire_latest(tmp_path)
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         latest_checkpoint(tmp_path)

@@ -6,18 +6,25 @@ sharded tensors with Megatron's own helpers, exactly as Megatron's FP32 optimize
 shared by every parameter and saved once. Each rank's RNG state is a `ShardedObject`. A checkpoint therefore
 loads into another tensor-parallel size too, and resumes bit-exactly into the same one.
 
-Each checkpoint is a dist_checkpointing directory `<dir>/step_00000050/`, published once every rank's shards
-are on disk (see `checkpoint_dir`). An unreadable checkpoint on resume is a `CheckpointError`: the run never
-silently restarts from scratch.
+Each checkpoint is a dist_checkpointing directory `<dir>/step_00000050/`, published with the checksum of every
+file once every rank's shards are on disk (see `checkpoint_dir`). On load the checksums are verified first
+(`checkpoint.verify_checksums`), each rank hashing its share of the files. An unreadable or altered checkpoint
+is a `CheckpointError` naming it: the run never silently restarts from scratch or trains on wrong weights. A
+save that fails on an OS error is a `CheckpointSaveError`: one sentence with the path, the errno, and what is
+still loadable.
 """
 
 from __future__ import annotations
 
+import queue
 import random
+import re
 from pathlib import Path
+from typing import Optional
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.optimizer import (
@@ -26,9 +33,20 @@ from megatron.core.dist_checkpointing.optimizer import (
 )
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from megatron_grpo.grpo.checkpoint_dir import CheckpointError, publish, saved_world_size, step_dir_name, unpublish
+from megatron_grpo.grpo.checkpoint_dir import (
+    AgreedCheckpointError,
+    CheckpointError,
+    describe_os_error,
+    loadable_sentence,
+    publish,
+    saved_world_size,
+    step_dir_name,
+    unpublish,
+    verify_checksums,
+)
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+QUOTED_OS_ERROR = re.compile(r"\[Errno (?P<errno>\d+)\] (?P<strerror>[^:\n]+)(?:: '(?P<filename>[^'\n]+)')?")
 
 
 def save_checkpoint(
@@ -41,30 +59,88 @@ def save_checkpoint(
     world_size: int,
     barrier: Callable[[], None],
 ) -> Path:
-    """Saves the training state after `steps_done` optimizer steps; every rank must call it together."""
+    """Saves the training state after `steps_done` optimizer steps; every rank must call it together.
+
+    An OS error on the way (unwritable, full) is a `CheckpointSaveError` that says what is still loadable."""
     step_dir = Path(directory) / step_dir_name(steps_done)
-    if rank == 0:
-        step_dir.mkdir(parents=True, exist_ok=True)
-        unpublish(step_dir)
-    barrier()
-    state = _sharded_training_state(model, optimizer, rank, world_size)
-    state["steps_done"] = steps_done
-    dist_checkpointing.save(state, str(step_dir))
-    barrier()
-    if rank == 0:
-        publish(step_dir, world_size)
-    barrier()
+    try:
+        if rank == 0:
+            step_dir.mkdir(parents=True, exist_ok=True)
+            unpublish(step_dir)
+        barrier()
+        state = _sharded_training_state(model, optimizer, rank, world_size)
+        state["steps_done"] = steps_done
+        _keep_write_results_in_process()
+        dist_checkpointing.save(state, str(step_dir))
+        barrier()
+        if rank == 0:
+            publish(step_dir, world_size)
+        barrier()
+    except (Exception, CheckpointException) as err:  # dist_checkpointing wraps a rank's OSError in its own types
+        os_error = find_os_error(err)
+        if os_error is None:
+            raise
+        raise CheckpointSaveError(f"rank {rank}: could not save checkpoint {step_dir}: {describe_os_error(os_error)}; "
+                                  f"{loadable_sentence(Path(directory))}") from err
     return step_dir
 
 
+def _keep_write_results_in_process() -> None:
+    """Gives Megatron's `torch_dist` writer an in-process results queue instead of a spawned Manager's.
+
+    The writer collects its results through a queue it makes on first use: a `multiprocessing` Manager, i.e. a
+    second interpreter (about 330 MB) that lives as long as the rank and outlived a killed rank, adopted by
+    init. That queue exists for asynchronous saves, whose writer runs in another process; a synchronous save
+    (this one) writes and reads the results in this process, so a plain queue does the same job. Versions
+    without that module-level queue are left alone."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+class CheckpointSaveError(CheckpointError):
+    """Saving a checkpoint failed on an OS error; the message names the path and the errno."""
+
+
+def find_os_error(err: BaseException) -> Optional[OSError]:
+    """The OSError behind `err`: itself, its cause or context, or a failed rank's error inside torch's
+    CheckpointException. The ranks' errors reach that one pickled, without their causes: an OSError quoted in a
+    message (`[Errno 28] No space left on device: '<path>'`) is rebuilt from its text."""
+    seen: set[int] = set()
+    pending = [err]
+    while pending:
+        current = pending.pop(0)
+        if isinstance(current, tuple):  # torch's wrapped failure: (exception, stack summary)
+            pending += list(current)
+            continue
+        if not isinstance(current, BaseException) or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError):
+            return current
+        quoted = QUOTED_OS_ERROR.search(str(current))
+        if quoted:
+            return OSError(int(quoted["errno"]), quoted["strerror"], quoted["filename"])
+        pending += [current.__cause__, current.__context__]
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            pending += list(failures.values())
+    return None
+
+
 def load_checkpoint(
-    step_dir: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world_size: int
+    step_dir: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world_size: int,
+    verify: bool = True,
 ) -> int:
     """Restores model, optimizer and this rank's RNG from `step_dir`; returns the number of steps done.
 
-    Into another world size (another TP size), model and optimizer are resharded; the per-rank RNG states
-    then have no owner and are not restored.
+    With `verify`, first checks every file against the checksums of the COMPLETE marker (every rank must
+    call this together). Into another world size (another TP size), model and optimizer are resharded; the
+    per-rank RNG states then have no owner and are not restored.
     """
+    if verify:
+        verify_shared(step_dir, rank, world_size)
     _materialise_adam_state(optimizer)  # the sharded templates need tensors to load into
     template = _sharded_training_state(model, optimizer, rank, world_size)
     template["steps_done"] = 0
@@ -76,12 +152,29 @@ def load_checkpoint(
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(_with_adam_step(state["optimizer"], state["adam_step"]))
     except (Exception, CheckpointException) as err:  # many types for missing, truncated or garbled files
-        raise CheckpointError(f"--resume: {step_dir} is corrupt or does not fit this model: "
+        raise CheckpointError(f"cannot resume: {step_dir} is corrupt or does not fit this model: "
                               f"{type(err).__name__}: {_last_line(err)}") from err
     if same_world:
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
     return int(state["steps_done"])
+
+
+def verify_shared(step_dir: Path, rank: int, world_size: int) -> None:
+    """Verifies the checksums of `step_dir`, each rank hashing every `world_size`-th file; every rank raises the
+    same `CheckpointError` if any file fails."""
+    try:
+        verify_checksums(step_dir, share=(rank, world_size))
+        problem = ""
+    except CheckpointError as err:
+        problem = str(err)
+    problems = [problem]
+    if world_size > 1 and dist.is_initialized():
+        problems = [""] * world_size
+        dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), "")
+    if first:
+        raise AgreedCheckpointError(f"checkpoint.verify_checksums: {first}")
 
 
 def _sharded_training_state(

@@ -1,0 +1,67 @@
+"""Process lifetime: a dying job takes every process it started with it, and a stopped rank says why.
+
+Megatron's checkpoint writer starts helper processes in each rank: `dist_checkpointing`'s `torch_dist` strategy
+spawns a `multiprocessing` Manager (a full interpreter, about 330 MB, which holds the writers' results queue
+for the rest of the rank's life) and a resource tracker, and forks one writer per file bucket during each save.
+They share the rank's process group, which torchrun kills only while the rank itself is alive: a rank killed
+outright (SIGKILL, the OOM killer) left them running forever, adopted by init. `checkpoint` keeps the results
+queue in the rank, so no Manager is spawned; this module covers the rest.
+
+On Linux the kernel can send a signal to a process when its parent dies (`PR_SET_PDEATHSIG`). The runner sets
+it in each rank under torchrun (it dies with its agent) and, through an at-fork hook, in every process the rank
+forks (they die with the rank). Elsewhere these are no-ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from typing import Callable
+
+PR_SET_PDEATHSIG = 1
+_hooked = False
+
+
+def die_with_parent(sig: signal.Signals = signal.SIGKILL) -> bool:
+    """Asks the kernel to send `sig` to this process when its parent exits; returns whether it could.
+
+    If the parent died before the request (the process was re-parented to init), exits at once."""
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if parent == 1 or os.getppid() != parent:
+        os._exit(1)
+    return True
+
+
+def bind_forked_children() -> None:
+    """Makes every process this one forks from now on die with it (SIGKILL), with default SIGTERM handling."""
+    global _hooked
+    if not _hooked and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_in_forked_child)
+        _hooked = True
+
+
+def _in_forked_child() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the rank's handler below is not the child's business
+    die_with_parent()
+
+
+def on_sigterm(describe: Callable[[], str], exit_code: int) -> None:
+    """On SIGTERM (torchrun stopping the ranks after one failed), prints `describe()` to stderr and exits."""
+
+    def handler(signum: int, frame: object) -> None:
+        try:
+            print(describe(), file=sys.stderr, flush=True)
+        finally:
+            os._exit(exit_code)
+
+    signal.signal(signal.SIGTERM, handler)

@@ -1,0 +1,77 @@
+"""Process lifetime: children forked by a rank die with it, and torchrun's SIGTERM gets a sentence, not silence."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from grpo_workers.launch import REPO
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+
+
+def _python(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+
+
+def test_a_process_forked_by_a_rank_dies_when_the_rank_is_killed():
+    rank = _python("""
+        import multiprocessing, time
+        from megatron_grpo.grpo.lifetime import bind_forked_children, die_with_parent
+        bind_forked_children()
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+        child.start()
+        print(child.pid, flush=True)
+        time.sleep(600)
+    """)
+    try:
+        child = psutil.Process(int(rank.stdout.readline()))
+        assert child.is_running()
+        rank.kill()  # SIGKILL: the rank runs no clean-up at all
+        rank.wait(timeout=10)
+        child.wait(timeout=10)  # raises psutil.TimeoutExpired if the child outlives the rank
+    finally:
+        rank.kill()
+
+
+def test_sigterm_prints_the_sentence_and_exits_with_the_given_code():
+    rank = _python("""
+        import time
+        from megatron_grpo.grpo.lifetime import on_sigterm
+        on_sigterm(lambda: "error: rank 0: stopped by torchrun (SIGTERM)", 4)
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    try:
+        assert rank.stdout.readline() == "ready\n"
+        rank.send_signal(signal.SIGTERM)
+        assert rank.wait(timeout=10) == 4
+        assert rank.stderr.read() == "error: rank 0: stopped by torchrun (SIGTERM)\n"
+    finally:
+        rank.kill()
+
+
+def test_a_process_whose_parent_is_gone_exits_when_it_binds_its_life_to_it():
+    """The race of binding: a child whose parent died just before is re-parented and must not live on."""
+    started = time.monotonic()
+    orphan = _python("""
+        import os
+        if os.fork():
+            os._exit(0)  # the parent leaves at once
+        import time
+        time.sleep(0.5)
+        from megatron_grpo.grpo.lifetime import die_with_parent
+        die_with_parent()
+        print("still alive", flush=True)
+    """)
+    output, _ = orphan.communicate(timeout=30)
+    time.sleep(1.0)
+    assert "still alive" not in output and time.monotonic() - started < 30
