@@ -7,11 +7,12 @@ wrongly typed value of the whole tree in one `ConfigError`, so a user fixes a co
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, TypeVar, Union
+from typing import Any, Iterator, Literal, Mapping, TypeVar, Union
 
 import yaml
 
@@ -80,6 +81,9 @@ def _build_scalar(tp: Any, data: Any, path: str, problems: list[str]) -> Any:
         if isinstance(data, bool) or not isinstance(data, (int, float)):
             problems.append(f"{path}: expected a number, got {data!r}")
             return data
+        if not math.isfinite(data):  # no key means "unbounded" by inf; a NaN passes every comparison
+            problems.append(f"{path}: must be a finite number, got {data!r}")
+            return data
         return float(data)
     if tp is int:
         if isinstance(data, bool) or not isinstance(data, int):
@@ -140,6 +144,8 @@ def _describe(tp: Any) -> str:
 import megatron_grpo.loss.config as _loss_config  # noqa: E402
 
 PassMode = Literal["auto", "compute", "skip"]
+MAX_SEED = 2**63 - 1  # every seed in [0, MAX_SEED] drives all of the run's random draws
+MAX_TIMEOUT_SECONDS = 365 * 24 * 3600.0  # datetime.timedelta and the process groups' clocks overflow far beyond it
 
 
 @dataclass(frozen=True)
@@ -204,6 +210,7 @@ class GenerationConfig:
 
     temperature: float
     top_k: int | None  # None = the full distribution
+    top_p: float | None  # None or 1.0 = the full distribution; else the nucleus of mass top_p, after top_k
     max_new_tokens: int
 
 
@@ -218,6 +225,8 @@ class GrpoConfig:
     seq_logprob_error_threshold: float | None  # None = no masking of sequences by logprob mismatch
     normalize_rewards_by_std: bool  # False = Dr. GRPO
     leave_one_out_baseline: bool
+    # NeMo-RL's switch, with its meaning: true = logprob_passes.reference: skip (needs a zero KL penalty)
+    skip_reference_policy_logprobs_calculation: bool
 
 
 @dataclass(frozen=True)
@@ -234,13 +243,25 @@ class CheckpointConfig:
 
     dir: str
     every_n_steps: int
+    verify_checksums: bool  # hash every file of a checkpoint on load against its COMPLETE marker
 
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Console output."""
+    """Console output, and the scalar logs of the run directory (rank 0 writes; see grpo/tensorboard_log.py)."""
 
     progress_bar: bool
+    tensorboard: bool  # TensorBoard event files in run_dir, every scalar of metrics.jsonl
+    wandb: bool  # W&B in offline mode under run_dir/wandb; needs the wandb package
+
+    def __post_init__(self) -> None:
+        import importlib.util
+
+        problems = [f"logging.{key}: true needs the {key} package, which is not installed (pip install {key}, "
+                    f"or set logging.{key}: false)"
+                    for key in ("tensorboard", "wandb") if getattr(self, key) and importlib.util.find_spec(key) is None]
+        if problems:
+            raise ConfigError(problems)
 
 
 @dataclass(frozen=True)
@@ -269,12 +290,45 @@ def load_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> Config:
     """Reads a YAML file (or takes an already parsed mapping) into a `Config`; every problem is a ConfigError."""
     if isinstance(path_or_dict, Mapping):
         return build_section(Config, path_or_dict)
-    with open(path_or_dict, encoding="utf-8") as stream:
-        try:
-            data = yaml.safe_load(stream)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{os.fspath(path_or_dict)}: not valid YAML: {err}") from err
-    return build_section(Config, data)
+    return build_section(Config, read_yaml(path_or_dict))
+
+
+def read_yaml(path: str | os.PathLike) -> Any:
+    """The parsed YAML file; an unreadable file, invalid YAML or a key given twice is a ConfigError naming it.
+
+    PyYAML silently keeps the last of two equal keys, so a duplicated key would hide the value the user reads
+    first; the node tree is checked for duplicates before anything is built from it.
+    """
+    name = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as stream:
+            text = stream.read()
+    except OSError as err:
+        raise ConfigError(f"{name}: cannot read the config file: {err.strerror or err}") from err
+    try:
+        duplicates = list(_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), ""))
+        if duplicates:
+            raise ConfigError([f"{name}: {problem}" for problem in duplicates])
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{name}: not valid YAML: {err}") from err
+
+
+def _duplicate_keys(node: yaml.Node | None, path: str) -> Iterator[str]:
+    """Yields one line per key that a mapping of the YAML node tree gives more than once."""
+    if isinstance(node, yaml.MappingNode):
+        first_line: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            line = key_node.start_mark.line + 1
+            if key in first_line:
+                yield f"{_join(path, key)}: key given twice (lines {first_line[key]} and {line})"
+            else:
+                first_line[key] = line
+            yield from _duplicate_keys(value_node, _join(path, key))
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            yield from _duplicate_keys(item, f"{path}[{index}]")
 
 
 def _range_problems(cfg: Config) -> list[str]:
@@ -315,11 +369,18 @@ def _range_problems(cfg: Config) -> list[str]:
         "policy.optimizer.adam_beta2": optim.adam_beta2,
     }
     problems = [f"{key}: must be > 0, got {value!r}" for key, value in positive.items() if not value > 0]
+    if not 0 <= cfg.seed <= MAX_SEED:
+        problems.append(f"seed: must be in [0, 2**63 - 1], got {cfg.seed!r}")
+    if cfg.distributed.timeout_seconds > MAX_TIMEOUT_SECONDS:
+        problems.append(f"distributed.timeout_seconds: must be at most {MAX_TIMEOUT_SECONDS:.0f} (one year), got "
+                        f"{cfg.distributed.timeout_seconds!r}")
     problems += [f"{key}: must be >= 0, got {value!r}" for key, value in non_negative.items() if not value >= 0]
     problems += [f"{key}: must be in [0, 1), got {value!r}" for key, value in unit_interval.items()
                  if not 0 <= value < 1]
     if cfg.generation.top_k is not None and cfg.generation.top_k < 1:
         problems.append(f"generation.top_k: must be null or >= 1, got {cfg.generation.top_k!r}")
+    if cfg.generation.top_p is not None and not 0.0 < cfg.generation.top_p <= 1.0:
+        problems.append(f"generation.top_p: must be null or in (0, 1], got {cfg.generation.top_p!r}")
     threshold = cfg.grpo.seq_logprob_error_threshold
     if threshold is not None and not threshold > 0:
         problems.append(f"grpo.seq_logprob_error_threshold: must be null or > 0, got {threshold!r}")

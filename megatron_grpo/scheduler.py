@@ -2,7 +2,7 @@
 
 Besides its training forward/backward, a step may run a reference-policy logprob pass (for the KL penalty) and
 a previous-policy logprob pass (for the importance ratio). `plan_logprob_passes` skips each one exactly when it
-is provably redundant (DESIGN.md, "Scheduler contract"), explains every decision in a sentence that names the
+is provably redundant (docs/design.md, "Scheduler rules"), explains every decision in a sentence that names the
 keys behind it, and rejects unsafe or contradictory settings with one ConfigError listing every conflict,
 before any model is built. The sync and async loops both call this one function; `auto` never errors.
 """
@@ -11,18 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_grpo.config import Config, ConfigError
-
-ROLLOUT_BATCH = "grpo.num_prompts_per_step × grpo.num_generations_per_prompt"
-GLOBAL_BATCH = "policy.train_global_batch_size"
-STALENESS = "grpo.max_rollout_staleness"
-ERROR_THRESHOLD = "grpo.seq_logprob_error_threshold"
-DROPOUT = "policy.model.hidden_dropout / policy.model.attention_dropout"
-KL_PENALTY = "loss_fn.reference_policy_kl_penalty"
-KL_IN_REWARD = "loss_fn.use_kl_in_reward"
-FORCE_ON_POLICY = "loss_fn.force_on_policy_ratio"
-PREV_MODE = "logprob_passes.prev"
-REFERENCE_MODE = "logprob_passes.reference"
+from megatron_grpo.config import Config, ConfigError, PassMode
 
 NUM_OPTIONAL_PASSES = 2  # reference and prev
 
@@ -61,8 +50,26 @@ class LogprobPlan:
 
 
 @dataclass(frozen=True)
-class _Facts:
-    """The config values the rules read, under names that say what they mean."""
+class PlanKeys:
+    """The config keys the plan's sentences and errors name: this project's by default; another layout (a NeMo-RL
+    config read by `plan --nemo-rl-config`) names its own keys."""
+
+    rollout_batch: str = "grpo.num_prompts_per_step × grpo.num_generations_per_prompt"
+    global_batch: str = "policy.train_global_batch_size"
+    staleness: str = "grpo.max_rollout_staleness"
+    error_threshold: str = "grpo.seq_logprob_error_threshold"
+    dropout: str = "policy.model.hidden_dropout / policy.model.attention_dropout"
+    kl_penalty: str = "loss_fn.reference_policy_kl_penalty"
+    kl_in_reward: str = "loss_fn.use_kl_in_reward"
+    force_on_policy: str = "loss_fn.force_on_policy_ratio"
+    prev_mode: str = "logprob_passes.prev"
+    reference_mode: str = "logprob_passes.reference"
+    skip_reference: str = "grpo.skip_reference_policy_logprobs_calculation"
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """The settings the rules read, under names that say what they mean, whatever config layout they came from."""
 
     rollout_batch: int
     global_batch: int
@@ -72,9 +79,13 @@ class _Facts:
     kl_penalty: float
     kl_in_reward: bool
     force_on_policy: bool
+    reference_mode: PassMode
+    prev_mode: PassMode
+    skip_reference: bool  # NeMo-RL's grpo.skip_reference_policy_logprobs_calculation
+    keys: PlanKeys = PlanKeys()
 
     @classmethod
-    def of(cls, cfg: Config) -> _Facts:
+    def of(cls, cfg: Config) -> PlanInputs:
         model = cfg.policy.model
         return cls(
             rollout_batch=cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt,
@@ -85,6 +96,9 @@ class _Facts:
             kl_penalty=cfg.loss_fn.reference_policy_kl_penalty,
             kl_in_reward=cfg.loss_fn.use_kl_in_reward,
             force_on_policy=cfg.loss_fn.force_on_policy_ratio,
+            reference_mode=cfg.logprob_passes.reference,
+            prev_mode=cfg.logprob_passes.prev,
+            skip_reference=cfg.grpo.skip_reference_policy_logprobs_calculation,
         )
 
     @property
@@ -97,32 +111,32 @@ class _Facts:
 
     def off_policy_causes(self) -> list[str]:
         """Why the training forward may differ from the policy that produced the rollouts (empty: on-policy)."""
-        causes = []
+        keys, causes = self.keys, []
         if not self.one_step_per_rollout:
-            causes.append(f"{ROLLOUT_BATCH} ({self.rollout_batch}) != {GLOBAL_BATCH} ({self.global_batch}), "
+            causes.append(f"{keys.rollout_batch} ({self.rollout_batch}) != {keys.global_batch} ({self.global_batch}), "
                           "so later optimizer steps train on rollouts from older weights")
         if self.staleness > 0:
-            causes.append(f"{STALENESS} = {self.staleness} lets rollouts come from older weights")
+            causes.append(f"{keys.staleness} = {self.staleness} lets rollouts come from older weights")
         if self.dropout:
-            causes.append(f"{DROPOUT} > 0 makes the train-mode forward differ from the rollout policy")
+            causes.append(f"{keys.dropout} > 0 makes the train-mode forward differ from the rollout policy")
         return causes
 
     def prev_consumers_before_loss(self) -> list[str]:
         """What reads prev logprobs before the loss runs, so they cannot come from the training forward."""
-        consumers = []
+        keys, consumers = self.keys, []
         if self.error_threshold is not None:
-            consumers.append(f"{ERROR_THRESHOLD} = {self.error_threshold} masks sequences by prev logprobs")
+            consumers.append(f"{keys.error_threshold} = {self.error_threshold} masks sequences by prev logprobs")
         if self.kl_in_reward and self.kl_active:
-            consumers.append(f"{KL_IN_REWARD} with {KL_PENALTY} > 0 puts a KL of prev logprobs in the reward")
+            consumers.append(f"{keys.kl_in_reward} with {keys.kl_penalty} > 0 puts a KL of prev logprobs in the reward")
         return consumers
 
 
-def plan_logprob_passes(cfg: Config) -> LogprobPlan:
+def plan_logprob_passes(cfg: Config | PlanInputs) -> LogprobPlan:
     """Plans the reference and prev logprob passes of a step; raises one ConfigError listing every conflict."""
-    facts = _Facts.of(cfg)
-    problems = _global_conflicts(facts)
-    compute_reference, reference_reason = _plan_reference(cfg.logprob_passes.reference, facts, problems)
-    compute_prev, prev_reason = _plan_prev(cfg.logprob_passes.prev, facts, problems)
+    inputs = cfg if isinstance(cfg, PlanInputs) else PlanInputs.of(cfg)
+    problems = _global_conflicts(inputs)
+    compute_reference, reference_reason = _plan_reference(inputs, problems)
+    compute_prev, prev_reason = _plan_prev(inputs, problems)
     if problems:
         raise ConfigError(problems)
     return LogprobPlan(
@@ -132,55 +146,71 @@ def plan_logprob_passes(cfg: Config) -> LogprobPlan:
     )
 
 
-def _global_conflicts(facts: _Facts) -> list[str]:
+def _global_conflicts(inputs: PlanInputs) -> list[str]:
     """Conflicts that hold whatever the per-pass overrides say."""
-    problems = []
-    if facts.rollout_batch % facts.global_batch:
-        problems.append(f"{ROLLOUT_BATCH} ({facts.rollout_batch}) must be a multiple of {GLOBAL_BATCH} "
-                        f"({facts.global_batch})")
-    if facts.kl_in_reward and not facts.kl_active:
-        problems.append(f"{KL_IN_REWARD} is true but {KL_PENALTY} is 0: a zero KL in the reward is meaningless")
-    if facts.force_on_policy and not facts.one_step_per_rollout:
-        problems.append(f"{FORCE_ON_POLICY} needs one optimizer step per rollout batch, but {ROLLOUT_BATCH} "
-                        f"({facts.rollout_batch}) != {GLOBAL_BATCH} ({facts.global_batch})")
-    if facts.force_on_policy and facts.staleness > 0:
-        problems.append(f"{FORCE_ON_POLICY} needs rollouts from the current weights, but {STALENESS} = "
-                        f"{facts.staleness}")
+    keys, problems = inputs.keys, []
+    if inputs.rollout_batch % inputs.global_batch:
+        problems.append(f"{keys.rollout_batch} ({inputs.rollout_batch}) must be a multiple of {keys.global_batch} "
+                        f"({inputs.global_batch})")
+    if inputs.kl_in_reward and not inputs.kl_active:
+        problems.append(f"{keys.kl_in_reward} is true but {keys.kl_penalty} is 0: a zero KL in the reward is "
+                        "meaningless")
+    if inputs.force_on_policy and not inputs.one_step_per_rollout:
+        problems.append(f"{keys.force_on_policy} needs one optimizer step per rollout batch, but {keys.rollout_batch} "
+                        f"({inputs.rollout_batch}) != {keys.global_batch} ({inputs.global_batch})")
+    if inputs.force_on_policy and inputs.staleness > 0:
+        problems.append(f"{keys.force_on_policy} needs rollouts from the current weights, but {keys.staleness} = "
+                        f"{inputs.staleness}")
     return problems
 
 
-def _plan_reference(mode: str, facts: _Facts, problems: list[str]) -> tuple[bool, str]:
+def _reference_mode(inputs: PlanInputs, problems: list[str]) -> tuple[PassMode, str]:
+    """The reference pass's mode and the key that set it: NeMo-RL's skip switch, when true, means `skip`."""
+    keys = inputs.keys
+    if not inputs.skip_reference:
+        return inputs.reference_mode, f"{keys.reference_mode} = {inputs.reference_mode}"
+    if inputs.reference_mode == "compute":
+        problems.append(f"{keys.skip_reference} = true and {keys.reference_mode} = compute disagree: set only one "
+                        "of them")
+    return "skip", f"{keys.skip_reference} = true"
+
+
+def _plan_reference(inputs: PlanInputs, problems: list[str]) -> tuple[bool, str]:
     """The reference pass (and model) is needed exactly when the KL penalty is on."""
+    keys = inputs.keys
+    mode, setting = _reference_mode(inputs, problems)
     if mode == "compute":
-        return True, f"reference logprobs computed: {REFERENCE_MODE} = compute."
+        return True, f"reference logprobs computed: {setting}."
     if mode == "skip":
-        if facts.kl_active:
-            problems.append(f"{REFERENCE_MODE} = skip is unsafe: {KL_PENALTY} = {facts.kl_penalty} > 0 needs "
-                            "reference logprobs")
-        return False, f"reference logprobs and reference model skipped: {REFERENCE_MODE} = skip."
-    if facts.kl_active:
-        where = "the reward" if facts.kl_in_reward else "the loss"
-        return True, f"reference logprobs computed: {KL_PENALTY} = {facts.kl_penalty} > 0 puts a KL in {where}."
-    return False, f"reference logprobs and reference model skipped: {KL_PENALTY} = 0, so no KL needs them."
+        if inputs.kl_active:
+            problems.append(f"{setting} is unsafe: {keys.kl_penalty} = {inputs.kl_penalty} > 0 needs reference "
+                            "logprobs")
+        return False, f"reference logprobs and reference model skipped: {setting}."
+    if inputs.kl_active:
+        where = "the reward" if inputs.kl_in_reward else "the loss"
+        return True, f"reference logprobs computed: {keys.kl_penalty} = {inputs.kl_penalty} > 0 puts a KL in {where}."
+    return False, f"reference logprobs and reference model skipped: {keys.kl_penalty} = 0, so no KL needs them."
 
 
-def _plan_prev(mode: str, facts: _Facts, problems: list[str]) -> tuple[bool, str]:
+def _plan_prev(inputs: PlanInputs, problems: list[str]) -> tuple[bool, str]:
     """The prev pass is redundant when the step is on-policy and nothing reads prev before the loss.
 
     With `force_on_policy_ratio` the loss never reads prev, so only a reader before the loss makes skipping
     unsafe; `auto` and `skip` share that one verdict.
     """
-    off_policy = facts.off_policy_causes()
-    unsafe = facts.prev_consumers_before_loss() + ([] if facts.force_on_policy else off_policy)
+    keys, mode = inputs.keys, inputs.prev_mode
+    off_policy = inputs.off_policy_causes()
+    unsafe = inputs.prev_consumers_before_loss() + ([] if inputs.force_on_policy else off_policy)
     if mode == "compute":
-        return True, f"prev logprobs computed: {PREV_MODE} = compute."
+        return True, f"prev logprobs computed: {keys.prev_mode} = compute."
     if mode == "skip":
-        problems.extend(f"{PREV_MODE} = skip is unsafe: {why}" for why in unsafe)
-        return False, f"prev logprobs skipped, the loss uses curr.detach(): {PREV_MODE} = skip."
+        problems.extend(f"{keys.prev_mode} = skip is unsafe: {why}" for why in unsafe)
+        return False, f"prev logprobs skipped, the loss uses curr.detach(): {keys.prev_mode} = skip."
     if unsafe:
         return True, "prev logprobs computed: " + "; ".join(unsafe) + "."
     if off_policy:
-        return False, (f"prev logprobs skipped: {FORCE_ON_POLICY} makes the loss use curr.detach() and nothing "
+        return False, (f"prev logprobs skipped: {keys.force_on_policy} makes the loss use curr.detach() and nothing "
                        "reads them before the loss.")
-    return False, (f"prev logprobs skipped, the loss uses curr.detach(): the step is on-policy ({ROLLOUT_BATCH} "
-                   f"= {GLOBAL_BATCH}, {STALENESS} = 0, {DROPOUT} = 0) and nothing reads them before the loss.")
+    return False, (f"prev logprobs skipped, the loss uses curr.detach(): the step is on-policy ({keys.rollout_batch} "
+                   f"= {keys.global_batch}, {keys.staleness} = 0, {keys.dropout} = 0) and nothing reads them before "
+                   "the loss.")

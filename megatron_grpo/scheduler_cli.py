@@ -1,6 +1,8 @@
-"""`python -m megatron_grpo plan --config X.yaml`: show the logprob-pass plan of a config before launching.
+"""`python -m megatron_grpo plan --config X.yaml | --nemo-rl-config Y.yaml`: the logprob-pass plan before launching.
 
-Prints which extra forward passes each step runs, why, and how many are saved. A bad config prints its
+Prints which extra forward passes each step runs, why, and how many are saved. With `--nemo-rl-config` it reads
+a NeMo-RL GRPO config in NeMo-RL's own layout (with its `defaults:` inheritance), prints our plan for it, the
+keys it did not map, and where NeMo-RL would decide otherwise. A bad or unreadable config prints its
 ConfigError (every problem, each naming its key) and exits with status 2. Never imports torch or Megatron-Core.
 """
 
@@ -8,30 +10,36 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
-from megatron_grpo.config import Config, ConfigError, load_config
-from megatron_grpo.scheduler import LogprobPlan, plan_logprob_passes
+from megatron_grpo.config import ConfigError, load_config
+from megatron_grpo.scheduler import LogprobPlan, PlanInputs, plan_logprob_passes
 
 EXIT_BAD_CONFIG = 2
+WRAP = 112  # columns of the comparison with NeMo-RL
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_grpo plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="YAML config file, e.g. configs/grpo_tiny_cpu.yaml")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="this project's YAML config, e.g. configs/grpo_tiny_cpu.yaml")
+    source.add_argument("--nemo-rl-config", metavar="FILE",
+                        help="a NeMo-RL GRPO config (NeMo-RL's layout; `defaults:` files are followed)")
     args = parser.parse_args(argv)
+    if args.nemo_rl_config is not None:
+        return _plan_nemo_rl(args.nemo_rl_config)
     try:
         cfg = load_config(args.config)
         plan = plan_logprob_passes(cfg)
     except ConfigError as err:
         print(f"{args.config}: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    print(format_plan(plan, cfg))
+    print(format_plan(plan, PlanInputs.of(cfg)))
     return 0
 
 
-def format_plan(plan: LogprobPlan, cfg: Config) -> str:
+def format_plan(plan: LogprobPlan, inputs: PlanInputs) -> str:
     """The plan as a short human-readable report."""
-    rollout_batch = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
 
     def runs(flag: bool) -> str:
         return "compute" if flag else "skip"
@@ -45,7 +53,40 @@ def format_plan(plan: LogprobPlan, cfg: Config) -> str:
         "reasons:",
         *(f"  - {reason}" for reason in plan.reasons),
         f"forward passes saved per step: {plan.passes_saved_per_step} of 2"
-        f" ({plan.passes_saved_per_step * rollout_batch} sequence forwards of the {rollout_batch}-sequence rollout"
-        " batch)",
+        f" ({plan.passes_saved_per_step * inputs.rollout_batch} sequence forwards of the {inputs.rollout_batch}-sequence"
+        " rollout batch)",
     ]
     return "\n".join(lines)
+
+
+def _plan_nemo_rl(path: str) -> int:
+    from megatron_grpo.nemo_rl_config import comparison_lines, nemo_rl_plan_view
+
+    try:
+        view = nemo_rl_plan_view(path)
+    except ConfigError as err:
+        print(f"{path}: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    header = [f"NeMo-RL config: {' <- '.join(reversed(view.files))}"]
+    try:
+        plan = plan_logprob_passes(view.inputs)
+    except ConfigError as err:
+        print("\n".join(header), file=sys.stderr)
+        print(f"{path}: {err}", file=sys.stderr)
+        print("compared with NeMo-RL:\n" + _bullets(comparison_lines(view, None, None)), file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    report = [
+        *header,
+        format_plan(plan, view.inputs),
+        "compared with NeMo-RL:",
+        _bullets(comparison_lines(view, plan.compute_reference_logprobs, plan.compute_prev_logprobs)),
+        "not mapped (no say in the plan): " + (", ".join(view.unmapped_keys) or "none"),
+        "read from policy: train_global_batch_size, and any *dropout* in hf_config_overrides; other policy keys and "
+        "these sections do not concern the plan: " + (", ".join(view.ignored_sections) or "none"),
+    ]
+    print("\n".join(report))
+    return 0
+
+
+def _bullets(lines: list[str]) -> str:
+    return "\n".join(textwrap.fill(line, width=WRAP, initial_indent="  - ", subsequent_indent="    ") for line in lines)

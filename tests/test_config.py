@@ -119,6 +119,66 @@ def test_divisibility_conflicts_name_both_keys(key, value, divisor_key, dividend
     assert any(p.startswith(divisor_key) and f"must divide {dividend_key}" in p for p in problems), problems
 
 
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("distributed.timeout_seconds", float("inf")),
+        ("policy.optimizer.lr", float("inf")),
+        ("generation.temperature", float("inf")),
+        ("loss_fn.ratio_clip_max", float("nan")),
+        ("policy.optimizer.clip_grad", float("-inf")),
+    ],
+)
+def test_non_finite_numbers_are_rejected_by_key(key, value):
+    problems = problems_of(set_key(tiny(), key, value))
+    assert any(p.startswith(f"{key}: must be a finite number") for p in problems), problems
+
+
+def test_non_finite_number_in_a_yaml_file_is_rejected(tmp_path):
+    path = tmp_path / "inf.yaml"
+    path.write_text(TINY.read_text().replace("timeout_seconds: 60", "timeout_seconds: .inf"))
+    with pytest.raises(ConfigError, match=r"distributed.timeout_seconds: must be a finite number, got inf"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 123456789, 2**31 - 1, 2**46, 2**63 - 1])
+def test_every_seed_up_to_2_63_minus_1_is_accepted(seed):
+    assert load_config(set_key(tiny(), "seed", seed)).seed == seed
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63])
+def test_seed_outside_the_int64_range_names_the_key(seed):
+    assert any(p.startswith("seed: must be in [0, 2**63 - 1]") for p in problems_of(set_key(tiny(), "seed", seed)))
+
+
+def test_timeout_beyond_a_year_names_the_key():
+    problems = problems_of(set_key(tiny(), "distributed.timeout_seconds", 1e20))
+    assert any(p.startswith("distributed.timeout_seconds: must be at most") for p in problems), problems
+
+
+def test_duplicate_yaml_keys_are_named_with_their_lines(tmp_path):
+    text = TINY.read_text()
+    text = text.replace("  temperature: 1.0\n", "  temperature: 1.0\n  temperature: 0.5\n", 1)
+    text = text.replace("seed: 1234\n", "seed: 1234\nseed: 99\n", 1)
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    problems = err.value.problems
+    assert len(problems) == 2, problems
+    lines = text.splitlines()
+    seed_lines = [i + 1 for i, line in enumerate(lines) if line.startswith("seed:")]
+    assert any("seed: key given twice" in p and f"lines {seed_lines[0]} and {seed_lines[1]}" in p for p in problems)
+    assert any("generation.temperature: key given twice" in p for p in problems)
+    assert all(p.startswith(f"{path}: ") for p in problems)
+
+
+def test_missing_config_file_is_a_config_error_naming_it(tmp_path):
+    path = tmp_path / "nowhere.yaml"
+    with pytest.raises(ConfigError, match=r"nowhere.yaml: cannot read the config file: No such file"):
+        load_config(path)
+
+
 def test_range_problems_are_reported_together():
     data = set_key(tiny(), "generation.temperature", -1.0)
     data = set_key(data, "policy.model.num_attention_heads", 3)

@@ -19,6 +19,7 @@ STALE = {"grpo.max_rollout_staleness": 1}
 THRESHOLD = {"grpo.seq_logprob_error_threshold": 2.0}
 DROPOUT = {"policy.model.hidden_dropout": 0.1}
 FORCE = {"loss_fn.force_on_policy_ratio": True}
+SKIP_REFERENCE = {"grpo.skip_reference_policy_logprobs_calculation": True}
 
 
 # (id, overrides, compute_reference_logprobs, compute_prev_logprobs, words the prev reason must contain)
@@ -39,6 +40,9 @@ PLANS = [
      ["logprob_passes.prev = skip"]),
     ("reference-compute-override", {"logprob_passes.reference": "compute"}, True, False, ["on-policy"]),
     ("reference-skip-when-safe", {"logprob_passes.reference": "skip"}, False, False, ["on-policy"]),
+    ("nemo-rl-skip-reference-switch", SKIP_REFERENCE, False, False, ["on-policy"]),
+    ("nemo-rl-switch-agrees-with-skip", {**SKIP_REFERENCE, "logprob_passes.reference": "skip"}, False, False,
+     ["on-policy"]),
 ]
 
 
@@ -54,6 +58,13 @@ def test_plan_table(overrides, reference, prev, prev_words):
     assert prev_reason.startswith("prev logprobs " + ("computed" if prev else "skipped"))
     for word in prev_words:
         assert word in prev_reason, prev_reason
+
+
+def test_nemo_rl_switch_is_named_as_the_reason_for_skipping_the_reference_pass():
+    plan = plan_logprob_passes(config_with(SKIP_REFERENCE))
+    assert "grpo.skip_reference_policy_logprobs_calculation = true" in plan.reasons[0]
+    unset = plan_logprob_passes(config_with({"logprob_passes.reference": "compute"}))
+    assert unset.compute_reference_logprobs  # false leaves the choice to logprob_passes.reference
 
 
 def test_reference_reason_names_the_kl_key():
@@ -79,6 +90,10 @@ CONFLICTS = [
      [["logprob_passes.prev", "grpo.num_prompts_per_step", "policy.train_global_batch_size"]]),
     ("reference-skip-with-kl", {"logprob_passes.reference": "skip", **KL},
      [["logprob_passes.reference", "loss_fn.reference_policy_kl_penalty"]]),
+    ("nemo-rl-skip-reference-with-kl", {**SKIP_REFERENCE, **KL},
+     [["grpo.skip_reference_policy_logprobs_calculation", "loss_fn.reference_policy_kl_penalty", "unsafe"]]),
+    ("nemo-rl-skip-reference-disagrees-with-compute", {**SKIP_REFERENCE, "logprob_passes.reference": "compute"},
+     [["grpo.skip_reference_policy_logprobs_calculation", "logprob_passes.reference = compute", "disagree"]]),
     ("kl-in-reward-without-kl", {"loss_fn.use_kl_in_reward": True},
      [["loss_fn.use_kl_in_reward", "loss_fn.reference_policy_kl_penalty"]]),
     ("rollout-not-a-multiple", {"grpo.num_prompts_per_step": 12},
@@ -183,3 +198,12 @@ def test_cli_reports_a_loader_error_with_exit_2(tmp_path, capsys):
     path.write_text(yaml.safe_dump(data))
     assert plan_main(["--config", str(path)]) == 2
     assert "logprob_passes: missing key" in capsys.readouterr().err
+
+
+def test_cli_reports_a_missing_config_file_with_exit_2(tmp_path, capsys):
+    path = tmp_path / "typo.yaml"
+    assert plan_main(["--config", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "typo.yaml: cannot read the config file: No such file or directory" in captured.err
+    assert "Traceback" not in captured.err

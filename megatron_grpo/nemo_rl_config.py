@@ -1,0 +1,245 @@
+"""Reads a NeMo-RL GRPO config for `plan --nemo-rl-config`: our plan for it, and where NeMo-RL would decide otherwise.
+
+The file is loaded as NeMo-RL's `load_config` loads it: `defaults:` (a path or a list of paths, relative to the
+file that names them) are loaded recursively and merged in order, then the file itself on top; mappings merge
+key by key, anything else (lists included) is replaced, and a section holding `_override_: true` replaces its
+parent's section whole. Keys the file leaves out take NeMo-RL's code defaults. Only the keys the plan reads are
+mapped; `${a.b}` references among them are resolved, and any other interpolation is an error naming the key.
+Never imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from megatron_grpo.config import ConfigError, read_yaml
+from megatron_grpo.scheduler import PlanInputs, PlanKeys
+
+# NeMo-RL's code defaults (GRPOConfig, ClippedPGLossConfig, AsyncGRPOConfig) for the optional keys the plan reads.
+OPTIONAL_DEFAULTS: dict[str, Any] = {
+    "grpo.skip_reference_policy_logprobs_calculation": False,
+    "grpo.seq_logprob_error_threshold": None,
+    "grpo.async_grpo.enabled": False,
+    "grpo.async_grpo.max_trajectory_age_steps": 1,
+    "loss_fn.use_kl_in_reward": False,
+    "loss_fn.force_on_policy_ratio": False,
+    "policy.hf_config_overrides": {},
+}
+REQUIRED_KEYS = (
+    "grpo.num_prompts_per_step",
+    "grpo.num_generations_per_prompt",
+    "policy.train_global_batch_size",
+    "loss_fn.reference_policy_kl_penalty",
+)
+PLAN_SECTIONS = ("grpo", "loss_fn")  # every leaf key of these is either mapped or listed as unmapped
+
+NEMO_RL_KEYS = PlanKeys(
+    rollout_batch="grpo.num_prompts_per_step × grpo.num_generations_per_prompt",
+    global_batch="policy.train_global_batch_size",
+    staleness="grpo.async_grpo age (max_trajectory_age_steps when enabled, else 0)",
+    error_threshold="grpo.seq_logprob_error_threshold",
+    dropout="policy.hf_config_overrides dropout",
+    kl_penalty="loss_fn.reference_policy_kl_penalty",
+    kl_in_reward="loss_fn.use_kl_in_reward",
+    force_on_policy="loss_fn.force_on_policy_ratio",
+    prev_mode="(prev pass: auto)",
+    reference_mode="(reference pass: auto)",
+    skip_reference="grpo.skip_reference_policy_logprobs_calculation",
+)
+_REFERENCE = re.compile(r"^\$\{([A-Za-z0-9_.]+)\}$")
+
+
+@dataclass(frozen=True)
+class NemoRlPlanView:
+    """A NeMo-RL config seen by our planner: its plan inputs, the files it was merged from, what was not mapped,
+    and NeMo-RL's own decisions for the same settings."""
+
+    inputs: PlanInputs
+    files: tuple[str, ...]  # the merged files, parents first
+    unmapped_keys: tuple[str, ...]
+    ignored_sections: tuple[str, ...]
+    nemo_computes_reference: bool
+    nemo_computes_prev: bool
+    nemo_rejects: tuple[str, ...]  # the assertions NeMo-RL's setup would fail, in its words
+
+
+def load_nemo_rl_config(path: str | os.PathLike) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The merged config of a NeMo-RL YAML file and the files merged into it, parents first."""
+    files: list[str] = []
+    merged = _load_with_defaults(Path(path), files, chain=())
+    return merged, tuple(files)
+
+
+def nemo_rl_plan_view(path: str | os.PathLike) -> NemoRlPlanView:
+    """Maps a NeMo-RL GRPO config onto our plan's inputs; a missing required key is a ConfigError naming it."""
+    config, files = load_nemo_rl_config(path)
+    value = _Lookup(config)
+    problems = [f"{key}: missing key (NeMo-RL has no default for it)" for key in REQUIRED_KEYS if not value.has(key)]
+    if problems:
+        raise ConfigError(problems)
+    async_enabled = bool(value("grpo.async_grpo.enabled"))
+    overrides = value("policy.hf_config_overrides") or {}
+    inputs = PlanInputs(
+        rollout_batch=int(value("grpo.num_prompts_per_step")) * int(value("grpo.num_generations_per_prompt")),
+        global_batch=int(value("policy.train_global_batch_size")),
+        staleness=int(value("grpo.async_grpo.max_trajectory_age_steps")) if async_enabled else 0,
+        error_threshold=_optional_float(value("grpo.seq_logprob_error_threshold")),
+        dropout=any("dropout" in str(key) and _positive(v) for key, v in overrides.items()),
+        kl_penalty=float(value("loss_fn.reference_policy_kl_penalty")),
+        kl_in_reward=bool(value("loss_fn.use_kl_in_reward")),
+        force_on_policy=bool(value("loss_fn.force_on_policy_ratio")),
+        reference_mode="auto",
+        prev_mode="auto",
+        skip_reference=bool(value("grpo.skip_reference_policy_logprobs_calculation")),
+        keys=NEMO_RL_KEYS,
+    )
+    if value.problems:
+        raise ConfigError(value.problems)
+    mapped = set(REQUIRED_KEYS) | set(OPTIONAL_DEFAULTS)
+    unmapped = [key for section in PLAN_SECTIONS for key in _leaf_keys(config.get(section) or {}, section)
+                if key not in mapped and not key.startswith("grpo.async_grpo.")]
+    if async_enabled:
+        unmapped += [key for key in _leaf_keys(value("grpo.async_grpo") or {}, "grpo.async_grpo") if key not in mapped]
+    ignored = tuple(section for section in config if section not in (*PLAN_SECTIONS, "policy"))
+    reference, prev, rejects = nemo_rl_decisions(inputs)
+    return NemoRlPlanView(inputs, files, tuple(unmapped), ignored, reference, prev, tuple(rejects))
+
+
+def nemo_rl_decisions(inputs: PlanInputs) -> tuple[bool, bool, list[str]]:
+    """What NeMo-RL's GRPO setup and train loop do with the same settings: (reference pass runs, prev pass runs,
+    the assertions its setup fails).
+
+    NeMo-RL loads the reference model exactly when the KL penalty is > 0 (a zero penalty turns the skip switch
+    on by itself), and skips the prev pass exactly when `force_on_policy_ratio` is on and no
+    `seq_logprob_error_threshold` needs prev; a skipped pass is filled with zeros there.
+    """
+    keys, rejects = inputs.keys, []
+    if inputs.skip_reference and inputs.kl_active:
+        rejects.append(f"{keys.skip_reference}=True requires {keys.kl_penalty} == 0")
+    if inputs.force_on_policy and not inputs.one_step_per_rollout:
+        rejects.append(f"{keys.force_on_policy} requires {keys.global_batch} == {keys.rollout_batch}")
+    skips_prev = inputs.force_on_policy and inputs.error_threshold is None
+    if inputs.kl_in_reward and inputs.kl_active and skips_prev:
+        rejects.append(f"{keys.kl_in_reward} with a non-zero KL penalty needs prev logprobs, which "
+                       f"{keys.force_on_policy} skips")
+    return inputs.kl_active, not skips_prev, rejects
+
+
+def comparison_lines(view: NemoRlPlanView, ours_reference: bool | None, ours_prev: bool | None) -> list[str]:
+    """Sentences saying where our plan is stricter or looser than NeMo-RL's for this config (None: we reject it)."""
+    inputs, keys = view.inputs, view.inputs.keys
+    lines = [f"NeMo-RL's setup rejects this config: {reject}." for reject in view.nemo_rejects]
+    if ours_reference is None:
+        if inputs.kl_in_reward and not inputs.kl_active and not view.nemo_rejects:
+            lines.append(f"stricter: we refuse {keys.kl_in_reward} with a zero KL penalty; NeMo-RL accepts it and "
+                         "adds nothing to the reward.")
+        return lines or ["we reject this config (above); NeMo-RL's setup accepts it."]
+    if ours_reference == view.nemo_computes_reference:
+        lines.append("reference pass: same decision as NeMo-RL.")
+    else:
+        lines.append(f"reference pass: NeMo-RL would {'compute' if view.nemo_computes_reference else 'skip'} it.")
+    if ours_prev == view.nemo_computes_prev:
+        lines.append("prev pass: same decision as NeMo-RL.")
+    elif not ours_prev:
+        lines.append(f"looser: we skip the prev pass because the step is provably on-policy; NeMo-RL skips it only "
+                     f"with {keys.force_on_policy} (and then fills prev with zeros, where we use curr.detach()).")
+    else:
+        lines.append(f"stricter: we compute the prev pass, which NeMo-RL skips under {keys.force_on_policy}, because "
+                     "something reads prev before the loss.")
+    return lines
+
+
+class _Lookup:
+    """Dotted-key access to the merged config with NeMo-RL's code defaults and `${a.b}` references resolved."""
+
+    def __init__(self, config: Mapping[str, Any]):
+        self.config = config
+        self.problems: list[str] = []
+
+    def has(self, dotted: str) -> bool:
+        return _get(self.config, dotted) is not _MISSING
+
+    def __call__(self, dotted: str) -> Any:
+        found = _get(self.config, dotted)
+        if found is _MISSING:
+            return OPTIONAL_DEFAULTS[dotted]
+        seen = {dotted}
+        while isinstance(found, str) and "${" in found:
+            match = _REFERENCE.match(found)
+            target = match.group(1) if match else None
+            if target is None or target in seen or _get(self.config, target) is _MISSING:
+                self.problems.append(f"{dotted}: cannot resolve {found!r} (only ${{a.b}} references to keys of the "
+                                     "file are resolved here)")
+                return OPTIONAL_DEFAULTS.get(dotted, 0)
+            seen.add(target)
+            found = _get(self.config, target)
+        return found
+
+
+_MISSING = object()
+
+
+def _get(config: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _leaf_keys(section: Mapping[str, Any], prefix: str) -> list[str]:
+    keys = []
+    for key, value in section.items():
+        path = f"{prefix}.{key}"
+        keys += _leaf_keys(value, path) if isinstance(value, Mapping) and value else [path]
+    return keys
+
+
+def _load_with_defaults(path: Path, files: list[str], chain: tuple[Path, ...]) -> dict[str, Any]:
+    resolved = path.resolve()
+    if resolved in chain:
+        raise ConfigError(f"{path}: `defaults:` loop through {' -> '.join(map(str, (*chain, resolved)))}")
+    data = read_yaml(path)
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    data = dict(data)
+    parents = data.pop("defaults", None)
+    if isinstance(parents, str):
+        parents = [parents]
+    if parents is not None and not (isinstance(parents, list) and all(isinstance(p, str) for p in parents)):
+        raise ConfigError(f"{path}: defaults: expected a path or a list of paths, got {parents!r}")
+    merged: dict[str, Any] = {}
+    for parent in parents or []:
+        parent_path = Path(parent) if os.path.isabs(parent) else path.parent / parent
+        merged = _merge(merged, _load_with_defaults(parent_path, files, (*chain, resolved)))
+    files.append(str(path))
+    return _merge(merged, data)
+
+
+def _merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """OmegaConf.merge's rules for plain data: mappings merge key by key, everything else is replaced, and a
+    mapping that holds `_override_: true` replaces the base's mapping whole."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and value.get("_override_") is True:
+            merged[key] = {k: v for k, v in value.items() if k != "_override_"}
+        elif isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged

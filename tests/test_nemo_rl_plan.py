@@ -1,0 +1,126 @@
+"""`plan --nemo-rl-config`: NeMo-RL-layout configs (written for these tests) get our plan, the unmapped keys and a
+comparison with NeMo-RL's own decisions; `defaults:` inheritance follows NeMo-RL's loader."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from megatron_grpo.config import ConfigError
+from megatron_grpo.nemo_rl_config import load_nemo_rl_config, nemo_rl_decisions, nemo_rl_plan_view
+from megatron_grpo.scheduler import plan_logprob_passes
+from megatron_grpo.scheduler_cli import main as plan_main
+
+NEMO = pathlib.Path(__file__).resolve().parent / "nemo_rl_configs"
+SKIP_SWITCH = "grpo.skip_reference_policy_logprobs_calculation"
+
+
+def run_plan(name: str, capsys) -> tuple[int, str, str]:
+    code = plan_main(["--nemo-rl-config", str(NEMO / name)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# (file, reference computed, prev computed, words in the comparison with NeMo-RL)
+RECIPES = [
+    ("dapo_reference_skip.yaml", False, False, ["reference pass: same decision", "looser", "provably on-policy"]),
+    ("async_reference_skip.yaml", False, True, ["reference pass: same decision", "prev pass: same decision"]),
+    ("force_on_policy.yaml", True, False, ["reference pass: same decision", "prev pass: same decision"]),
+]
+
+
+@pytest.mark.parametrize("name, reference, prev, comparison", RECIPES, ids=[r[0] for r in RECIPES])
+def test_recipe_situations_get_our_plan_and_the_comparison(name, reference, prev, comparison, capsys):
+    code, out, err = run_plan(name, capsys)
+    assert code == 0 and err == ""
+    plan = plan_logprob_passes(nemo_rl_plan_view(NEMO / name).inputs)
+    assert (plan.compute_reference_logprobs, plan.compute_prev_logprobs) == (reference, prev)
+    assert f"reference logprobs: {'compute' if reference else 'skip'}" in out
+    assert f"prev logprobs:      {'compute' if prev else 'skip'}" in out
+    for reason in plan.reasons:
+        assert reason in out
+    comparison_part = out.split("compared with NeMo-RL:")[1]
+    for words in comparison:
+        assert words in comparison_part, out
+    assert "not mapped (no say in the plan): grpo.max_num_steps" in out
+    assert "cluster, data, logger" in out
+
+
+def test_the_reference_skip_switch_is_named_as_the_reason(capsys):
+    _code, out, _err = run_plan("dapo_reference_skip.yaml", capsys)
+    assert f"reference model skipped: {SKIP_SWITCH} = true." in out
+    assert "grpo.use_dynamic_sampling" in out.split("not mapped")[1]
+
+
+def test_async_staleness_maps_to_the_trajectory_age(capsys):
+    view = nemo_rl_plan_view(NEMO / "async_reference_skip.yaml")
+    assert view.inputs.staleness == 1  # max_trajectory_age_steps: NeMo-RL's default, inherited from grpo_base
+    assert "lets rollouts come from older weights" in plan_logprob_passes(view.inputs).reasons[1]
+
+
+def test_reference_skip_with_a_kl_penalty_is_an_error_naming_both_keys(capsys):
+    code, out, err = run_plan("conflict_reference_skip_with_kl.yaml", capsys)
+    assert code == 2 and out == ""
+    assert f"{SKIP_SWITCH} = true is unsafe: loss_fn.reference_policy_kl_penalty = 0.01 > 0" in err
+    assert f"NeMo-RL's setup rejects this config: {SKIP_SWITCH}=True requires" in err
+    assert "Traceback" not in err
+
+
+def test_kl_in_reward_without_kl_says_we_are_stricter(capsys):
+    code, _out, err = run_plan("kl_in_reward_without_kl.yaml", capsys)
+    assert code == 2
+    assert "loss_fn.use_kl_in_reward is true but loss_fn.reference_policy_kl_penalty is 0" in err
+    assert "stricter: we refuse loss_fn.use_kl_in_reward with a zero KL penalty; NeMo-RL accepts it" in err
+
+
+def test_defaults_inheritance_merges_parents_in_order_then_the_file(capsys):
+    config, files = load_nemo_rl_config(NEMO / "recipes" / "two_parents.yaml")
+    assert [pathlib.Path(f).name for f in files] == ["grpo_base.yaml", "grpo_base.yaml", "force_on_policy.yaml",
+                                                      "two_parents.yaml"]
+    assert config["grpo"]["num_prompts_per_step"] == 8  # the file's own value wins
+    assert config["grpo"]["num_generations_per_prompt"] == 16  # inherited
+    assert config["grpo"]["async_grpo"] == {"enabled": False, "max_trajectory_age_steps": 1}  # nested merge
+    assert config["loss_fn"] == {"reference_policy_kl_penalty": 0.0, "force_on_policy_ratio": False}  # _override_
+    assert "defaults" not in config
+    view = nemo_rl_plan_view(NEMO / "recipes" / "two_parents.yaml")
+    assert view.inputs.global_batch == 128  # ${policy.rollout_batch} resolved
+    assert view.inputs.rollout_batch == 8 * 16
+    assert not view.inputs.force_on_policy and view.inputs.kl_penalty == 0.0
+    code, out, _err = run_plan("recipes/two_parents.yaml", capsys)
+    assert code == 0 and "looser: we skip the prev pass" in out
+
+
+def test_nemo_rl_decisions_follow_its_setup_rules():
+    inputs = nemo_rl_plan_view(NEMO / "force_on_policy.yaml").inputs
+    assert nemo_rl_decisions(inputs) == (True, False, [])  # KL on: reference runs; forced ratio: prev skipped
+    dapo = nemo_rl_plan_view(NEMO / "dapo_reference_skip.yaml").inputs
+    assert nemo_rl_decisions(dapo) == (False, True, [])  # NeMo-RL computes prev unless the ratio is forced
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("grpo: {num_prompts_per_step: 4}\n", "grpo.num_generations_per_prompt: missing key"),
+        ("defaults: loop.yaml\n", "`defaults:` loop"),
+        ("defaults: nowhere.yaml\n", "nowhere.yaml: cannot read the config file"),
+        ("defaults: grpo_base.yaml\npolicy: {train_global_batch_size: '${mul:2,3}'}\n",
+         "policy.train_global_batch_size: cannot resolve '${mul:2,3}'"),
+    ],
+    ids=["missing-required-key", "defaults-loop", "missing-parent", "unresolvable-interpolation"],
+)
+def test_bad_nemo_rl_configs_are_named_errors(tmp_path, text, message, capsys):
+    (tmp_path / "grpo_base.yaml").write_text((NEMO / "grpo_base.yaml").read_text())
+    path = tmp_path / "loop.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message.replace("$", r"\$").replace("{", r"\{").replace("(", r"\(")):
+        nemo_rl_plan_view(path)
+    assert plan_main(["--nemo-rl-config", str(path)]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_plan_needs_exactly_one_config_source(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan_main(["--config", "a.yaml", "--nemo-rl-config", "b.yaml"])
+    assert exit_info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
