@@ -29,8 +29,11 @@ $(STAMP): $(SOURCES)
 
 install: $(STAMP)
 
+# A second `make demo` resumes the run in runs/grpo_tiny_cpu; `make demo TRAIN_ARGS=--fresh` starts over.
+TRAIN_ARGS ?=
+
 demo: install
-	$(BIN)/torchrun --nproc-per-node $(NPROC) -m megatron_grpo train --config configs/grpo_tiny_cpu.yaml
+	$(BIN)/torchrun --nproc-per-node $(NPROC) -m megatron_grpo train --config configs/grpo_tiny_cpu.yaml $(TRAIN_ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q tests

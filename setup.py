@@ -61,7 +61,7 @@ setup(
     packages=find_packages(include=["megatron_grpo", "megatron_grpo.*"]),
     ext_modules=kernel_extensions(),
     cmdclass={"build_ext": build_ext_class()},
-    install_requires=["torch>=2.4", "megatron-core>=0.16", "pyyaml", "numpy", "psutil", "tqdm"],
+    install_requires=["torch>=2.4", "megatron-core>=0.16", "pyyaml", "numpy", "psutil", "tqdm", "tensorboard"],
     extras_require={
         "test": ["pytest>=8"],
         "bench": ["matplotlib"],

@@ -13,6 +13,7 @@ COMMANDS = {
     "train": ("megatron_grpo.grpo.runner", "train a policy with GRPO (run under torchrun)"),
     "plan": ("megatron_grpo.scheduler_cli", "print the logprob-pass plan of a config and why"),
     "bench": ("megatron_grpo.bench", "run a benchmark: `bench logprob` or `bench scheduler`"),
+    "report": ("megatron_grpo.grpo.report_cli", "plot runs' reward, entropy, ratio, clip fraction, step time"),
 }
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from megatron_grpo.grpo.reporting import read_metrics
 from grpo_workers.launch import run, torchrun_command, write_config
 
 STEPS = 60
+pytestmark = pytest.mark.slow  # torchrun jobs, end to end
 
 
 def _mean(values: list[float]) -> float:

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 
-from megatron_grpo.grpo.reporting import METRICS_FILE, PLOT_FILE, Reporter, read_metrics, summary_table
+import pytest
+
+from megatron_grpo.grpo.reporting import (
+    METRICS_FILE,
+    PLOT_FILE,
+    MetricsFileError,
+    Reporter,
+    read_metrics,
+    summary_table,
+)
 
 
 def _record(step: int, reward: float, collapsed: bool = False) -> dict:
@@ -36,6 +46,23 @@ def test_a_resumed_reporter_drops_the_steps_it_will_redo(tmp_path):
     reporter = Reporter(tmp_path, first_step=3, total_steps=6, enabled=True, progress_bar=False)
     reporter.log_step(_record(3, 0.9))
     assert [(r["step"], r["reward_mean"]) for r in read_metrics(tmp_path)] == [(0, 0.1), (1, 0.1), (2, 0.1), (3, 0.9)]
+
+
+def test_a_resumed_reporter_drops_a_torn_last_line_says_so_and_goes_on(tmp_path):
+    lines = [json.dumps(_record(step, 0.1)) + "\n" for step in range(3)]
+    (tmp_path / METRICS_FILE).write_text("".join(lines) + '{"step": 3, "rew')
+    stream = io.StringIO()
+    reporter = Reporter(tmp_path, first_step=2, total_steps=6, enabled=True, progress_bar=False, stream=stream)
+    reporter.log_step(_record(2, 0.9))
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
+    assert stream.getvalue() == (f'note: {tmp_path / METRICS_FILE}: dropped the torn last line 4 (a crash mid-write): '
+                                 '{"step": 3, "rew\n')
+
+
+def test_a_bad_line_before_the_last_is_an_error_naming_it(tmp_path):
+    (tmp_path / METRICS_FILE).write_text('{"step": 0}\nnot json\n{"step": 1}\n')
+    with pytest.raises(MetricsFileError, match=f"{tmp_path / METRICS_FILE}:2: not a metrics record"):
+        Reporter(tmp_path, first_step=1, total_steps=6, enabled=True, progress_bar=False)
 
 
 def test_summary_of_first_and_last_ten_steps():

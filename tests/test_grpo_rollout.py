@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from megatron_grpo.ops import vocab_parallel_logprobs
 from megatron_grpo.grpo.rollout import SamplingParams, generate, sampling_log_probs
 from _dist import run_on_ranks
 
@@ -35,7 +36,7 @@ def _prompts(rows: int = 9) -> torch.Tensor:
 
 
 def _params(**overrides) -> SamplingParams:
-    values = dict(max_new_tokens=6, temperature=1.0, top_k=None, eos_id=EOS, pad_id=PAD)
+    values = dict(max_new_tokens=6, temperature=1.0, top_k=None, top_p=None, eos_id=EOS, pad_id=PAD)
     values.update(overrides)
     return SamplingParams(**values)
 
@@ -110,6 +111,20 @@ def test_sampling_is_deterministic_per_seed():
     assert torch.equal(first.input_ids, again.input_ids)
     assert torch.equal(first.generation_logprobs, again.generation_logprobs)
     assert not torch.equal(first.input_ids, other.input_ids)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(None, 0.8), (6, 0.5), (3, None), (None, 1.0)])
+def test_sampler_and_training_op_share_one_filtered_distribution(top_k, top_p):
+    """The rollout's log-probabilities are the op's filtered logprobs, token for token, at every vocab id."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, TRUE_VOCAB, generator=gen) * 2).round() / 2  # ties included
+    sampler = sampling_log_probs(logits, 0.8, top_k, top_p)
+    for token in range(TRUE_VOCAB):
+        targets = torch.full((6,), token)
+        op = vocab_parallel_logprobs(logits / 0.8, targets, top_k=top_k, top_p=top_p)
+        assert torch.equal(op == float("-inf"), sampler[:, token] == float("-inf")), token
+        finite = op > float("-inf")
+        torch.testing.assert_close(op[finite], sampler[finite, token], rtol=0, atol=2e-6)
 
 
 def test_non_positive_temperature_is_rejected_by_name():

@@ -15,10 +15,13 @@ import time
 import psutil
 import pytest
 
+from megatron_grpo.grpo import runner
 from megatron_grpo.grpo.checkpoint_dir import latest_checkpoint, saved_world_size, step_dir_name
 from megatron_grpo.grpo.reporting import METRICS_FILE, PLOT_FILE, read_metrics, without_timings
 from grpo_workers.launch import (
+    REPO,
     free_port,
+    job_processes,
     rank_process,
     run,
     start,
@@ -29,6 +32,7 @@ from grpo_workers.launch import (
 )
 
 STEPS = 6
+pytestmark = pytest.mark.slow  # torchrun jobs, end to end
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +65,12 @@ def test_a_run_writes_finite_metrics_that_follow_the_plan(reference_run):
     assert latest_checkpoint(directory / "run" / "checkpoints").name == step_dir_name(STEPS)
 
 
-def test_training_logprobs_use_the_sampling_temperature(tmp_path):
-    """At temperature 0.7 the trained policy is softmax(logits / 0.7), the one the rollouts sampled from."""
+def test_training_logprobs_use_the_sampling_temperature_and_filter(tmp_path):
+    """At temperature 0.7 with top_k 6 and top_p 0.9, the trained policy is softmax(logits / 0.7) over the
+    tokens that top-k then top-p keep: the filtered distribution the rollouts sampled from."""
     config = write_config(tmp_path, **{"grpo.max_num_steps": 2, "checkpoint.every_n_steps": 0,
-                                       "generation.temperature": 0.7})
+                                       "generation.temperature": 0.7, "generation.top_k": 6,
+                                       "generation.top_p": 0.9})
     code, output = run(torchrun_command(config, nproc=2), tmp_path / "log.txt")
     assert code == 0, output
     for record in read_metrics(tmp_path / "run"):
@@ -88,29 +94,71 @@ def test_two_torchrun_agents_on_loopback_match_the_single_agent_run(reference_ru
     assert multi_node == single_node
 
 
-def test_a_killed_rank_fails_fast_and_the_resumed_run_repeats_the_uninterrupted_metrics(reference_run, tmp_path):
-    """Kill rank 1 mid-run: the job exits non-zero within 60 s naming it; --resume then continues from the
-    last checkpoint and the metrics match the uninterrupted run exactly (fp32 on the CPU)."""
+def _wait_for_children(process: psutil.Process, timeout: float = 60) -> None:
+    """Waits until `process` has a child: Megatron's checkpoint writer forks during a save."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.children():
+            return
+        time.sleep(0.005)
+    raise TimeoutError(f"rank process {process.pid} started no checkpoint writer within {timeout} s")
+
+
+def _survivors(job, timeout: float = 10) -> list[str]:
+    """The job's processes still alive `timeout` s after it ended (none should be)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for process in job_processes(job):
+            try:
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    megabytes = process.memory_info().rss >> 20
+                    alive.append(f"{process.pid} {' '.join(process.cmdline()[:6])} ({megabytes} MB)")
+            except psutil.Error:
+                continue
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def test_a_rank_killed_mid_save_takes_its_writers_along_and_the_job_resumes_by_itself(reference_run, tmp_path):
+    """Kill rank 1 while it saves: the job exits within 60 s with a line from rank 0, leaves no process behind,
+    and a plain rerun resumes from the last complete checkpoint (skipping a damaged newer one, dropping a torn
+    metrics line), repeating the uninterrupted run's metrics exactly (fp32 on the CPU)."""
     reference_dir, _ = reference_run
-    config = write_config(tmp_path, "long.yaml", **{"grpo.max_num_steps": 500, "checkpoint.every_n_steps": 2})
+    config = write_config(tmp_path, "long.yaml", **{"grpo.max_num_steps": 500, "checkpoint.every_n_steps": 1})
     job = start(torchrun_command(config, nproc=2), tmp_path / "killed.txt")
     try:
         wait_for_lines(tmp_path / "run" / METRICS_FILE, 3, job)
-        rank_process(job, 1).kill()
+        victim = rank_process(job, 1)
+        _wait_for_children(victim)
+        victim.kill()
         killed_at = time.monotonic()
         code = job.wait(timeout=60)
         elapsed = time.monotonic() - killed_at
+        survivors = _survivors(job)
     finally:
         stop_job(job)
     output = (tmp_path / "killed.txt").read_text()
     assert code != 0 and elapsed < 60, output
-    assert "rank 0: lost contact with rank 1" in output or "rank      : 1 (local_rank: 1)" in output, output
-    step_dir = latest_checkpoint(tmp_path / "run" / "checkpoints")  # complete; the resume below loads it
-    assert step_dir.name in {step_dir_name(2), step_dir_name(4)} and saved_world_size(step_dir) == 2
+    assert not survivors, f"processes of the killed job still alive: {survivors}"
+    assert "rank 0: lost contact with rank 1" in output or "rank 0: stopped by torchrun (SIGTERM)" in output, output
+    checkpoints = tmp_path / "run" / "checkpoints"
+    step_dir = latest_checkpoint(checkpoints)
+    assert f"{step_dir} is the newest complete checkpoint" in output, output
+    assert saved_world_size(step_dir) == 2
 
+    damaged = checkpoints / step_dir_name(90)
+    shutil.copytree(step_dir, damaged)
+    (damaged / "COMPLETE").write_text("")
+    with open(tmp_path / "run" / METRICS_FILE, "a") as metrics:
+        metrics.write('{"step": 3, "reward_me')
     config = write_config(tmp_path, "resume.yaml", **{"grpo.max_num_steps": STEPS, "checkpoint.every_n_steps": 2})
-    code, output = run(torchrun_command(config, nproc=2, resume=True), tmp_path / "resumed.txt")
+    code, output = run(torchrun_command(config, nproc=2), tmp_path / "resumed.txt")
     assert code == 0, output
+    assert f"skipped {damaged.name}: {damaged / 'COMPLETE'} is empty" in output, output
+    assert f"resuming from step {int(step_dir.name[5:])}: {step_dir}" in output, output
+    assert "dropped the torn last line" in output, output
     resumed = [without_timings(r) for r in read_metrics(tmp_path / "run")]
     uninterrupted = [without_timings(r) for r in read_metrics(reference_dir / "run")]
     assert resumed == uninterrupted
@@ -140,14 +188,38 @@ def test_a_hung_rank_fails_the_survivor_within_the_configured_timeout(tmp_path):
     assert "rank 0: lost contact with rank 1" in output, output
 
 
-def test_resume_from_a_corrupt_checkpoint_fails_clearly(reference_run, tmp_path):
+def test_a_shard_with_flipped_bytes_is_an_error_naming_the_file_and_fresh_moves_the_run_aside(reference_run, tmp_path):
     reference_dir, _ = reference_run
-    shutil.copytree(reference_dir / "run" / "checkpoints", tmp_path / "run" / "checkpoints")
+    shutil.copytree(reference_dir / "run", tmp_path / "run")
     step_dir = latest_checkpoint(tmp_path / "run" / "checkpoints")
-    for shard in step_dir.glob("*.distcp"):
-        shard.write_bytes(b"not a checkpoint")
+    shard = sorted(step_dir.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    metrics_before = (tmp_path / "run" / METRICS_FILE).read_text()
     config = write_config(tmp_path, **{"grpo.max_num_steps": STEPS + 2})
     code, output = run(torchrun_command(config, nproc=2, resume=True), tmp_path / "log.txt")
     assert code != 0
-    assert f"{step_dir} is corrupt" in output, output
-    assert not (tmp_path / "run" / METRICS_FILE).exists()
+    assert f"checkpoint.verify_checksums: {shard} does not match its checksum" in output, output
+    assert output.count("does not match its checksum") == 1, output  # every rank agrees; rank 0 says it
+    assert (tmp_path / "run" / METRICS_FILE).read_text() == metrics_before
+
+    config = write_config(tmp_path, **{"grpo.max_num_steps": 1, "checkpoint.every_n_steps": 0})
+    code, output = run(torchrun_command(config, nproc=2, extra=("--fresh",)), tmp_path / "fresh.txt")
+    assert code == 0, output
+    (previous,) = tmp_path.glob("run.previous-*")  # moved once, by one rank, nothing deleted
+    assert f"moved the earlier run {tmp_path / 'run'} to {previous}" in output, output
+    assert (previous / METRICS_FILE).read_text() == metrics_before
+    assert (previous / "checkpoints" / step_dir.name / shard.name).read_bytes() == bytes(data)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0]
+
+
+def test_a_config_error_is_printed_once_with_its_own_exit_code_and_a_traceback_only_with_debug(tmp_path):
+    config = write_config(tmp_path, **{"grpo.num_prompts_per_step": 0})
+    code, output = run(torchrun_command(config, nproc=2), tmp_path / "log.txt")
+    assert code != 0
+    assert output.count("invalid configuration") == 1 and "grpo.num_prompts_per_step: must be > 0" in output, output
+    assert f"exitcode  : {runner.EXIT_CONFIG} " in output, output  # torchrun's report of the ranks
+    assert f'File "{REPO / "megatron_grpo"}' not in output, output  # no traceback of ours
+    code, output = run(torchrun_command(config, nproc=2, extra=("--debug",)), tmp_path / "debug.txt")
+    assert code != 0 and f'File "{REPO / "megatron_grpo" / "config.py"}' in output, output

@@ -37,9 +37,6 @@ def _run_main(argv, capsys) -> tuple[int, str]:
         ({"policy.model.max_position_embeddings": 8}, "policy.model.max_position_embeddings"),
         ({"grpo.num_generations_per_prompt": 1, "grpo.num_prompts_per_step": 128},
          "grpo.num_generations_per_prompt"),
-        ({"loss_fn.use_kl_in_reward": True, "loss_fn.reference_policy_kl_penalty": 0.1},
-         "loss_fn.use_kl_in_reward"),
-        ({"grpo.seq_logprob_error_threshold": 2.0}, "grpo.seq_logprob_error_threshold"),
     ],
 )
 def test_a_bad_config_is_a_config_error_naming_the_key(tmp_path, capsys, torchrun_env, overrides, key):
@@ -77,8 +74,34 @@ def test_an_unknown_key_is_named(tmp_path, capsys, torchrun_env):
 def test_resume_without_a_checkpoint_is_a_clear_error_not_a_fresh_start(tmp_path, capsys, torchrun_env):
     config = write_config(tmp_path)
     code, err = _run_main(["--config", str(config), "--resume"], capsys)
-    assert code == runner.EXIT_BAD_INPUT
-    assert "checkpoint.dir" in err and "does not exist" in err
+    assert code == runner.EXIT_RUN_DIR
+    assert f"--resume: nothing to resume: {tmp_path / 'run' / 'checkpoints'} (checkpoint.dir) holds no" in err
+
+
+def test_resume_and_fresh_exclude_each_other(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        runner.main(["--config", str(write_config(tmp_path)), "--resume", "--fresh"])
+    assert exited.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_an_unwritable_checkpoint_dir_is_named_before_any_process_group(tmp_path, capsys, torchrun_env):
+    (tmp_path / "not-a-dir").write_text("")
+    config = write_config(tmp_path, **{"checkpoint.dir": str(tmp_path / "not-a-dir" / "checkpoints")})
+    code, err = _run_main(["--config", str(config)], capsys)
+    assert code == runner.EXIT_RUN_DIR
+    assert err == (f"error: checkpoint.dir: {tmp_path / 'not-a-dir' / 'checkpoints'} is not usable for this run: "
+                   f"[Errno 20] Not a directory: '{tmp_path / 'not-a-dir' / 'checkpoints'}'\n")
+
+
+def test_a_config_error_is_printed_by_rank_0_only(tmp_path, capsys, torchrun_env, monkeypatch):
+    config = write_config(tmp_path, **{"grpo.num_prompts_per_step": 0})
+    monkeypatch.setenv("RANK", "1")
+    code, err = _run_main(["--config", str(config)], capsys)
+    assert code == runner.EXIT_CONFIG and err == ""
+    monkeypatch.setenv("RANK", "0")
+    code, err = _run_main(["--config", str(config)], capsys)
+    assert code == runner.EXIT_CONFIG and err.count("grpo.num_prompts_per_step: must be > 0") == 1
+    assert err.startswith(f"error: {config}: invalid configuration:")
 
 
 def test_running_outside_torchrun_says_how_to_launch(tmp_path, capsys, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
@@ -156,3 +157,89 @@ def test_a_group_of_one_is_rejected_by_name():
 def test_advantages_reject_a_batch_that_is_not_whole_groups():
     with pytest.raises(ValueError, match="rewards"):
         group_relative_advantages(torch.zeros(10), 3, normalize_by_std=True, leave_one_out=False)
+
+
+# --- What the step does with prev logprobs before the loss (grpo/shaping.py) --------------------------------------
+
+
+def _shaping_config(**overrides):
+    from _configs import set_key, tiny
+
+    from megatron_grpo.config import load_config
+
+    data = tiny()
+    for dotted, value in overrides.items():
+        data = set_key(data, dotted, value)
+    return load_config(data)
+
+
+def _shaping_batch(prev, generation, reference=None, token_mask=None):
+    """Sequences of one prompt token then len(prev[b]) trained tokens; per-token inputs padded at position 0."""
+    pad = lambda rows: torch.nn.functional.pad(torch.tensor(rows, dtype=torch.float32), (1, 0))  # noqa: E731
+    batch = {
+        "input_ids": torch.zeros(len(prev), len(prev[0]) + 1, dtype=torch.int64),
+        "token_mask": pad(token_mask) if token_mask is not None else pad([[1.0] * len(prev[0])] * len(prev)),
+        "sample_mask": torch.ones(len(prev)),
+        "advantages": torch.zeros(len(prev)),
+        "prev_logprobs": pad(prev),
+        "generation_logprobs": pad(generation),
+    }
+    if reference is not None:
+        batch["reference_policy_logprobs"] = pad(reference)
+    return batch
+
+
+def test_sequences_over_the_logprob_error_threshold_are_masked_with_nemo_rl_metrics():
+    from megatron_grpo.grpo.shaping import PrevLogprobShaping
+
+    # Per-sequence mean exp(|gen - prev|): (e^0 + e^1) / 2 = 1.859, e^0.1 = 1.105, +inf (a -inf generation logprob),
+    # 1.0. With threshold 1.5, sequences 0 and 2 are masked: 2 of 4.
+    prev = [[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0], [-2.0, -2.0]]
+    generation = [[-1.0, -2.0], [-1.1, -0.9], [-torch.inf, -1.0], [-2.0, -2.0]]
+    cfg = _shaping_config(**{"grpo.seq_logprob_error_threshold": 1.5})
+    shaping = PrevLogprobShaping(cfg, torch.ones(4), dp_group=None)
+    shaped = shaping(_shaping_batch(prev, generation))
+    assert shaped["sample_mask"].tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert shaping.metrics["num_masked_seqs_by_logprob_error"] == 2
+    assert shaping.metrics["masked_seqs_by_logprob_error_fraction"] == pytest.approx(0.5)
+    assert shaping.metrics["max_seq_mult_prob_error"] == float("inf")
+    assert "advantages" in shaped and torch.equal(shaped["advantages"], torch.zeros(4))  # untouched without KL
+
+
+def test_the_kl_in_the_reward_moves_into_the_group_advantages():
+    from megatron_grpo.grpo.shaping import PrevLogprobShaping
+
+    # k1 KL(prev || ref) summed over each sequence: 0.5 + 0 and 0 + 0; penalty 0.2. Equal rewards [1, 1] become
+    # [0.9, 1.0]; Dr. GRPO (no std division) gives advantages [-0.05, +0.05]: the KL alone makes the signal.
+    prev = [[-1.0, -2.0], [-1.0, -2.0]]
+    reference = [[-1.5, -2.0], [-1.0, -2.0]]
+    cfg = _shaping_config(**{
+        "loss_fn.use_kl_in_reward": True, "loss_fn.reference_policy_kl_penalty": 0.2,
+        "loss_fn.reference_policy_kl_type": "k1", "grpo.num_generations_per_prompt": 2,
+        "grpo.normalize_rewards_by_std": False,
+    })
+    shaping = PrevLogprobShaping(cfg, torch.tensor([1.0, 1.0]), dp_group=None)
+    shaped = shaping(_shaping_batch(prev, prev, reference))
+    torch.testing.assert_close(shaped["advantages"], torch.tensor([-0.05, 0.05]), rtol=1e-6, atol=1e-7)
+    assert shaping.metrics["reward_kl_penalty"] == pytest.approx((0.5 / 2 + 0.0) / 2)  # verl's mean token-mean KL
+    assert torch.equal(shaped["sample_mask"], torch.ones(2))  # no threshold: no masking
+
+
+def test_the_kl_in_the_reward_uses_the_configured_estimator_clamps_and_only_trained_tokens():
+    from megatron_grpo.grpo.shaping import PrevLogprobShaping
+
+    # k3 with log r = ref - prev = 3 clamped to 1 at the first token (e - 2), an untrained token with a huge gap,
+    # and a -inf prev (outside a filtered distribution: no defined KL). Rewards 1 and 0, std division on.
+    prev = [[-4.0, -1.0, -torch.inf], [-1.0, -1.0, -1.0]]
+    reference = [[-1.0, 50.0, -1.0], [-1.0, -1.0, -1.0]]
+    cfg = _shaping_config(**{
+        "loss_fn.use_kl_in_reward": True, "loss_fn.reference_policy_kl_penalty": 0.5,
+        "loss_fn.kl_input_clamp_value": 1.0, "grpo.num_generations_per_prompt": 2,
+    })
+    shaping = PrevLogprobShaping(cfg, torch.tensor([1.0, 0.0]), dp_group=None)
+    batch = _shaping_batch(prev, prev, reference, token_mask=[[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]])
+    shaped = shaping(batch)
+    shaped_rewards = torch.tensor([1.0 - 0.5 * (math.e - 2), 0.0], dtype=torch.float64)
+    expected = group_relative_advantages(shaped_rewards, 2, normalize_by_std=True, leave_one_out=False).advantages
+    torch.testing.assert_close(shaped["advantages"], expected)
+    assert torch.isfinite(shaped["advantages"]).all()

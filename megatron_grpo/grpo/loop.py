@@ -1,14 +1,16 @@
-"""The synchronous GRPO loop: rollout, reward, group advantages, one planned `train_step`, report, checkpoint.
+"""The GRPO loop: rollout, reward, group advantages, one planned `train_step`, report, checkpoint.
 
+Rollouts come from a `RolloutQueue`: from the current weights when `grpo.max_rollout_staleness` is 0, else from
+weights up to that many steps older, as an asynchronous system would deliver them. One loop serves both cases.
 Every random draw of a step comes from generators seeded by `(seed, step)`, the same on all TP ranks. Together
-with a bit-exact checkpoint of model and optimizer, this makes a resumed run repeat the uninterrupted run's
-metrics exactly (fp32 on the CPU).
+with a bit-exact checkpoint of model, optimizer and the rollouts in flight, this makes a resumed run repeat the
+uninterrupted run's metrics exactly (fp32 on the CPU).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,10 +21,14 @@ from megatron.core import parallel_state
 from megatron_grpo.config import Config
 from megatron_grpo.grpo.advantages import group_relative_advantages
 from megatron_grpo.grpo.checkpoint import load_checkpoint, save_checkpoint
-from megatron_grpo.grpo.checkpoint_dir import retire_latest
 from megatron_grpo.grpo.reporting import Reporter, is_collapsed
 from megatron_grpo.grpo.rollout import Rollout, SamplingParams, generate
+from megatron_grpo.grpo.rollout_queue import RolloutQueue
+from megatron_grpo.grpo.shaping import PrevLogprobShaping
+from megatron_grpo.grpo.statistics import rollout_statistics
 from megatron_grpo.grpo.tasks import DigitTask, DigitTokenizer, answer_reward
+from megatron_grpo.grpo.tensorboard_log import MetricWriters
+from megatron_grpo.grpo.timing import StepTimer
 from megatron_grpo.loss import ClippedPGLoss
 from megatron_grpo.megatron import ParallelLayout, build_gpt_model, build_optimizer, model_forward, train_step
 from megatron_grpo.scheduler import LogprobPlan
@@ -31,8 +37,13 @@ PROMPT_STREAM, SAMPLING_STREAM = 0, 1
 
 
 def step_generator(seed: int, step: int, stream: int, dp_rank: int = 0) -> torch.Generator:
-    """A CPU generator private to (seed, step, stream, DP rank): no state carries from one step to the next."""
-    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 4 + stream) * 65_537 + dp_rank)
+    """A CPU generator private to (seed, step, stream, DP rank): no state carries from one step to the next.
+
+    The key is taken modulo 2**64, the range `manual_seed` accepts, so every seed in [0, 2**63 - 1] works; for
+    seeds small enough not to wrap (below about 2**25) it is the unreduced key, so their runs are unchanged.
+    """
+    key = ((seed * 1_000_003 + step) * 4 + stream) * 65_537 + dp_rank
+    return torch.Generator().manual_seed(key % 2**64)
 
 
 @dataclass
@@ -47,6 +58,10 @@ class Trainer:
     reference_model: Optional[torch.nn.Module]
     optimizer: torch.optim.Optimizer
     loss_fn: ClippedPGLoss
+    rollouts: RolloutQueue = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rollouts = RolloutQueue(self._timed_rollout, self.cfg.grpo.max_rollout_staleness)
 
     @classmethod
     def build(cls, cfg: Config, plan: LogprobPlan, layout: ParallelLayout) -> Trainer:
@@ -72,7 +87,7 @@ class Trainer:
         """Loads a checkpoint; returns the number of steps it had done. The reference model is the initial policy,
         rebuilt from the seed, so it is not saved."""
         return load_checkpoint(step_dir, model=self.model, optimizer=self.optimizer, rank=self.layout.rank,
-                               world_size=self.layout.world_size)
+                               world_size=self.layout.world_size, verify=self.cfg.checkpoint.verify_checksums)
 
     def save(self, steps_done: int) -> None:
         save_checkpoint(Path(self.cfg.checkpoint.dir), steps_done=steps_done, model=self.model,
@@ -92,6 +107,7 @@ class Trainer:
             max_new_tokens=self.cfg.generation.max_new_tokens,
             temperature=self.cfg.generation.temperature,
             top_k=self.cfg.generation.top_k,
+            top_p=self.cfg.generation.top_p,
             eos_id=tokenizer.eos_id,
             pad_id=tokenizer.pad_id,
         )
@@ -109,10 +125,17 @@ class Trainer:
             self.model.train()
         return rollout, answer_reward(rollout.responses, answers)
 
+    def _timed_rollout(self, step: int) -> tuple[Rollout, torch.Tensor, float]:
+        started = time.perf_counter()
+        rollout, rewards = self.rollout(step)
+        return rollout, rewards, time.perf_counter() - started
+
     def step(self, step: int) -> dict[str, Any]:
         """One GRPO step; returns its metrics record (identical on every rank)."""
         started = time.perf_counter()
-        rollout, rewards = self.rollout(step)
+        timer = StepTimer()
+        queued = self.rollouts.take(step)  # generated now, or up to grpo.max_rollout_staleness steps ago
+        rollout, rewards = queued.rollout, queued.rewards
         rollout_done = time.perf_counter()
         group_size = self.cfg.grpo.num_generations_per_prompt
         advantages = group_relative_advantages(
@@ -127,17 +150,29 @@ class Trainer:
             "sample_mask": torch.ones(rollout.input_ids.shape[0]),
             "advantages": advantages.advantages,
             "generation_logprobs": rollout.generation_logprobs,
+            "rewards": rewards.to(torch.float32),  # VAPO's positive-example NLL reads them
         }
         device_batch = {key: value.to(self.layout.device) for key, value in batch.items()}
+        shaping = None
+        if PrevLogprobShaping.needed(self.cfg):  # reads prev logprobs after their pass, before the loss
+            dp_group = parallel_state.get_data_parallel_group() if self.layout.dp_size > 1 else None
+            shaping = PrevLogprobShaping(self.cfg, rewards, dp_group)
         result = train_step(self.cfg, self.model, self.optimizer, self.loss_fn, self.plan, device_batch,
-                            reference_model=self.reference_model)
+                            reference_model=self.reference_model, prepare_batch=shaping, timer=timer)
         finished = time.perf_counter()
         record = {
             "step": step,
             **self._reward_metrics(rewards, rollout, advantages.groups_without_variance),
+            **rollout_statistics(rewards, advantages.advantages, rollout.token_mask, rollout.responses,
+                                 self.task.tokenizer.eos_id,
+                                 group=parallel_state.get_data_parallel_group() if self.layout.dp_size > 1 else None),
             **mean_over_optimizer_steps(result.step_metrics),
+            **(shaping.metrics if shaping is not None else {}),
             **self._pass_metrics(step, result.passes_run),
             "sample": self.task.tokenizer.decode(rollout.input_ids[0].tolist()),
+            "rollout_weight_version": queued.weight_version,
+            "rollout_age": queued.age,
+            **timer.times(),
             "rollout_time_s": rollout_done - started,
             "train_time_s": finished - rollout_done,
             "step_time_s": finished - started,
@@ -182,9 +217,6 @@ def train(cfg: Config, plan: LogprobPlan, layout: ParallelLayout, *, resume_from
     """Runs steps until `grpo.max_num_steps`, from scratch or from `resume_from`; returns the summary table."""
     trainer = Trainer.build(cfg, plan, layout)
     first_step = trainer.resume(resume_from) if resume_from is not None else 0
-    if resume_from is None and layout.rank == 0 and retire_latest(Path(cfg.checkpoint.dir)):
-        print(f"note: starting from scratch; the checkpoints already in {cfg.checkpoint.dir} are superseded "
-              "(pass --resume to continue from them)", flush=True)
     if layout.rank == 0:
         print("\n".join(["logprob plan:", *(f"  - {reason}" for reason in plan.reasons)]), flush=True)
     reporter = Reporter(
@@ -194,10 +226,20 @@ def train(cfg: Config, plan: LogprobPlan, layout: ParallelLayout, *, resume_from
         enabled=layout.rank == 0,
         progress_bar=cfg.logging.progress_bar,
     )
+    writers = MetricWriters.from_config(cfg.logging, Path(cfg.run_dir), enabled=layout.rank == 0,
+                                        first_step=first_step)
     every = cfg.checkpoint.every_n_steps
-    for step in range(first_step, cfg.grpo.max_num_steps):
-        reporter.log_step(trainer.step(step))
-        steps_done = step + 1
-        if every and (steps_done % every == 0 or steps_done == cfg.grpo.max_num_steps):
-            trainer.save(steps_done)
+    try:
+        for step in range(first_step, cfg.grpo.max_num_steps):
+            record = trainer.step(step)
+            steps_done = step + 1
+            if every and (steps_done % every == 0 or steps_done == cfg.grpo.max_num_steps):
+                started = time.perf_counter()
+                trainer.save(steps_done)
+                record["checkpoint_time_s"] = time.perf_counter() - started
+                record["step_time_s"] += record["checkpoint_time_s"]
+            reporter.log_step(record)
+            writers.write(record)
+    finally:
+        writers.close()
     return reporter.finish()

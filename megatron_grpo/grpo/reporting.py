@@ -12,16 +12,44 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from megatron_grpo.grpo.timing import time_breakdown_rows
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "reward_and_step_time.png"
 TIMING_SUFFIX = "_time_s"
 LAST_N = 10
 
 
+class MetricsFileError(ValueError):
+    """A line of `metrics.jsonl` other than the last is not a JSON record."""
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The per-step records of a run, in step order."""
     with open(Path(run_dir) / METRICS_FILE) as handle:
         return [json.loads(line) for line in handle if line.strip()]
+
+
+def read_metrics_for_resume(path: Path) -> tuple[list[dict[str, Any]], str | None]:
+    """The records of `path`, and a note when its last line was torn (a crash mid-write) and has been dropped.
+
+    Only the last line can be torn, as records are appended one whole line at a time; a bad line before it is
+    a `MetricsFileError` naming the file and line."""
+    lines = [(number, line) for number, line in enumerate(Path(path).read_text().splitlines(), 1) if line.strip()]
+    records, note = [], None
+    for index, (number, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+        except ValueError as err:
+            if index < len(lines) - 1:
+                raise MetricsFileError(f"{path}:{number}: not a metrics record ({err})") from err
+            shown = line if len(line) <= 60 else line[:57] + "..."
+            note = f"note: {path}: dropped the torn last line {number} (a crash mid-write): {shown}"
+            continue
+        records.append(record)
+    return records, note
 
 
 def without_timings(record: dict[str, Any]) -> dict[str, Any]:
@@ -65,7 +93,12 @@ class Reporter:
     def _keep_records_before(self, first_step: int) -> list[dict[str, Any]]:
         """Drops records a resumed run will redo, so the file ends up as if the run had never stopped."""
         path = self.run_dir / METRICS_FILE
-        kept = [r for r in read_metrics(self.run_dir) if r["step"] < first_step] if path.exists() else []
+        kept: list[dict[str, Any]] = []
+        if path.exists():
+            records, note = read_metrics_for_resume(path)
+            if note:
+                self._write(note)
+            kept = [r for r in records if r["step"] < first_step]
         with open(path, "w") as handle:
             handle.writelines(json.dumps(r) + "\n" for r in kept)
         return kept
@@ -130,6 +163,7 @@ def summary_table(records: list[dict[str, Any]]) -> str:
         ("reference logprob passes skipped", f"{last['reference_passes_skipped']} of {last['step'] + 1}"),
         ("prev logprob passes skipped", f"{last['prev_passes_skipped']} of {last['step'] + 1}"),
         ("collapsed steps", str(sum(r["collapsed"] for r in records))),
+        *time_breakdown_rows(records),
     ]
     width = max(len(name) for name, _ in rows)
     rule = "-" * (width + 2 + max(len(value) for _, value in rows))

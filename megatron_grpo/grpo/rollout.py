@@ -3,7 +3,8 @@
 The policy is any callable mapping `input_ids [B, S]` (on the CPU) to this rank's vocab shard of the logits
 `[B, S, V_local]` (on its own device, so the TP gather runs where the backend wants it). Each decoding step
 gathers the last position's shards over the TP group (a `[B, V]` tensor, tiny next to the forward pass), drops
-Megatron's padded vocab columns, and samples on the CPU from the tempered, top-k filtered distribution with a
+Megatron's padded vocab columns, and samples on the CPU from the tempered, top-k/top-p filtered distribution
+(the filter of `megatron_grpo.ops.filtering`, the one the training logprobs use) with a
 generator seeded identically on every TP rank, so the ranks draw the same tokens without another collective.
 The log-probability of each drawn token under that same sampling distribution is returned as
 `generation_logprobs`.
@@ -17,6 +18,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.ops.filtering import SamplingFilter, kept_threshold, mask_filtered
+
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -25,6 +28,7 @@ class SamplingParams:
     max_new_tokens: int
     temperature: float
     top_k: Optional[int]  # None = the full distribution
+    top_p: Optional[float]  # None or 1 = the full distribution
     eos_id: int
     pad_id: int  # written after <eos>; never trained
 
@@ -52,15 +56,15 @@ def gather_vocab(logits_shard: torch.Tensor, true_vocab_size: int, group: Option
     return logits_shard[..., :true_vocab_size]
 
 
-def sampling_log_probs(logits: torch.Tensor, temperature: float, top_k: Optional[int]) -> torch.Tensor:
-    """Log-probabilities of the sampling distribution: softmax(logits / T) restricted to the top k tokens."""
+def sampling_log_probs(logits: torch.Tensor, temperature: float, top_k: Optional[int],
+                       top_p: Optional[float] = None) -> torch.Tensor:
+    """Log-probabilities `[B, V]` of the sampling distribution: softmax(logits / T) over the tokens that top-k
+    and then top-p keep (`megatron_grpo.ops.filtering`); filtered tokens get -inf."""
     if temperature <= 0:
         raise ValueError(f"generation.temperature: must be > 0, got {temperature}")
     scaled = logits.to(torch.float32) / temperature
-    if top_k is not None and top_k < scaled.shape[-1]:
-        kth_largest = scaled.topk(top_k, dim=-1).values[..., -1:]
-        scaled = scaled.masked_fill(scaled < kth_largest, float("-inf"))
-    return torch.log_softmax(scaled, dim=-1)
+    threshold = kept_threshold(scaled, SamplingFilter(top_k=top_k, top_p=top_p), true_vocab_size=scaled.shape[-1])
+    return torch.log_softmax(mask_filtered(scaled, threshold), dim=-1)
 
 
 @torch.no_grad()
@@ -85,7 +89,7 @@ def generate(
     finished = torch.zeros(batch, dtype=torch.bool)
     for _ in range(params.max_new_tokens):
         last_logits = gather_vocab(logits_fn(input_ids)[:, -1, :], true_vocab_size, tp_group).to("cpu")
-        log_probs = sampling_log_probs(last_logits, params.temperature, params.top_k)
+        log_probs = sampling_log_probs(last_logits, params.temperature, params.top_k, params.top_p)
         tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(1)
         token_logprobs = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         tokens = tokens.masked_fill(finished, params.pad_id)

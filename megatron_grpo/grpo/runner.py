@@ -1,17 +1,23 @@
-"""`python -m megatron_grpo train --config X.yaml [--resume]`: the GRPO job, launched by torchrun.
+"""`python -m megatron_grpo train --config X.yaml`: the GRPO job, launched by torchrun.
 
 Everything that can be checked without peers is checked before any process group or model exists: the
 config (a `ConfigError` naming each bad key), then the logprob plan and the runner's own limits, CUDA for
-bf16 among them (one `ConfigError` listing the problems of both), and, on `--resume`, that a complete
-checkpoint exists. Afterwards a failed collective means a peer died or hung; the survivor
-says so, names the rank(s) it lost contact with, and exits non-zero instead of hanging.
+bf16 among them (one `ConfigError` listing the problems of both), then that the run and checkpoint directories
+are writable, and what the run directory holds: a complete checkpoint is resumed (`--resume` insists on one),
+and `--fresh` moves an earlier run aside (see `run_start`). Afterwards a failed collective means a peer died or
+hung; the survivor says so, names the rank(s) it lost contact with, and exits non-zero instead of hanging.
+
+Expected failures print one message (a config error only on rank 0, as every rank finds the same one) and
+exit with their own code; `--debug` adds the Python traceback. torchrun then adds its own failure report.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import traceback
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -20,12 +26,18 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.config import Config, ConfigError, load_config
-from megatron_grpo.grpo.checkpoint_dir import CheckpointError, latest_checkpoint
+from megatron_grpo.grpo.checkpoint_dir import AgreedCheckpointError, CheckpointError, loadable_sentence
+from megatron_grpo.grpo.lifetime import bind_forked_children, die_with_parent, on_sigterm
+from megatron_grpo.grpo.reporting import MetricsFileError
+from megatron_grpo.grpo.run_start import RunDirectoryError, StartMode, StartPlan, carry_out, check_writable, plan_start
 from megatron_grpo.grpo.tasks import DigitTask, DigitTokenizer
 from megatron_grpo.scheduler import LogprobPlan, plan_logprob_passes
 
-EXIT_BAD_INPUT = 2
-EXIT_FAILED = 1
+EXIT_FAILED = 1  # an unexpected error: a bug, shown with its traceback
+EXIT_CONFIG = 2  # a bad config, or launched without torchrun
+EXIT_RUN_DIR = 3  # the run or checkpoint directory: unusable, nothing to resume, corrupt, or a failed save
+EXIT_PEER_LOST = 4  # another rank died or hung, or torchrun stopped this rank because one did
+EXIT_BAD_INPUT = EXIT_CONFIG
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # gloo reports a dead or hung peer as a plain RuntimeError; these are its messages for it (NCCL raises DistError)
 PEER_FAILURE_MESSAGES = ("Connection closed by peer", "Connection reset by peer", "Read error", "Timed out waiting")
@@ -36,32 +48,60 @@ CPU_NOISE_WARNINGS = (r"(Transformer Engine|Apex)( and Apex)? (is|are) not insta
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parse_args(argv)
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     try:
         cfg = load_config(args.config)
         _require_torchrun()
         plan = checked_plan(cfg, world_size=int(os.environ["WORLD_SIZE"]), cuda_available=torch.cuda.is_available())
-        resume_from = latest_checkpoint(Path(cfg.checkpoint.dir)) if args.resume else None
-    except (ConfigError, CheckpointError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
+    except ConfigError as err:  # every rank finds the same one: rank 0 says it
+        return _fail(f"error: {args.config}: {err}", EXIT_CONFIG, args.debug, show=rank == 0)
+    except OSError as err:
+        return _fail(f"error: {err}", EXIT_CONFIG, args.debug)
+    run_dir, checkpoint_dir = Path(cfg.run_dir), Path(cfg.checkpoint.dir)
+    try:
+        check_writable({"run_dir": run_dir, "checkpoint.dir": checkpoint_dir})
+        start = plan_start(run_dir, checkpoint_dir, _start_mode(args))
+    except (CheckpointError, RunDirectoryError, MetricsFileError) as err:  # the same on every rank of a node
+        return _fail(f"error: {err}", EXIT_RUN_DIR, args.debug, show=local_rank == 0)
 
+    _bind_process_lifetimes(rank, checkpoint_dir)
     _quiet_cpu_notices()
     from megatron_grpo.grpo.loop import train  # imports megatron.core: only once the input is known to be good
     from megatron_grpo.megatron import destroy_parallel, init_parallel
 
     layout = init_parallel(cfg)
     try:
-        train(cfg, plan, layout, resume_from=resume_from)
-    except CheckpointError as err:  # a corrupt checkpoint shows only once there is a model to load it into
-        print(f"error: rank {layout.rank}: {err}", file=sys.stderr, flush=True)
-        return EXIT_FAILED
-    except RuntimeError as err:
-        if not is_peer_failure(err):
+        start = agree_on_start(start, layout.rank)
+        train(cfg, plan, layout, resume_from=start.resume_from)
+    except (CheckpointError, MetricsFileError, OSError) as err:
+        if isinstance(err, AgreedCheckpointError):  # every rank has it: rank 0 says it
+            return _fail(f"error: {err}", EXIT_RUN_DIR, args.debug, show=layout.rank == 0)
+        message = str(err) if str(err).startswith("rank ") else f"rank {layout.rank}: {err}"
+        return _fail(f"error: {message}", EXIT_RUN_DIR, args.debug)
+    except BaseException as err:  # a peer's failure surfaces as many types (torch's CheckpointException is no
+        if isinstance(err, (KeyboardInterrupt, SystemExit)) or not is_peer_failure(err):  # Exception); else re-raise
             raise
-        print(_lost_peer_message(layout.rank, layout.world_size, err), file=sys.stderr, flush=True)
-        return EXIT_FAILED
+        return _fail(_lost_peer_message(layout.rank, layout.world_size, err, checkpoint_dir), EXIT_PEER_LOST,
+                     args.debug)
     destroy_parallel()
     return 0
+
+
+def agree_on_start(local: StartPlan, rank: int) -> StartPlan:
+    """Rank 0's start plan, on every rank, after rank 0 has moved the earlier run aside (once for all ranks).
+
+    Every rank read the run directory before `init_process_group`, whose rendezvous needs all ranks: so rank 0
+    moves nothing until every rank has finished reading it."""
+    plans = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(plans, src=0)
+    plan = plans[0]
+    if rank == 0:
+        for line in [*plan.notes, *carry_out(plan)]:
+            print(line, flush=True)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return plan
 
 
 def checked_plan(cfg: Config, *, world_size: int, cuda_available: bool) -> LogprobPlan:
@@ -96,12 +136,6 @@ def runner_config_problems(cfg: Config, *, world_size: int, cuda_available: bool
     if cfg.policy.pipeline_model_parallel_size != 1:
         problems.append("policy.pipeline_model_parallel_size: the GRPO runner's rollouts need the whole model on "
                         f"each rank; use 1, got {cfg.policy.pipeline_model_parallel_size}")
-    if cfg.grpo.seq_logprob_error_threshold is not None:
-        problems.append("grpo.seq_logprob_error_threshold: sequence masking by logprob error is not implemented "
-                        "in the GRPO runner; use null")
-    if cfg.loss_fn.use_kl_in_reward:
-        problems.append("loss_fn.use_kl_in_reward: KL-shaped rewards are not implemented in the GRPO runner; "
-                        "use false (the KL penalty in the loss works)")
     if cfg.grpo.num_generations_per_prompt < 2:
         problems.append("grpo.num_generations_per_prompt: a group-relative baseline needs >= 2 samples per "
                         f"prompt, got {cfg.grpo.num_generations_per_prompt}")
@@ -119,6 +153,33 @@ def is_peer_failure(err: BaseException) -> bool:
     return isinstance(err, dist.DistError) or any(message in str(err) for message in PEER_FAILURE_MESSAGES)
 
 
+def _fail(message: str, code: int, debug: bool, *, show: bool = True) -> int:
+    """Prints `message` (and with `debug` the traceback being handled) and returns the exit code."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # said once: torchrun's SIGTERM needs no second sentence
+    if show or debug:
+        if debug:
+            traceback.print_exc()
+        print(message, file=sys.stderr, flush=True)
+    return code
+
+
+def _start_mode(args: argparse.Namespace) -> StartMode:
+    return "resume" if args.resume else "fresh" if args.fresh else "auto"
+
+
+def _bind_process_lifetimes(rank: int, checkpoint_dir: Path) -> None:
+    """This rank dies with its torchrun agent, its children with it; torchrun's SIGTERM gets a sentence.
+
+    Bound to its parent only under torchrun's agent (which sets TORCHELASTIC_RUN_ID): a rank started by hand
+    (`nohup`, the environment variables set by another launcher) must not die with the shell."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
+    bind_forked_children()
+    on_sigterm(lambda: (f"error: rank {rank}: stopped by torchrun (SIGTERM), which stops every rank once one has "
+                        "failed or the job is interrupted; torchrun's report names the rank that failed. "
+                        f"{_capitalised(loadable_sentence(checkpoint_dir))}."), EXIT_PEER_LOST)
+
+
 def _quiet_cpu_notices() -> None:
     if not torch.cuda.is_available():
         for pattern in CPU_NOISE_WARNINGS:
@@ -132,16 +193,31 @@ def _require_torchrun() -> None:
                       "train --config X.yaml`")
 
 
-def _lost_peer_message(rank: int, world_size: int, err: Exception) -> str:
+def _lost_peer_message(rank: int, world_size: int, err: BaseException, checkpoint_dir: Path) -> str:
     peers = [r for r in range(world_size) if r != rank]
     who = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {', '.join(map(str, peers))}"
     return (f"error: rank {rank}: lost contact with {who}: a collective failed because that rank died, or hung for "
-            "longer than distributed.timeout_seconds. The last checkpoint is still loadable with --resume.\n"
-            f"  cause: {type(err).__name__}: {err}")
+            f"longer than distributed.timeout_seconds. {_capitalised(loadable_sentence(checkpoint_dir))}.\n"
+            f"  cause: {type(err).__name__}: {_first_line(err)}")
+
+
+def _capitalised(sentence: str) -> str:
+    return sentence[:1].upper() + sentence[1:]
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else ""
 
 
 def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m megatron_grpo train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="YAML config, e.g. configs/grpo_tiny_cpu.yaml")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in checkpoint.dir")
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true",
+                       help="resume from the newest complete checkpoint in checkpoint.dir, and fail if there is none "
+                            "(without a flag, a run resumes when there is one)")
+    start.add_argument("--fresh", action="store_true",
+                       help="start over: move the earlier run to <run_dir>.previous-<timestamp> (nothing is deleted)")
+    parser.add_argument("--debug", action="store_true", help="print the Python traceback of an error as well")
     return parser.parse_args(argv)

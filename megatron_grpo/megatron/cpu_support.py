@@ -1,6 +1,6 @@
 """Makes Megatron-Core 0.16+ run on a machine without CUDA (checked with gloo, TP=2). A no-op when CUDA exists.
 
-Every workaround lives here, with its reason (DESIGN.md, "Megatron-Core on CPU"):
+Every workaround lives here, with its reason (docs/design.md, "Platforms and Megatron-Core on the CPU"):
 
 1. `torch.cuda.current_device()` places buffers in RoPE, `GlobalMemoryBuffer` and the TP gathers. Without CUDA
    it must name the CPU: it returns "cpu".

@@ -9,7 +9,7 @@
   rollout, and returns curr logprobs, prev logprobs (backfilled from curr when the pass was skipped) and
   the passes it ran. The sync and async loops both call it.
 
-Batches follow DESIGN.md's contract: dicts of `[B, S]` tensors aligned with `input_ids` (position 0 has no
+Batches follow the contract in docs/design.md: dicts of `[B, S]` tensors aligned with `input_ids` (position 0 has no
 logprob). A batch given to these functions is this data-parallel rank's share.
 """
 
@@ -28,7 +28,9 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_grpo.config import Config, OptimizerConfig
-from megatron_grpo.loss import aggregate_metrics, count_valid, next_token_logprobs
+from megatron_grpo.grpo.statistics import grad_norm_after_clipping, learning_rate
+from megatron_grpo.grpo.timing import StepTimer
+from megatron_grpo.loss import METRIC_AGGREGATION, aggregate_metrics, count_valid, next_token_logprobs
 from megatron_grpo.scheduler import LogprobPlan
 
 log = logging.getLogger(__name__)
@@ -78,17 +80,22 @@ def make_forward_step(
     global_valid_seqs: torch.Tensor | float,
     vocab: VocabShard,
     logits_temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> ForwardStep:
     """A `forward_step(data_iterator, model) -> (output_tensor, loss_func)` for one optimizer step.
 
-    The policy trained is softmax(logits / `logits_temperature`): pass the sampling temperature so that the
-    trained policy is the one the rollouts came from.
+    The policy trained is softmax(logits / `logits_temperature`), filtered by `top_k` / `top_p`: pass the
+    sampling settings so that the trained policy is the one the rollouts came from.
 
     `global_valid_*` count the whole optimizer step (all microbatches, all DP ranks); the loss is already
     normalised by them, so the per-microbatch losses sum to the step's loss. With pipeline parallelism the
     schedule calls `loss_func` on the last stage only. `loss_fn`'s metrics carry its loss as a detached
     `"loss"` (as ClippedPGLoss's do).
     """
+
+    # Only a set filter is passed on, so a loss that knows no sampling filter still works without one.
+    sampling_filter = {name: value for name, value in (("top_k", top_k), ("top_p", top_p)) if value is not None}
 
     def loss_func(batch: Batch, output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss, metrics = loss_fn(
@@ -100,6 +107,7 @@ def make_forward_step(
             true_vocab_size=vocab.true_vocab_size,
             group=vocab.group,
             prev_logprobs_from_current=plan.prev_from_current,
+            **sampling_filter,
         )
         # Megatron divides the returned loss in place by num_microbatches: hand it a scaled copy (a new tensor,
         # so `metrics["loss"]`, ClippedPGLoss's own detached clone, keeps the unscaled value).
@@ -113,9 +121,10 @@ def make_forward_step(
 
 
 def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int,
-                     logits_temperature: float = 1.0) -> torch.Tensor:
-    """float32 `[B, S]` logprobs of `batch["input_ids"]` under softmax(logits / `logits_temperature`) of `model`
-    in eval mode; position 0 is 0.
+                     logits_temperature: float = 1.0, top_k: int | None = None,
+                     top_p: float | None = None) -> torch.Tensor:
+    """float32 `[B, S]` logprobs of `batch["input_ids"]` under softmax(logits / `logits_temperature`) of `model`,
+    filtered by `top_k` / `top_p` (-inf outside the kept set), in eval mode; position 0 is 0.
 
     A forward-only pass through Megatron's schedule; with pipeline parallelism the last stage broadcasts the
     result to the other stages.
@@ -127,7 +136,7 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
     def logprob_func(ids: torch.Tensor, output_tensor: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
         logprobs, _ = next_token_logprobs(
             tempered(output_tensor, logits_temperature), ids, vocab_start_index=vocab.start_index, true_vocab_size=vocab.true_vocab_size,
-            group=vocab.group,
+            group=vocab.group, top_k=top_k, top_p=top_p,
         )
         return logprobs
 
@@ -172,38 +181,56 @@ def train_step(
     batch: Batch,
     *,
     reference_model: torch.nn.Module | None = None,
+    prepare_batch: Callable[[Batch], Batch] | None = None,
+    timer: StepTimer | None = None,
 ) -> TrainStepResult:
     """Trains on one rollout batch (this DP rank's share): the planned logprob passes, then the optimizer steps.
 
     The rollout holds rollout / train_global_batch_size optimizer steps, each of
     train_global_batch_size / DP sequences on this rank, in microbatches of train_micro_batch_size.
-    `reference_model` is needed only when `plan.compute_reference_logprobs`.
+    `reference_model` is needed only when `plan.compute_reference_logprobs`. `prepare_batch`, when given, maps
+    the batch once the logprob passes are in it and before any optimizer step: the readers of prev logprobs
+    before the loss (sequence masking by logprob error, the KL in the reward) work there.
     """
     if plan.compute_reference_logprobs and reference_model is None:
         raise ValueError("reference_model: the plan computes reference logprobs, but none was given")
+    timer = timer if timer is not None else StepTimer()
+    clip = cfg.policy.optimizer.clip_grad
     micro_batch_size = cfg.policy.train_micro_batch_size
-    temperature = cfg.generation.temperature  # train the policy the rollouts sampled from
+    temperature = cfg.generation.temperature  # train the policy the rollouts sampled from...
+    sampling = {"top_k": cfg.generation.top_k, "top_p": cfg.generation.top_p}  # ...filtered as they were
     step_rows = _rows_per_optimizer_step(cfg, batch["input_ids"].shape[0])
     batch = dict(batch)
     passes_run: dict[str, int] = {}
     if plan.compute_reference_logprobs:
-        batch["reference_policy_logprobs"] = compute_logprobs(reference_model, batch, micro_batch_size=micro_batch_size,
-                                                              logits_temperature=temperature)
+        # Unfiltered, as NeMo-RL's reference pass: the KL compares the current and reference full distributions.
+        with timer.section("reference_pass"):
+            batch["reference_policy_logprobs"] = compute_logprobs(reference_model, batch,
+                                                                  micro_batch_size=micro_batch_size,
+                                                                  logits_temperature=temperature)
         passes_run["reference"] = 1
     if plan.compute_prev_logprobs:
-        batch["prev_logprobs"] = compute_logprobs(model, batch, micro_batch_size=micro_batch_size,
-                                                  logits_temperature=temperature)
+        with timer.section("prev_pass"):
+            batch["prev_logprobs"] = compute_logprobs(model, batch, micro_batch_size=micro_batch_size,
+                                                      logits_temperature=temperature, **sampling)
         passes_run["prev"] = 1
     if passes_run:
         log.info("logprob passes run: %s", ", ".join(f"{name} x{count}" for name, count in passes_run.items()))
+    if prepare_batch is not None:
+        batch = dict(prepare_batch(batch))
 
     step_metrics, microbatch_metrics = [], []
     for start in range(0, batch["input_ids"].shape[0], step_rows):
         step_batch = {key: value[start:start + step_rows] for key, value in batch.items()}
-        metrics = _forward_backward(model, optimizer, loss_fn, plan, step_batch, micro_batch_size, temperature)
-        grad_norm = clip_grad_norm(model, cfg.policy.optimizer.clip_grad)
-        optimizer.step()
-        step_metrics.append({**_aggregate(metrics), "grad_norm": grad_norm})
+        with timer.section("forward_backward"):
+            metrics = _forward_backward(model, optimizer, loss_fn, plan, step_batch, micro_batch_size, temperature,
+                                        **sampling)
+        with timer.section("optimizer"):
+            grad_norm = clip_grad_norm(model, clip)
+            lr = learning_rate(optimizer)  # the rate this optimizer.step() uses
+            optimizer.step()
+        step_metrics.append({**_aggregate(metrics, loss_fn), "grad_norm": grad_norm,
+                             "grad_norm_after_clip": grad_norm_after_clipping(grad_norm, clip), "lr": lr})
         microbatch_metrics.extend(metrics)
 
     curr_logprobs = _from_last_stage(
@@ -237,6 +264,8 @@ def _forward_backward(
     batch: Batch,
     micro_batch_size: int,
     logits_temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Fresh gradients of one optimizer step: Megatron's schedule over the microbatches, then the DP sum.
 
@@ -246,7 +275,7 @@ def _forward_backward(
     tokens, seqs = _global_valid_counts(microbatches)
     forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches), global_valid_tokens=tokens,
                                      global_valid_seqs=seqs, vocab=VocabShard.of(model),
-                                     logits_temperature=logits_temperature)
+                                     logits_temperature=logits_temperature, top_k=top_k, top_p=top_p)
     optimizer.zero_grad()
     model.train()
     metrics = _run_schedule(forward_step, model, microbatches, forward_only=False)
@@ -254,12 +283,14 @@ def _forward_backward(
     return metrics
 
 
-def _aggregate(microbatch_metrics: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """The loss's scalar metrics of one optimizer step, over its microbatches and the DP ranks."""
+def _aggregate(microbatch_metrics: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
+    """The loss's scalar metrics of one optimizer step, over its microbatches and the DP ranks, aggregated as the
+    loss says (`metric_aggregation`, e.g. ClippedPGLoss's `is_oob_ratio` is per sequence for seq-mask-tis)."""
     if not microbatch_metrics:  # a pipeline stage that is not the last
         return {}
     group = parallel_state.get_data_parallel_group()
-    return aggregate_metrics(microbatch_metrics, group=group if group.size() > 1 else None)
+    aggregation = getattr(loss_fn, "metric_aggregation", METRIC_AGGREGATION)  # a plain callable has none
+    return aggregate_metrics(microbatch_metrics, group=group if group.size() > 1 else None, aggregation=aggregation)
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:

@@ -1,7 +1,9 @@
 """Launch helpers for the runner's end-to-end tests: tiny configs in a temp dir, torchrun jobs, their ranks.
 
 Jobs run `python -m torch.distributed.run` (torchrun) with the repo on PYTHONPATH and one thread per rank,
-in their own session (`setsid`), so a test can signal a single rank or tear down the whole job.
+in their own session (`setsid`), so a test can signal a single rank or tear down the whole job. Every process
+of a job, however deep and wherever re-parented, carries the job's `JOB_TOKEN_VARIABLE` in its environment:
+`job_processes` finds them all (torchrun puts each rank in a session of its own).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,6 +23,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_CONFIG = REPO / "configs" / "grpo_tiny_cpu.yaml"
+JOB_TOKEN_VARIABLE = "MEGATRON_GRPO_TEST_JOB"
 
 
 def free_port() -> int:
@@ -46,27 +50,31 @@ def write_config(directory: Path, name: str = "config.yaml", **overrides: Any) -
 
 
 def torchrun_command(config: Path, *, nproc: int, resume: bool = False, rdzv: Optional[str] = None,
-                     nnodes: int = 1) -> list[str]:
+                     nnodes: int = 1, extra: tuple[str, ...] = ()) -> list[str]:
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if rdzv is None:
         command += ["--standalone"]
     else:
         command += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv}", "--rdzv-id=grpo-test"]
     command += ["-m", "megatron_grpo", "train", "--config", str(config)]
-    return command + (["--resume"] if resume else [])
+    return command + (["--resume"] if resume else []) + list(extra)
 
 
-def job_env() -> dict[str, str]:
+def job_env(token: str = "") -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env[JOB_TOKEN_VARIABLE] = token
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     return env
 
 
 def start(command: list[str], log: Path) -> subprocess.Popen:
     """Starts a job in its own session, stdout and stderr going to `log`."""
+    token = uuid.uuid4().hex
     with open(log, "w") as handle:
-        return subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=job_env(), cwd=REPO,
-                                start_new_session=True)
+        job = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=job_env(token), cwd=REPO,
+                               start_new_session=True)
+    job.token = token
+    return job
 
 
 def run(command: list[str], log: Path, timeout: float = 240) -> tuple[int, str]:
@@ -84,8 +92,26 @@ def stop_job(job: subprocess.Popen) -> None:
     if job.poll() is None:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
-    for process in _session_processes(job.pid):
-        process.kill()
+    for process in _session_processes(job.pid) + job_processes(job):
+        try:
+            process.kill()
+        except psutil.Error:
+            continue
+
+
+def job_processes(job: subprocess.Popen) -> list[psutil.Process]:
+    """Every live process started by `job` (at any depth, re-parented or not), found by its token."""
+    token = getattr(job, "token", None)
+    if not token:
+        return []
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.pid != os.getpid() and process.environ().get(JOB_TOKEN_VARIABLE) == token:
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
 
 
 def rank_process(job: subprocess.Popen, rank: int, timeout: float = 60) -> psutil.Process:

@@ -1,0 +1,93 @@
+"""Off-policy GRPO in the loop: stale rollouts really come from older weights, and several optimizer steps per
+rollout move the ratio away from 1. One process (TP=1, gloo) drives the real Trainer for a few steps."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from _configs import config_with
+from _dist import run_on_ranks
+
+STEPS = 4
+OFF_POLICY = {
+    "policy.tensor_model_parallel_size": 1,
+    "grpo.max_rollout_staleness": 1,
+    "policy.train_global_batch_size": 64,  # half of the 16 x 8 rollout: two optimizer steps per rollout
+    "policy.train_micro_batch_size": 32,
+    "grpo.max_num_steps": STEPS,
+    "loss_fn.use_importance_sampling_correction": True,
+    "loss_fn.truncated_importance_sampling.type": "tis",
+    "loss_fn.truncated_importance_sampling.ratio_min": 0.0,
+    "loss_fn.truncated_importance_sampling.ratio_max": 2.0,
+}
+
+
+def sampling_logprobs(model, rollout, temperature: float) -> torch.Tensor:
+    """[B, S] log-probabilities of the rollout's tokens under `model`'s sampling distribution (TP=1)."""
+    from megatron_grpo.megatron import model_forward
+
+    with torch.no_grad():
+        logits = model_forward(model, rollout.input_ids)[..., : model.true_vocab_size].double() / temperature
+    picked = torch.log_softmax(logits, dim=-1)[:, :-1].gather(-1, rollout.input_ids[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(picked, (1, 0)) * rollout.token_mask
+
+
+def drive_trainer(rank: int, world_size: int, overrides: dict) -> dict:
+    from megatron_grpo.grpo.loop import Trainer
+    from megatron_grpo.megatron import build_gpt_model, destroy_parallel, init_parallel
+    from megatron_grpo.scheduler import plan_logprob_passes
+
+    cfg = config_with(overrides)
+    plan = plan_logprob_passes(cfg)
+    trainer = Trainer.build(cfg, plan, init_parallel(cfg))
+    snapshots, taken, records = {}, [], []
+    take = trainer.rollouts.take
+
+    def recording_take(step):
+        entry = take(step)
+        taken.append(entry)
+        return entry
+
+    trainer.rollouts.take = recording_take
+    for step in range(STEPS):
+        snapshots[step] = copy.deepcopy(trainer.model.state_dict())  # the weights that have done `step` steps
+        records.append(trainer.step(step))
+        # prev comes from the weights at the start of the step: PPO's old policy, recomputed by the plan's pass
+    checks = []
+    probe = build_gpt_model(cfg, trainer.task.tokenizer.vocab_size)
+    temperature = cfg.generation.temperature
+    for entry in taken:
+        probe.load_state_dict(snapshots[entry.weight_version])
+        under_generating = sampling_logprobs(probe, entry.rollout, temperature)
+        probe.load_state_dict(snapshots[entry.step])
+        under_current = sampling_logprobs(probe, entry.rollout, temperature)
+        generation = entry.rollout.generation_logprobs.double()
+        checks.append({
+            "step": entry.step,
+            "weight_version": entry.weight_version,
+            "gen_vs_generating_weights": (generation - under_generating).abs().max().item(),
+            "gen_vs_current_weights": (generation - under_current).abs().max().item(),
+        })
+    destroy_parallel()
+    return {"plan": (plan.compute_reference_logprobs, plan.compute_prev_logprobs), "checks": checks,
+            "records": records}
+
+
+def test_stale_rollouts_come_from_older_weights_and_the_ratio_moves():
+    (result,) = run_on_ranks(1, drive_trainer, OFF_POLICY)
+    assert result["plan"] == (False, True)  # staleness and two steps per rollout: prev is computed
+    checks, records = result["checks"], result["records"]
+    assert [c["weight_version"] for c in checks] == [0, 0, 1, 2]  # step s trains on weights of step max(0, s-1)
+    for check in checks:
+        assert check["gen_vs_generating_weights"] < 1e-5, check  # generation logprobs: the generating weights'
+    for check in checks[1:]:
+        assert check["gen_vs_current_weights"] > 1e-4, check  # ... not the current ones once the weights moved
+    assert [r["rollout_age"] for r in records] == [0, 1, 1, 1]
+    for record in records:
+        assert record["prev_pass_ran"]
+        assert record["probs_ratio"] != 1.0  # the second optimizer step of each rollout trains on moved weights
+        assert torch.isfinite(torch.tensor(record["loss"]))
+    for record in records[1:]:
+        assert record["token_mult_prob_error"] > 1.0 + 1e-6  # prev (current weights) vs generation (older ones)
+        assert record["gen_kl_error"] != 0.0
