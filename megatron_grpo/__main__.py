@@ -1,7 +1,7 @@
-"""Command line: `python -m megatron_grpo {train,plan,bench} ...`.
+"""Command line: `python -m megatron_grpo {train,plan,bench,report} ...`.
 
 Each subcommand lives in its own module and exposes `main(argv) -> int`; this file only dispatches, so that
-`plan` and `bench` never pay for importing Megatron-Core.
+`plan`, `bench` and `report` never pay for importing Megatron-Core.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
         lines = [f"  {name:<6} {help_}" for name, (_module, help_) in COMMANDS.items()]
-        print("usage: python -m megatron_grpo {train,plan,bench} ...\n" + "\n".join(lines), file=sys.stderr)
+        print("usage: python -m megatron_grpo {" + ",".join(COMMANDS) + "} ...\n" + "\n".join(lines), file=sys.stderr)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
     return int(module.main(argv[1:]) or 0)

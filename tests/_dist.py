@@ -9,13 +9,38 @@ from __future__ import annotations
 import io
 import socket
 import traceback
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TIMEOUT_S = 120
+COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast", "reduce",
+               "all_to_all", "all_to_all_single", "gather", "scatter", "barrier", "reduce_scatter",
+               "reduce_scatter_tensor"]
+
+
+@contextmanager
+def counted_collectives() -> Iterator[dict[str, int]]:
+    """Counts the calls of `torch.distributed`'s collectives made inside the block, in `counter["n"]`."""
+    counter = {"n": 0}
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def counting(fn: Callable) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            counter["n"] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(dist, name, counting(fn))
+    try:
+        yield counter
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
 
 
 def free_port() -> int:

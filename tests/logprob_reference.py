@@ -28,23 +28,7 @@ def expected_logprobs(
     grad_entropy: torch.Tensor | None = None,
 ) -> Expected:
     """Logprob, entropy and d(sum g_lp * logprob + g_H * entropy)/d(logits), ignoring rows with target < 0."""
-    x = full_logits.detach().to(torch.float64)[:, :true_vocab_size].clone().requires_grad_(True)
-    log_p = torch.log_softmax(x, dim=-1)
-    kept = targets >= 0
-    logprob = torch.where(kept, log_p.gather(1, targets.clamp(min=0)[:, None]).squeeze(1), torch.zeros(()))
-    p = log_p.exp()
-    # p * where(...) rather than where(p > 0, p * log_p, 0): the latter's backward is 0 * log_p = NaN at -inf logits.
-    entropy = torch.where(kept, -(p * torch.where(p > 0, log_p, torch.zeros(()))).sum(-1), torch.zeros(()))
-    objective = torch.zeros((), dtype=torch.float64)
-    if grad_logprob is not None:
-        objective = objective + (logprob * grad_logprob.to(torch.float64)).sum()
-    if grad_entropy is not None:
-        objective = objective + (entropy * grad_entropy.to(torch.float64)).sum()
-    grad = torch.zeros(full_logits.shape, dtype=torch.float64)
-    if objective.requires_grad:
-        (g,) = torch.autograd.grad(objective, x)
-        grad[:, :true_vocab_size] = g
-    return Expected(logprob=logprob.detach(), entropy=entropy.detach(), grad=grad)
+    return expected_filtered_logprobs(full_logits, targets, true_vocab_size, None, None, grad_logprob, grad_entropy)
 
 
 def torch_fp32_logprob_error(full_logits: torch.Tensor, targets: torch.Tensor, true_vocab_size: int,
@@ -119,7 +103,9 @@ def expected_filtered_logprobs(
     target_lp = log_p.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
     logprob = torch.where(trained, target_lp, torch.zeros(()))
     p = log_p.exp()
-    entropy = torch.where(trained, -(p * torch.where(keep, log_p, torch.zeros(()))).sum(-1), torch.zeros(()))
+    # p * where(...) rather than where(p > 0, p * log_p, 0): the latter's backward is 0 * log_p = NaN at -inf logits.
+    finite_terms = keep & (p > 0)
+    entropy = torch.where(trained, -(p * torch.where(finite_terms, log_p, torch.zeros(()))).sum(-1), torch.zeros(()))
     objective = torch.zeros((), dtype=torch.float64)
     if grad_logprob is not None:
         finite = torch.isfinite(logprob)
@@ -131,6 +117,33 @@ def expected_filtered_logprobs(
         (g,) = torch.autograd.grad(objective, x)
         grad[:, :true_vocab_size] = g
     return Expected(logprob=logprob.detach(), entropy=entropy.detach(), grad=grad)
+
+
+LOGPROB_ATOL_FP32 = 1e-5
+ENTROPY_ATOL = 1e-5  # relative to max(1, the largest entropy)
+LOW_PRECISION_MARGIN = 2e-6  # bf16/fp16 logprob: at most torch's fp32-upcast error on the same input, plus this
+
+
+def assert_matches_anchor(logits, targets, true_vocab, g_lp, g_h, logprob, entropy, grad, expected=None):
+    """Values and gradient against the float64 anchor (all on the CPU; g_h None without entropy): fp32 logprobs to
+    1e-5, bf16/fp16 ones no worse than torch's fp32 upcast, entropy to 1e-5 relative, padding and ignored rows
+    with exactly zero gradient, and the gradient within `assert_grad_close`'s per-dtype tolerance."""
+    if expected is None:
+        expected = expected_logprobs(logits, targets, true_vocab, g_lp, g_h)
+    assert logprob.dtype == torch.float32
+    logprob_err = float((logprob.double() - expected.logprob).abs().max())
+    if logits.dtype == torch.float32:
+        assert logprob_err <= LOGPROB_ATOL_FP32
+    else:
+        assert logprob_err <= torch_fp32_logprob_error(logits, targets, true_vocab, expected) + LOW_PRECISION_MARGIN
+    if entropy is not None:
+        assert entropy.dtype == torch.float32
+        entropy_err = float((entropy.double() - expected.entropy).abs().max())
+        assert entropy_err <= ENTROPY_ATOL * max(1.0, float(expected.entropy.abs().max()))
+    assert grad.dtype == logits.dtype
+    assert bool((grad[:, true_vocab:] == 0).all()), "padding columns must get exactly zero gradient"
+    assert bool((grad[targets < 0] == 0).all()), "ignored rows must get exactly zero gradient"
+    assert_grad_close(grad, expected.grad, logits.dtype)
 
 
 def device_params() -> list:

@@ -1,10 +1,13 @@
 """Off-policy GRPO in the loop: stale rollouts really come from older weights, and several optimizer steps per
-rollout move the ratio away from 1. One process (TP=1, gloo) drives the real Trainer for a few steps."""
+rollout move the ratio away from 1, and a resume with rollouts in flight repeats the uninterrupted run. One
+process (TP=1, gloo) drives the real Trainer for a few steps."""
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
+import pytest
 import torch
 from _configs import config_with
 from _dist import run_on_ranks
@@ -91,3 +94,47 @@ def test_stale_rollouts_come_from_older_weights_and_the_ratio_moves():
     for record in records[1:]:
         assert record["token_mult_prob_error"] > 1.0 + 1e-6  # prev (current weights) vs generation (older ones)
         assert record["gen_kl_error"] != 0.0
+
+
+def train_and_resume(rank: int, world_size: int, overrides: dict, root: str) -> dict:
+    """An uninterrupted run that checkpoints after 2 of 4 steps, then a resume of that checkpoint in another run
+    directory, then a resume of it with another staleness (an error)."""
+    from megatron_grpo.grpo.checkpoint_dir import CheckpointError, step_dir_name
+    from megatron_grpo.grpo.loop import train
+    from megatron_grpo.grpo.reporting import read_metrics, without_timings
+    from megatron.core import parallel_state
+
+    from megatron_grpo.megatron import init_parallel
+    from megatron_grpo.scheduler import plan_logprob_passes
+
+    def run(run_dir: str, resume_from, **more) -> list[dict]:
+        cfg = config_with({**overrides, "checkpoint.every_n_steps": 2, "run_dir": f"{root}/{run_dir}",
+                           "checkpoint.dir": f"{root}/{run_dir}/checkpoints", **more})
+        layout = init_parallel(cfg)
+        try:
+            train(cfg, plan_logprob_passes(cfg), layout, resume_from=resume_from)
+        finally:
+            parallel_state.destroy_model_parallel()  # the default group stays for the next run
+        return [without_timings(record) for record in read_metrics(Path(cfg.run_dir))]
+
+    uninterrupted = run("uninterrupted", None)
+    middle = Path(root) / "uninterrupted" / "checkpoints" / step_dir_name(2)
+    resumed = run("resumed", middle)
+    try:
+        run("other_staleness", middle, **{"grpo.max_rollout_staleness": overrides["grpo.max_rollout_staleness"] + 1})
+        staleness_error = ""
+    except CheckpointError as err:
+        staleness_error = str(err)
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "staleness_error": staleness_error}
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_a_resume_with_rollouts_in_flight_repeats_the_uninterrupted_run(tmp_path, staleness):
+    (result,) = run_on_ranks(1, train_and_resume, {**OFF_POLICY, "grpo.max_rollout_staleness": staleness},
+                             str(tmp_path))
+    uninterrupted, resumed = result["uninterrupted"], result["resumed"]
+    assert [r["step"] for r in resumed] == [2, 3]
+    assert [r["rollout_weight_version"] for r in resumed] == [2 - staleness, 3 - staleness]  # from the queue
+    assert resumed == uninterrupted[2:]  # every metric, bit for bit (fp32 on the CPU)
+    expected = f"saved with grpo.max_rollout_staleness = {staleness}, this run has {staleness + 1}"
+    assert expected in result["staleness_error"]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_grpo.grpo.statistics import grad_norm_after_clipping, learning_rate, rollout_statistics
-from megatron_grpo.grpo.timing import PHASES, StepTimer, format_time_breakdown, time_breakdown_rows
+from megatron_grpo.grpo.statistics import rollout_statistics
+from megatron_grpo.megatron.train_step import grad_norm_after_clipping, learning_rate
+from megatron_grpo.timing import PHASES, StepTimer, format_time_breakdown, time_breakdown_rows
 from tests._dist import run_on_ranks
 
 EOS, PAD = 2, 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_on_ranks
+from _dist import counted_collectives, run_on_ranks
 from logprob_reference import assert_grad_close, expected_filtered_logprobs, expected_logprobs, make_case
 from megatron_grpo.ops import vocab_parallel_logprobs
 
@@ -20,9 +20,6 @@ DEVICES = [
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (top_k, top_p): k = 1 (greedy), k in the middle, k >= V, p = 1 (no filter), p alone, both.
 FILTERS = [(1, None), (7, None), (10_000, None), (None, 1.0), (None, 0.9), (None, 0.3), (5, 0.6), (10_000, 0.95)]
-COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast", "reduce",
-               "all_to_all", "all_to_all_single", "gather", "scatter", "barrier", "reduce_scatter",
-               "reduce_scatter_tensor"]
 
 
 def tied_case(rows: int, padded_vocab: int, true_vocab: int, dtype: torch.dtype, seed: int):
@@ -130,18 +127,7 @@ def sharded_filtered_run(rank, world, rows, v_local, true_vocab, dtype, top_k, t
     full, targets = tied_case(rows, v_local * world, true_vocab, dtype, seed)
     g_lp, g_h = upstream(rows, 0)
     shard = full[:, rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
-    calls = {"n": 0}
-    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-
-    def counting(fn):
-        def wrapper(*args, **kwargs):
-            calls["n"] += 1
-            return fn(*args, **kwargs)
-        return wrapper
-
-    for name, fn in originals.items():
-        setattr(dist, name, counting(fn))
-    try:
+    with counted_collectives() as calls:
         logprob, entropy = vocab_parallel_logprobs(
             shard, targets, true_vocab_size=true_vocab, group=dist.group.WORLD, with_entropy=True, top_k=top_k,
             top_p=top_p, implementation=implementation,
@@ -149,9 +135,6 @@ def sharded_filtered_run(rank, world, rows, v_local, true_vocab, dtype, top_k, t
         forward_calls = calls["n"]
         (torch.where(torch.isfinite(logprob), logprob, 0.0) * g_lp + entropy * g_h).sum().backward()
         backward_calls = calls["n"] - forward_calls
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
     return logprob.detach(), entropy.detach(), shard.grad, forward_calls, backward_calls
 
 

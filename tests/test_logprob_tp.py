@@ -7,12 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_on_ranks
+from _dist import counted_collectives, run_on_ranks
 from logprob_reference import assert_grad_close, expected_logprobs, make_case, torch_fp32_logprob_error
 from megatron_grpo.ops import vocab_parallel_logprobs
 
-COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
-               "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier"]
 
 # (rows, v_local, true_vocab as a function of world size); the second case leaves the last rank all padding.
 SHAPES = [(257, 500, lambda world: 500 * world), (7, 3, lambda world: 3 * (world - 1) - 1), (1, 1000, lambda w: 1000 * w - 37)]
@@ -29,18 +27,7 @@ def sharded_run(rank, world, rows, v_local, true_vocab, dtype, implementation, s
     full, targets = make_case(rows, v_local * world, true_vocab, dtype, seed=seed)
     g_lp, g_h = upstream_grads(rows, seed)
     shard = full[:, rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
-    calls = {"n": 0}
-    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-
-    def counting(fn):
-        def wrapper(*args, **kwargs):
-            calls["n"] += 1
-            return fn(*args, **kwargs)
-        return wrapper
-
-    for name, fn in originals.items():
-        setattr(dist, name, counting(fn))
-    try:
+    with counted_collectives() as calls:
         logprob, entropy = vocab_parallel_logprobs(
             shard, targets, true_vocab_size=true_vocab, group=dist.group.WORLD, with_entropy=True,
             implementation=implementation,
@@ -48,9 +35,6 @@ def sharded_run(rank, world, rows, v_local, true_vocab, dtype, implementation, s
         forward_calls = calls["n"]
         ((logprob * g_lp).sum() + (entropy * g_h).sum()).backward()
         backward_calls = calls["n"] - forward_calls
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
     return logprob.detach(), entropy.detach(), shard.grad, forward_calls, backward_calls
 
 

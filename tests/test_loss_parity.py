@@ -251,15 +251,20 @@ def test_positive_example_nll_adds_the_nll_of_rewarded_samples_per_trained_token
         run(loss_config(positive_example_nll_weight=0.5), curr, batch)
 
 
-def test_approximate_entropy_replaces_the_exact_one_when_that_is_not_computed():
-    # NeMo-RL: mean(-exp(curr - generation) * curr).
+def test_the_exact_entropy_is_always_logged_and_the_approximate_one_beside_it():
+    # Two-token rows with p(target) = exp(curr): H = -(p log p + (1 - p) log(1 - p)).
+    # NeMo-RL's approximation: mean(-exp(curr - generation) * curr).
     curr = [[-1.0, -0.5]]
     generation = [[-1.0, -0.5 - math.log(2.0)]]
     batch = batch_for(curr, advantages=[[0.0, 0.0]], prev_logprobs=curr, generation_logprobs=generation)
+    exact = [-(math.exp(c) * c + (1 - math.exp(c)) * math.log(1 - math.exp(c))) for c in curr[0]]
+    for entropy_coef in (0.0, 0.01):  # logged whether or not it is trained
+        loss, metrics, _ = run(loss_config(entropy_coef=entropy_coef), curr, batch)
+        assert float(metrics["entropy"]) == pytest.approx(sum(exact) / 2, rel=1e-5)
+        assert float(metrics["approx_entropy"]) == pytest.approx((1.0 + 2 * 0.5) / 2, rel=1e-5)
+        assert loss == pytest.approx(-entropy_coef * sum(exact) / 2, rel=1e-5, abs=1e-9)
+    del batch["generation_logprobs"]
     _, metrics, _ = run(loss_config(), curr, batch)
-    assert float(metrics["approx_entropy"]) == pytest.approx((1.0 + 2 * 0.5) / 2, rel=1e-5)
-    assert "entropy" not in metrics
-    _, metrics, _ = run(loss_config(entropy_coef=0.01), curr, batch)
     assert "entropy" in metrics and "approx_entropy" not in metrics
 
 

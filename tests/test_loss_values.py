@@ -267,13 +267,11 @@ def _assert_metrics_match(metrics: dict, expected: dict, cfg: ClippedPGLossConfi
     always = ["num_valid_tokens", "probs_ratio", "probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped"]
     always += ["clip_fraction_lower", "clip_fraction_upper", "token_mult_prob_error", "gen_kl_error"]
     always += ["sampling_importance_ratio"]
-    always += ["probs_ratio_clamped_min", "probs_ratio_clamped_max"]
+    always += ["probs_ratio_clamped_min", "probs_ratio_clamped_max", "entropy", "approx_entropy"]
     optional = {
         "is_oob_ratio": cfg.truncated_importance_sampling.type is not None,
         "is_oob_token_ratio": cfg.truncated_importance_sampling.type == "seq-mask-tis",
         "kl_penalty": cfg.reference_policy_kl_penalty > 0 and not cfg.use_kl_in_reward,
-        "entropy": cfg.entropy_coef != 0,
-        "approx_entropy": cfg.entropy_coef == 0,
         "positive_nll_loss": cfg.positive_example_nll_weight > 0,
     }
     for name in always + [name for name, present in optional.items() if present]:

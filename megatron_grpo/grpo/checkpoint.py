@@ -3,8 +3,10 @@
 `megatron.core.dist_checkpointing` saves the model's `sharded_state_dict()`. The optimizer is a plain
 `torch.optim` Adam on the CPU (Megatron's optimizer needs CUDA), so its moments are mapped onto the model's
 sharded tensors with Megatron's own helpers, exactly as Megatron's FP32 optimizer does; Adam's step count is
-shared by every parameter and saved once. Each rank's RNG state is a `ShardedObject`. A checkpoint therefore
-loads into another tensor-parallel size too, and resumes bit-exactly into the same one.
+shared by every parameter and saved once. Each rank's RNG state is a `ShardedObject`, and so are its rollouts in
+flight when `grpo.max_rollout_staleness` > 0 (the queue is part of the checkpoint, not regenerated: the older
+weights that made it are gone). A checkpoint therefore loads into another tensor-parallel size too (unless
+rollouts are in flight: they belong to the saved ranks), and resumes bit-exactly into the same one.
 
 Each checkpoint is a dist_checkpointing directory `<dir>/step_00000050/`, published with the checksum of every
 file once every rank's shards are on disk (see `checkpoint_dir`). On load the checksums are verified first
@@ -20,8 +22,7 @@ import queue
 import random
 import re
 from pathlib import Path
-from typing import Optional
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,7 @@ from megatron_grpo.grpo.checkpoint_dir import (
     unpublish,
     verify_checksums,
 )
+from megatron_grpo.grpo.rollout_queue import RolloutQueue
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 QUOTED_OS_ERROR = re.compile(r"\[Errno (?P<errno>\d+)\] (?P<strerror>[^:\n]+)(?:: '(?P<filename>[^'\n]+)')?")
@@ -58,8 +60,10 @@ def save_checkpoint(
     rank: int,
     world_size: int,
     barrier: Callable[[], None],
+    rollouts: Optional[RolloutQueue] = None,
 ) -> Path:
-    """Saves the training state after `steps_done` optimizer steps; every rank must call it together.
+    """Saves the training state after `steps_done` optimizer steps, with this rank's `rollouts` in flight if
+    given; every rank must call it together.
 
     An OS error on the way (unwritable, full) is a `CheckpointSaveError` that says what is still loadable."""
     step_dir = Path(directory) / step_dir_name(steps_done)
@@ -70,6 +74,7 @@ def save_checkpoint(
         barrier()
         state = _sharded_training_state(model, optimizer, rank, world_size)
         state["steps_done"] = steps_done
+        state.update(_rollout_state(rollouts.state_dict() if rollouts is not None else None, rank, world_size))
         _keep_write_results_in_process()
         dist_checkpointing.save(state, str(step_dir))
         barrier()
@@ -131,13 +136,14 @@ def find_os_error(err: BaseException) -> Optional[OSError]:
 
 def load_checkpoint(
     step_dir: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world_size: int,
-    verify: bool = True,
+    verify: bool = True, rollouts: Optional[RolloutQueue] = None,
 ) -> int:
-    """Restores model, optimizer and this rank's RNG from `step_dir`; returns the number of steps done.
+    """Restores model, optimizer, this rank's RNG and (into `rollouts`) its rollouts in flight from `step_dir`;
+    returns the number of steps done.
 
     With `verify`, first checks every file against the checksums of the COMPLETE marker (every rank must
     call this together). Into another world size (another TP size), model and optimizer are resharded; the
-    per-rank RNG states then have no owner and are not restored.
+    per-rank RNG states then have no owner and are not restored, and rollouts in flight are an error.
     """
     if verify:
         verify_shared(step_dir, rank, world_size)
@@ -145,8 +151,9 @@ def load_checkpoint(
     template = _sharded_training_state(model, optimizer, rank, world_size)
     template["steps_done"] = 0
     same_world = saved_world_size(step_dir) == world_size
+    template.update(_rollout_state(rollouts.state_dict() if rollouts is not None else None, rank, world_size))
     if not same_world:
-        del template["rng"]
+        del template["rng"], template["rollouts"]
     try:
         state = dist_checkpointing.load(template, str(step_dir))
         model.load_state_dict(state["model"])
@@ -154,10 +161,35 @@ def load_checkpoint(
     except (Exception, CheckpointException) as err:  # many types for missing, truncated or garbled files
         raise CheckpointError(f"cannot resume: {step_dir} is corrupt or does not fit this model: "
                               f"{type(err).__name__}: {_last_line(err)}") from err
+    _check_rollout_staleness(step_dir, state["rollout_staleness"], rollouts, same_world)
     if same_world:
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
+        if rollouts is not None:
+            rollouts.load_state_dict(state["rollouts"])
     return int(state["steps_done"])
+
+
+def _rollout_state(queue_state: Optional[dict[str, Any]], rank: int, world_size: int) -> dict[str, Any]:
+    """The checkpoint entries of one rank's rollout queue: its staleness (common) and its rollouts (per rank)."""
+    queue_state = queue_state if queue_state is not None else {"max_staleness": 0, "pending": []}
+    return {
+        "rollout_staleness": queue_state["max_staleness"],
+        "rollouts": ShardedObject("rollouts", queue_state, global_shape=(world_size,), global_offset=(rank,),
+                                  replica_id=0),
+    }
+
+
+def _check_rollout_staleness(step_dir: Path, saved: int, rollouts: Optional[RolloutQueue], same_world: bool) -> None:
+    """Rollouts in flight resume only into the same staleness and the same ranks that made them."""
+    wanted = rollouts.max_staleness if rollouts is not None else 0
+    if saved != wanted:
+        raise CheckpointError(f"cannot resume: {step_dir} was saved with grpo.max_rollout_staleness = {saved}, this "
+                              f"run has {wanted}; resume with the same value, or start over with --fresh")
+    if saved > 0 and not same_world:
+        raise CheckpointError(f"cannot resume: {step_dir} holds rollouts in flight (grpo.max_rollout_staleness = "
+                              f"{saved}) made by {saved_world_size(step_dir)} ranks, and this run has a different "
+                              f"number of ranks; resume with the saved layout, or start over with --fresh")
 
 
 def verify_shared(step_dir: Path, rank: int, world_size: int) -> None:

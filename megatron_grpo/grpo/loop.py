@@ -28,7 +28,7 @@ from megatron_grpo.grpo.shaping import PrevLogprobShaping
 from megatron_grpo.grpo.statistics import rollout_statistics
 from megatron_grpo.grpo.tasks import DigitTask, DigitTokenizer, answer_reward
 from megatron_grpo.grpo.tensorboard_log import MetricWriters
-from megatron_grpo.grpo.timing import StepTimer
+from megatron_grpo.timing import StepTimer
 from megatron_grpo.loss import ClippedPGLoss
 from megatron_grpo.megatron import ParallelLayout, build_gpt_model, build_optimizer, model_forward, train_step
 from megatron_grpo.scheduler import LogprobPlan
@@ -87,12 +87,13 @@ class Trainer:
         """Loads a checkpoint; returns the number of steps it had done. The reference model is the initial policy,
         rebuilt from the seed, so it is not saved."""
         return load_checkpoint(step_dir, model=self.model, optimizer=self.optimizer, rank=self.layout.rank,
-                               world_size=self.layout.world_size, verify=self.cfg.checkpoint.verify_checksums)
+                               world_size=self.layout.world_size, verify=self.cfg.checkpoint.verify_checksums,
+                               rollouts=self.rollouts)
 
     def save(self, steps_done: int) -> None:
         save_checkpoint(Path(self.cfg.checkpoint.dir), steps_done=steps_done, model=self.model,
                         optimizer=self.optimizer, rank=self.layout.rank, world_size=self.layout.world_size,
-                        barrier=dist.barrier)
+                        barrier=dist.barrier, rollouts=self.rollouts)
 
     def rollout(self, step: int) -> tuple[Rollout, torch.Tensor]:
         """This DP rank's prompts, each sampled `num_generations_per_prompt` times, and the samples' rewards."""

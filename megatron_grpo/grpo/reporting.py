@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from megatron_grpo.grpo.timing import time_breakdown_rows
+from megatron_grpo.timing import time_breakdown_rows
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "reward_and_step_time.png"

@@ -4,9 +4,6 @@
   token, as verl's `critic/advantages/*`), and the response-length distribution (mean, min, max, and the
   fraction of responses truncated at `generation.max_new_tokens`, i.e. that never emitted `<eos>`). Over all
   data-parallel ranks with one all-gather of a small tensor when a process group is given.
-- `learning_rate(optimizer)`: the learning rate the next `optimizer.step()` uses.
-- `grad_norm_after_clipping(norm, max_norm)`: the norm `megatron_grpo.megatron.train_step.clip_grad_norm` leaves
-  the gradients at, from the norm it returns (the one before clipping).
 
 Names. A key that has a peer's name has the peer's meaning:
 - `reward_{mean,min,max}`: verl's `critic/rewards/{mean,min,max}`, the per-sample (sequence) reward;
@@ -18,8 +15,8 @@ Names. A key that has a peer's name has the peer's meaning:
 - `response_truncated_fraction` is ours: the fraction of responses without `<eos>` (cut by `max_new_tokens`).
   verl's `response_length/clip_ratio` counts length == max, which includes answers whose last allowed token
   was `<eos>`, so it is not reused here;
-- `lr` (verl's `actor/lr`), `grad_norm` (before clipping, as verl's `actor/grad_norm` and NeMo-RL's
-  `grad_norm`) and `grad_norm_after_clip` (ours: verl and NeMo-RL log only the norm before clipping).
+- the train step adds `lr` (verl's `actor/lr`), `grad_norm` (before clipping, as verl's `actor/grad_norm` and
+  NeMo-RL's `grad_norm`) and `grad_norm_after_clip` (ours: verl and NeMo-RL log only the norm before clipping).
 
 std is the population standard deviation (divide by N), so it is defined for a single sample (0).
 """
@@ -34,7 +31,6 @@ import torch.distributed as dist
 
 # Per rank, per quantity: count, sum, sum of squares, min, max (float64). One all-gather moves them all.
 _FIELDS = 5
-CLIP_EPS = 1e-6  # megatron_grpo.megatron.train_step.clip_grad_norm scales by max_norm / (norm + CLIP_EPS)
 
 
 def _moments(values: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -108,19 +104,3 @@ def rollout_statistics(
     truncated_count, samples = per_rank[:, -2].sum().item(), per_rank[:, -1].sum().item()
     stats["response_truncated_fraction"] = truncated_count / samples if samples else math.nan
     return stats
-
-
-def learning_rate(optimizer: torch.optim.Optimizer) -> float:
-    """The learning rate of the optimizer's first parameter group (the one every group shares in this runner;
-    Megatron logs the first group's likewise). With a scheduler, call it before `scheduler.step()` to log the
-    rate the step just used."""
-    return float(optimizer.param_groups[0]["lr"])
-
-
-def grad_norm_after_clipping(norm: float, max_norm: float) -> float:
-    """The gradient norm after `train_step.clip_grad_norm(model, max_norm)`, which returned `norm` (the norm
-    before clipping): unchanged when `max_norm` is 0 (no clipping) or the norm is within it, else
-    `norm * max_norm / (norm + 1e-6)` (just under `max_norm`)."""
-    if max_norm > 0 and norm > max_norm:
-        return norm * (max_norm / (norm + CLIP_EPS))
-    return norm

@@ -66,8 +66,9 @@ class ClippedPGLoss:
       `1 - ratio_clip_min` / lowered to `1 + ratio_clip_max` (0 with `disable_ppo_ratio`: nothing is clipped);
     - `kl_penalty`: token mean of the weighted, clamped KL estimate (before the penalty factor), only when the loss
       carries a KL term;
-    - `entropy`: token mean of the exact entropy from the op, only when `entropy_coef != 0`; otherwise, with
-      `generation_logprobs`, `approx_entropy`: NeMo-RL's `mean(-exp(curr - generation) * curr)`;
+    - `entropy`: token mean of the policy's exact entropy from the op, always (one more partial per row; it
+      carries gradient only when `entropy_coef != 0`); with `generation_logprobs` also `approx_entropy`,
+      NeMo-RL's `mean(-exp(curr - generation) * curr)`;
     - `positive_nll_loss`: the VAPO term before its weight, only when `positive_example_nll_weight > 0`;
     - with `generation_logprobs`: `token_mult_prob_error` (mean `exp(|generation - prev|)`), `gen_kl_error`
       (KL(generation || prev) with the configured estimator), both over tokens with a finite generation logprob
@@ -131,7 +132,7 @@ class ClippedPGLoss:
         per_token_loss = policy.per_token_loss
         if cfg.use_importance_sampling_correction:
             per_token_loss = weights.weights * per_token_loss
-        if entropy is not None:
+        if cfg.entropy_coef != 0:
             per_token_loss = per_token_loss - cfg.entropy_coef * entropy
         aggregate = partial(
             aggregate_loss,
@@ -183,7 +184,7 @@ class ClippedPGLoss:
         group: dist.ProcessGroup | None,
         top_k: int | None,
         top_p: float | None,
-        with_entropy: bool | None = None,
+        with_entropy: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`[B, S]` logprobs (and entropies) of the trained tokens, from the logits one position earlier, under
         the top-k/top-p filtered distribution when a filter is given."""
@@ -194,7 +195,7 @@ class ClippedPGLoss:
             vocab_start_index=vocab_start_index,
             true_vocab_size=true_vocab_size,
             group=group,
-            with_entropy=self.config.entropy_coef != 0 if with_entropy is None else with_entropy,
+            with_entropy=with_entropy,
             top_k=top_k,
             top_p=top_p,
         )
@@ -269,7 +270,7 @@ class ClippedPGLoss:
         weights: ImportanceWeights | None,
         kl: torch.Tensor | None,
         kl_mask: torch.Tensor | None,
-        entropy: torch.Tensor | None,
+        entropy: torch.Tensor,
         nll: torch.Tensor | None,
     ) -> dict[str, torch.Tensor]:
         ratio, clamped = policy.ratio.detach(), policy.clamped_ratio.detach()
@@ -290,9 +291,8 @@ class ClippedPGLoss:
         }
         if kl is not None:
             metrics["kl_penalty"] = token_mean(kl.detach(), kl_mask)
-        if entropy is not None:
-            metrics["entropy"] = token_mean(entropy.detach(), mask)
-        elif inputs.generation_logprobs is not None:
+        metrics["entropy"] = token_mean(entropy.detach(), mask)
+        if inputs.generation_logprobs is not None:
             approx = finite_or_zero(-torch.exp(curr - inputs.generation_logprobs) * curr)
             metrics["approx_entropy"] = token_mean(approx.detach(), mask)
         if nll is not None:

@@ -28,10 +28,9 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_grpo.config import Config, OptimizerConfig
-from megatron_grpo.grpo.statistics import grad_norm_after_clipping, learning_rate
-from megatron_grpo.grpo.timing import StepTimer
 from megatron_grpo.loss import METRIC_AGGREGATION, aggregate_metrics, count_valid, next_token_logprobs
 from megatron_grpo.scheduler import LogprobPlan
+from megatron_grpo.timing import StepTimer
 
 log = logging.getLogger(__name__)
 
@@ -304,11 +303,28 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     if parallel_state.get_model_parallel_group().size() > 1:
         dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
     norm = total.sqrt().item()
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
+    scale = clip_coefficient(norm, max_norm)
+    if scale != 1.0:
         for p in params:
             p.grad.mul_(scale)
     return norm
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """The factor `clip_grad_norm` scales the gradients by: 1 when `max_norm` is 0 (no clipping) or the norm is
+    within it, else `max_norm / (norm + 1e-6)`, Megatron's and torch's clip coefficient."""
+    return max_norm / (norm + 1e-6) if 0 < max_norm < norm else 1.0
+
+
+def grad_norm_after_clipping(norm: float, max_norm: float) -> float:
+    """The gradient norm `clip_grad_norm` leaves, from the norm before clipping that it returned."""
+    return norm * clip_coefficient(norm, max_norm)
+
+
+def learning_rate(optimizer: torch.optim.Optimizer) -> float:
+    """The learning rate of the optimizer's first parameter group (one that every group shares in this runner;
+    Megatron logs the first group's likewise): the rate the next `optimizer.step()` uses."""
+    return float(optimizer.param_groups[0]["lr"])
 
 
 def _run_schedule(forward_step: ForwardStep, model: torch.nn.Module, microbatches: list[Batch],

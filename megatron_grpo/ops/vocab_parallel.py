@@ -67,6 +67,7 @@ class VocabParallelLogprobs(torch.autograd.Function):
         filtered_target = None if threshold is None else stats.logprob == float("-inf")
         ctx.save_for_backward(logits, targets, stats.lse, stats.mean_x, threshold, filtered_target)
         ctx.layout, ctx.inplace_backward, ctx.kernels = layout, inplace_backward, kernels
+        ctx.set_materialize_grads(False)  # an entropy that is only logged passes None, and its term is skipped
         if with_entropy:
             return stats.logprob, stats.entropy
         return stats.logprob
@@ -78,10 +79,10 @@ class VocabParallelLogprobs(torch.autograd.Function):
         grad_logprob = _row_gradient(grad_logprob, rows, lse)
         if filtered_target is not None:
             grad_logprob = grad_logprob.masked_fill(filtered_target, 0.0)
-        if mean_x is not None:
+        if mean_x is not None and grad_entropy is not None:
             grad_entropy = _row_gradient(grad_entropy, rows, lse)
-        else:
-            grad_entropy = None
+        else:  # no entropy, or one that is only logged: no entropy term
+            mean_x, grad_entropy = None, None
         grad_logits = logits if ctx.inplace_backward else empty_with_alignment_of(logits)
         ctx.kernels.logprob_backward(
             logits, targets, ctx.layout.vocab_start, ctx.layout.valid_cols, lse, mean_x, grad_logprob,
