@@ -217,6 +217,33 @@ def test_ignored_rows_cost_nothing_and_chunks_bound_the_logits(counting, impleme
                    anchor(hidden, weight, targets, 30, 1.0, g_lp, g_h))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_only_the_inputs_that_require_grad_get_one(dtype):
+    hidden, weight, targets, g_lp, _ = make_linear_case((11,), 8, 13, 12, dtype, seed=12)
+    expected = anchor(hidden, weight, targets, 12, 1.0, g_lp, None)
+    h, w = hidden.clone(), weight.clone().requires_grad_(True)
+    (vocab_parallel_linear_logprobs(h, w, targets, true_vocab_size=12, chunk_rows=3) * g_lp).sum().backward()
+    assert h.grad is None
+    bound = GRAD_RTOL_FP32 if dtype == torch.float32 else 2 * BF16_HALF_ULP * (expected.max_logit + 2)  # as above
+    assert float((w.grad.double() - expected.grad_weight).abs().max()) <= bound * float(expected.grad_weight.abs().max())
+    h, w = hidden.clone().requires_grad_(True), weight.clone()
+    (vocab_parallel_linear_logprobs(h, w, targets, true_vocab_size=12, chunk_rows=3) * g_lp).sum().backward()
+    assert w.grad is None
+    assert float((h.grad.double() - expected.grad_hidden).abs().max()) <= bound * float(expected.grad_hidden.abs().max())
+
+
+def test_bf16_weight_gradient_does_not_degrade_with_the_chunk_count():
+    """dW sums over chunks in fp32: 300 one-row chunks land as close to the anchor as one chunk of 300 rows."""
+    hidden, weight, targets, g_lp, _ = make_linear_case((300,), 8, 16, 16, torch.bfloat16, seed=13, ignore_every=0)
+    expected = anchor(hidden, weight, targets, 16, 1.0, g_lp, None).grad_weight
+    errors = {}
+    for chunk_rows in (1, 300):
+        w = weight.clone().requires_grad_(True)
+        (vocab_parallel_linear_logprobs(hidden, w, targets, chunk_rows=chunk_rows) * g_lp).sum().backward()
+        errors[chunk_rows] = float((w.grad.double() - expected).abs().max())
+    assert errors[1] <= 1.5 * errors[300] + 1e-6, errors
+
+
 def test_nothing_of_the_size_of_the_logits_is_saved_for_backward():
     rows, vocab, hidden_size = 64, 200, 8
     hidden, weight, targets, g_lp, _ = make_linear_case((rows,), hidden_size, vocab, vocab, torch.float32, seed=9)

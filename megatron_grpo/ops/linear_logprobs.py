@@ -117,11 +117,12 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         rows = hidden.shape[0]
         chunks = plan.chunks(rows)
         grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
-        # Several low-precision chunks: sum dW in fp32, so its rounding does not grow with the chunk count.
+        # Several low-precision chunks: sum dW in fp32, so its rounding does not grow with the chunk count
+        # (costs an fp32 [valid_cols, H] buffer; dW itself is allocated after the loop to keep the peak lower).
         accumulate_fp32 = need_weight and weight.dtype in LOW_PRECISION and len(chunks) > 1
         weight_sum = torch.zeros(weight_valid.shape, dtype=torch.float32, device=weight.device) if accumulate_fp32 \
             else None
+        grad_weight = torch.zeros_like(weight) if need_weight and not accumulate_fp32 else None
         buffer = hidden.new_empty(min(plan.chunk_rows, rows), valid)
         for sl in chunks:
             h = hidden[sl]
@@ -139,6 +140,7 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
             elif need_weight:
                 grad_weight[:valid].addmm_(grad_logits.t(), h, alpha=scale)
         if weight_sum is not None:
+            grad_weight = weight.new_zeros(weight.shape)
             grad_weight[:valid] = weight_sum
         return grad_hidden, grad_weight
 
