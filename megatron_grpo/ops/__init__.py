@@ -1,6 +1,10 @@
-"""Vocab-parallel logprob op: kernels (fused or reference), the TP combine, and the autograd API."""
+"""Vocab-parallel logprob ops: kernels (fused or reference), the TP combine, and the autograd APIs (from logits,
+and from hidden states and the output weight)."""
 
 from .backends import extension_status, fused_supports
+from .linear_logprobs import vocab_parallel_linear_logprobs
 from .vocab_parallel import ShardLayout, vocab_parallel_logprobs
 
-__all__ = ["vocab_parallel_logprobs", "ShardLayout", "extension_status", "fused_supports"]
+__all__ = [
+    "vocab_parallel_logprobs", "vocab_parallel_linear_logprobs", "ShardLayout", "extension_status", "fused_supports",
+]

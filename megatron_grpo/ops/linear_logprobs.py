@@ -1,0 +1,265 @@
+"""`vocab_parallel_linear_logprobs`: per-token logprobs (and entropy) straight from hidden states and this rank's
+shard of the output weight, without ever holding the `[T, V_local]` logits.
+
+Why: the logits of a long batch (`T x V / tp`) are the largest tensor of a policy-gradient step, and the
+plain op (`vocab_parallel_logprobs`) needs all of them alive between forward and backward. This op computes
+them a chunk of rows at a time, keeps only the `[rows, 3|4]` softmax partials, and recomputes each chunk in
+backward.
+
+Forward: the trained rows (target >= 0) are gathered out first; per chunk, `logits = scale * h @ W_valid.T`
+(the real, non-padding columns only), then the existing kernels' partials, then the chunk is freed. One
+all-gather of the partials of the whole call (`gather_partials`) and `combine_partials` give logprob, lse and
+entropy. Backward: per chunk, recompute the logits, run the existing backward kernel in place in the chunk
+buffer, then `dH = scale * dlogits @ W` and `dW += scale * dlogits.T @ h`. No collective runs in backward:
+`dH` is a partial sum over the vocab shards, which the caller reduces across TP where Megatron's output layer
+does (see `vocab_parallel_linear_logprobs`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .backends import Implementation, Kernels, select_kernels
+from .partials import combine_partials, gather_partials
+from .vocab_parallel import LOGITS_DTYPES, ShardLayout, _row_gradient
+
+# Default budget for one chunk of logits (in the hidden states' dtype): large enough that each GEMM is big,
+# small enough to be negligible next to the `[T, V_local]` logits the op avoids. See `chunk_rows_for`.
+CHUNK_BYTES = 256 * 2**20
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """How the call is cut: the vocab layout, the logit scale and the rows per chunk."""
+
+    layout: ShardLayout
+    logit_scale: float
+    chunk_rows: int
+
+    def chunks(self, rows: int) -> list[slice]:
+        return [slice(start, min(start + self.chunk_rows, rows)) for start in range(0, rows, self.chunk_rows)]
+
+
+def chunk_rows_for(valid_cols: int, dtype: torch.dtype, budget_bytes: int = CHUNK_BYTES) -> int:
+    """Rows per chunk when the caller gives none: as many as fit `budget_bytes` of `[rows, valid_cols]` logits
+    (256 MiB by default: 2048 rows of a 65536-column bf16 shard, 441 rows of a 152064-column fp32 one)."""
+    row_bytes = max(valid_cols, 1) * torch.empty((), dtype=dtype).element_size()
+    return max(1, budget_bytes // row_bytes)
+
+
+class VocabParallelLinearLogprobs(torch.autograd.Function):
+    """Autograd wrapper: `hidden` holds only the trained rows; the functional API below gathers and checks."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, plan: LinearPlan, group, with_entropy, kernels: Kernels):
+        partials = VocabParallelLinearLogprobs.local_partials(hidden, weight, targets, plan, with_entropy, kernels)
+        stats = combine_partials(gather_partials(partials, group), targets, with_entropy)
+        ctx.save_for_backward(hidden, weight, targets, stats.lse, stats.mean_x)
+        ctx.plan, ctx.kernels = plan, kernels
+        ctx.set_materialize_grads(False)  # an entropy that is only logged passes None, and its term is skipped
+        if with_entropy:
+            return stats.logprob, stats.entropy
+        return stats.logprob
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy=None):
+        hidden, weight, targets, lse, mean_x = ctx.saved_tensors
+        rows = hidden.shape[0]
+        grad_logprob = _row_gradient(grad_logprob, rows, lse)
+        if mean_x is not None and grad_entropy is not None:
+            grad_entropy = _row_gradient(grad_entropy, rows, lse)
+        else:  # no entropy, or one that is only logged: no entropy term
+            mean_x, grad_entropy = None, None
+        grad_hidden, grad_weight = VocabParallelLinearLogprobs.chunked_backward(
+            hidden, weight, targets, lse, mean_x, grad_logprob, grad_entropy, ctx.plan, ctx.kernels,
+            need_hidden=ctx.needs_input_grad[0], need_weight=ctx.needs_input_grad[1],
+        )
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+    # ---- stages ----
+
+    @staticmethod
+    def chunk_logits(hidden_chunk: torch.Tensor, weight_valid: torch.Tensor, scale: float,
+                     out: torch.Tensor) -> torch.Tensor:
+        """`out = scale * hidden_chunk @ weight_valid.T`, the chunk's logits over the real columns."""
+        return _scaled_mm(hidden_chunk, weight_valid.t(), scale, out)
+
+    @staticmethod
+    def local_partials(hidden, weight, targets, plan: LinearPlan, with_entropy, kernels: Kernels) -> torch.Tensor:
+        """This rank's `[rows, 3|4]` partials, one chunk of logits alive at a time."""
+        layout = plan.layout
+        weight_valid = weight[:layout.valid_cols]
+        rows = hidden.shape[0]
+        partials = []
+        buffer = hidden.new_empty(min(plan.chunk_rows, rows), layout.valid_cols)
+        for sl in plan.chunks(rows):
+            logits = VocabParallelLinearLogprobs.chunk_logits(hidden[sl], weight_valid, plan.logit_scale,
+                                                              buffer[:sl.stop - sl.start])
+            partials.append(kernels.logprob_partials(logits, targets[sl], layout.vocab_start, layout.valid_cols,
+                                                     with_entropy, None))
+        if not partials:  # no trained row: every rank still joins the one all-gather, with nothing
+            compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+            return hidden.new_empty((0, 4 if with_entropy else 3), dtype=compute)
+        return torch.cat(partials) if len(partials) > 1 else partials[0]
+
+    @staticmethod
+    def chunked_backward(hidden, weight, targets, lse, mean_x, grad_logprob, grad_entropy, plan: LinearPlan,
+                         kernels: Kernels, need_hidden: bool, need_weight: bool):
+        """`(dH, dW)` chunk by chunk; the padding rows of `dW` are exactly 0 (they never enter the GEMMs)."""
+        layout, scale = plan.layout, plan.logit_scale
+        valid = layout.valid_cols
+        weight_valid = weight[:valid]
+        rows = hidden.shape[0]
+        chunks = plan.chunks(rows)
+        grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else None
+        # Several low-precision chunks: sum dW in fp32, so its rounding does not grow with the chunk count
+        # (costs an fp32 [valid_cols, H] buffer; dW itself is allocated after the loop to keep the peak lower).
+        accumulate_fp32 = need_weight and weight.dtype in LOW_PRECISION and len(chunks) > 1
+        weight_sum = torch.zeros(weight_valid.shape, dtype=torch.float32, device=weight.device) if accumulate_fp32 \
+            else None
+        grad_weight = torch.zeros_like(weight) if need_weight and not accumulate_fp32 else None
+        buffer = hidden.new_empty(min(plan.chunk_rows, rows), valid)
+        for sl in chunks:
+            h = hidden[sl]
+            grad_logits = VocabParallelLinearLogprobs.chunk_logits(h, weight_valid, scale,
+                                                                   buffer[:sl.stop - sl.start])
+            kernels.logprob_backward(
+                grad_logits, targets[sl], layout.vocab_start, valid, lse[sl],
+                None if mean_x is None else mean_x[sl], grad_logprob[sl],
+                None if grad_entropy is None else grad_entropy[sl], grad_logits, None,
+            )  # in place: the chunk's logits become d(objective)/d(logits)
+            if need_hidden:
+                _scaled_mm(grad_logits, weight_valid, scale, grad_hidden[sl])
+            if weight_sum is not None:
+                weight_sum.add_(torch.mm(grad_logits.t(), h), alpha=scale)
+            elif need_weight:
+                grad_weight[:valid].addmm_(grad_logits.t(), h, alpha=scale)
+        if weight_sum is not None:
+            grad_weight = weight.new_zeros(weight.shape)
+            grad_weight[:valid] = weight_sum
+        return grad_hidden, grad_weight
+
+
+def vocab_parallel_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_start_index: int | None = None,
+    true_vocab_size: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    with_entropy: bool = False,
+    logit_scale: float = 1.0,
+    chunk_rows: int | None = None,
+    implementation: Implementation = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of `targets` under softmax(logit_scale * hidden @ weight.T) over the whole (sharded,
+    unpadded) vocab, computed a chunk of rows at a time so that no `[T, V_local]` logits exist.
+
+    Differentiable w.r.t. `hidden` and `weight`. The gradient of `hidden` is this rank's **partial sum** over
+    its vocab shard: the caller reduces it across TP exactly where Megatron's output layer does (the
+    all-reduce in backward of `copy_to_tensor_model_parallel_region` on the layer's input), so this op runs
+    no collective in backward. Forward runs one all-gather of `[trained rows, 3|4]` fp32 partials.
+
+    Args:
+        hidden: `[..., H]` final hidden states (after the final norm), replicated over the TP group.
+        weight: `[V_local, H]` this rank's shard of the output layer (or of the tied embedding), same dtype
+            and device as `hidden`.
+        targets: `[...]` (`hidden.shape[:-1]`) integer global token ids; `< 0` means ignore: the row is
+            never computed, and its logprob, entropy and `hidden` gradient are exactly 0.
+        vocab_start_index: global id of weight row 0; default `rank(group) * V_local`.
+        true_vocab_size: ids `>=` this are padding: they never enter the softmax, and their weight rows get
+            exactly 0 gradient; default: no padding.
+        group: tensor-parallel process group; None means the vocab is not sharded.
+        with_entropy: also return the exact entropy of each row's distribution.
+        logit_scale: logits are `logit_scale * hidden @ weight.T`; `1 / temperature` for a sampling temperature.
+        chunk_rows: trained rows per chunk; None fits a chunk of logits in `CHUNK_BYTES` (256 MiB).
+        implementation: "auto" (fused kernels where available), "fused" or "reference".
+
+    Returns:
+        float32 logprobs `[...]` (float64 for float64 inputs), or `(logprobs, entropy)` with `with_entropy`.
+    """
+    _check_inputs(hidden, weight, targets, logit_scale, chunk_rows)
+    layout = ShardLayout.resolve(weight.shape[0], vocab_start_index, true_vocab_size, group)
+    _check_target_range(targets, layout)
+    kernels = select_kernels(weight, implementation)
+    plan = LinearPlan(layout=layout, logit_scale=float(logit_scale),
+                      chunk_rows=int(chunk_rows) if chunk_rows is not None
+                      else chunk_rows_for(layout.valid_cols, hidden.dtype))
+    batch_shape = targets.shape
+    rows_hidden = hidden.reshape(-1, hidden.shape[-1])
+    rows_targets = targets.reshape(-1).to(torch.int64)
+    trained = (rows_targets >= 0).nonzero().squeeze(1)
+    all_trained = trained.numel() == rows_targets.numel()
+    if not all_trained:  # ignored rows leave before any matmul; index_select's backward gives them exactly 0
+        rows_hidden = rows_hidden.index_select(0, trained)
+        rows_targets = rows_targets.index_select(0, trained)
+    out = VocabParallelLinearLogprobs.apply(rows_hidden.contiguous(), weight.contiguous(),
+                                            rows_targets.contiguous(), plan, group, with_entropy, kernels)
+    outputs = out if with_entropy else (out,)
+    if not all_trained:
+        outputs = tuple(_scatter_rows(o, trained, batch_shape.numel()) for o in outputs)
+    outputs = tuple(o.reshape(batch_shape) for o in outputs)
+    return outputs if with_entropy else outputs[0]
+
+
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """`out = scale * a @ b` in one GEMM (fp32 accumulation), the scale applied before the single rounding."""
+    return torch.addmm(out.new_zeros(()), a, b, beta=0, alpha=scale, out=out)
+
+
+def _scatter_rows(values: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
+    """The trained rows' values back in place among `total` rows; ignored rows are exactly 0 (and pass no
+    gradient)."""
+    return values.new_zeros(total).index_copy(0, rows, values)
+
+
+def _check_inputs(hidden, weight, targets, logit_scale, chunk_rows) -> None:
+    """Shape, dtype, device and argument checks: free, so they always run."""
+    for name, value in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V_local, H], got shape {tuple(weight.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight has an empty vocab dim (V_local = 0)")
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden size mismatch: hidden {tuple(hidden.shape)} has H = "
+                         f"{hidden.shape[-1] if hidden.dim() else None}, weight {tuple(weight.shape)} has H = "
+                         f"{weight.shape[1]}")
+    if hidden.device != weight.device or targets.device != hidden.device:
+        raise ValueError(f"hidden, weight and targets must be on one device, got hidden on {hidden.device}, "
+                         f"weight on {weight.device}, targets on {targets.device}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden and weight must have the same dtype, got hidden {hidden.dtype} and "
+                         f"weight {weight.dtype}")
+    if hidden.dtype not in LOGITS_DTYPES:
+        raise ValueError(f"hidden and weight must be float32, bfloat16, float16 or float64, got {hidden.dtype}")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise ValueError(f"targets must hold integer token ids, got dtype {targets.dtype}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden.shape[:-1] = "
+                         f"{tuple(hidden.shape[:-1])}")
+    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) \
+            or not math.isfinite(logit_scale) or logit_scale <= 0:
+        raise ValueError(f"logit_scale must be a finite number > 0, got {logit_scale!r}")
+    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)
+                                   or chunk_rows < 1):
+        raise ValueError(f"chunk_rows must be an int >= 1 (or None), got {chunk_rows!r}")
+
+
+def _check_target_range(targets: torch.Tensor, layout: ShardLayout) -> None:
+    """Target ids beyond the true vocab are an error, never a silent -inf (a host sync, like the row gather)."""
+    if targets.numel() == 0:
+        return
+    largest = int(targets.max())
+    if largest >= layout.true_vocab_size:
+        raise ValueError(
+            f"targets contain token id {largest}, which is >= true_vocab_size={layout.true_vocab_size} "
+            f"(ids at or beyond it are vocab padding and cannot be targets)"
+        )

@@ -1,0 +1,385 @@
+"""vocab_parallel_linear_logprobs against an independent float64 anchor: logits = scale * hidden @ weight.T in
+float64, then `expected_logprobs` on the full, unpadded vocab, and float64 autograd for the gradients of hidden
+and weight. On 1, 2 and 4 gloo ranks, with padding, a rank that is all padding, ignored rows, entropy,
+logit_scale != 1, odd chunk sizes, fp32 and bf16, the collective count, and every bad input's message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import counted_collectives, run_on_ranks
+from logprob_reference import expected_logprobs
+from megatron_grpo.ops import linear_logprobs, vocab_parallel_linear_logprobs
+from megatron_grpo.ops.linear_logprobs import chunk_rows_for
+
+IMPLEMENTATIONS = ("fused", "reference")
+LOGPROB_ATOL_FP32 = 2e-5
+GRAD_RTOL_FP32 = 1e-4
+BF16_HALF_ULP = 2.0**-9  # relative rounding of one bf16 value
+
+
+@dataclass
+class Anchor:
+    logprob: torch.Tensor       # float64, [...]
+    entropy: torch.Tensor
+    grad_hidden: torch.Tensor   # float64, [..., H]
+    grad_weight: torch.Tensor   # float64, [V_padded, H]
+    max_logit: float            # largest |logit| over the real vocab: scales the bf16 rounding bounds
+    max_std: float              # largest per-row std of the logits under p: scales the entropy's
+
+
+def make_linear_case(shape, hidden_size, padded_vocab, true_vocab, dtype, seed, ignore_every=4):
+    """Hidden states, a weight whose padding rows are huge (a leak into the softmax would show), targets with
+    every `ignore_every`-th row ignored (row 0 always trained), and the upstream gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*shape, hidden_size, generator=gen, dtype=torch.float64)
+    weight = torch.randn(padded_vocab, hidden_size, generator=gen, dtype=torch.float64) * (3 / hidden_size**0.5)
+    weight[true_vocab:] *= 100
+    rows = int(torch.Size(shape).numel())
+    targets = torch.randint(0, true_vocab, (rows,), generator=gen)
+    if ignore_every:
+        targets[1::ignore_every] = -1
+    g_lp, g_h = torch.randn(rows, generator=gen), torch.randn(rows, generator=gen)
+    return (hidden.to(dtype), weight.to(dtype), targets.reshape(shape), g_lp.reshape(shape), g_h.reshape(shape))
+
+
+def anchor(hidden, weight, targets, true_vocab, scale, g_lp, g_h) -> Anchor:
+    """The float64 anchor, on the inputs as rounded to their dtype."""
+    h = hidden.detach().double().reshape(-1, hidden.shape[-1]).requires_grad_(True)
+    w = weight.detach().double().requires_grad_(True)
+    logits = (h @ w.t()) * scale
+    flat_targets = targets.reshape(-1)
+    expected = expected_logprobs(logits.detach(), flat_targets, true_vocab, g_lp.reshape(-1),
+                                 None if g_h is None else g_h.reshape(-1))
+    logits.backward(expected.grad)
+    real = logits.detach()[:, :true_vocab]
+    p = torch.softmax(real, dim=-1)
+    std = ((p * (real - (p * real).sum(-1, keepdim=True)) ** 2).sum(-1)).sqrt()
+    trained = flat_targets >= 0
+    return Anchor(
+        logprob=expected.logprob.reshape(targets.shape), entropy=expected.entropy.reshape(targets.shape),
+        grad_hidden=h.grad.reshape(hidden.shape), grad_weight=w.grad,
+        max_logit=float(real[trained].abs().max()) if trained.any() else 0.0,
+        max_std=float(std[trained].max()) if trained.any() else 0.0,
+    )
+
+
+def run_op(hidden, weight, targets, g_lp, g_h, **kwargs):
+    """Forward and backward of the op on fresh leaves: (logprob, entropy or None, grad hidden, grad weight)."""
+    hidden = hidden.clone().requires_grad_(True)
+    weight = weight.clone().requires_grad_(True)
+    with_entropy = g_h is not None
+    out = vocab_parallel_linear_logprobs(hidden, weight, targets, with_entropy=with_entropy, **kwargs)
+    logprob, entropy = out if with_entropy else (out, None)
+    objective = (logprob * g_lp).sum() + ((entropy * g_h).sum() if with_entropy else 0)
+    objective.backward()
+    return logprob.detach(), None if entropy is None else entropy.detach(), hidden.grad, weight.grad
+
+
+def assert_matches(logprob, entropy, grad_hidden, grad_weight, targets, true_vocab, dtype, expected: Anchor,
+                   label=""):
+    """fp32: logprobs within 2e-5 (entropy relative to max(1, entropy)), gradients within 1e-4 relative (of the
+    largest entry, and elementwise with a floor of 1e-6 of it). bf16: the logits are
+    rounded to bf16 (|dx| <= 2^-9 |x|), which moves the target logit and the lse by at most that each, the
+    entropy by at most std_p(x) * max|dx| (first order), and p (so the gradient) by about 2 max|dx| relative;
+    the gradient is then rounded twice more (into the chunk buffer, and the GEMM's output)."""
+    assert logprob.dtype == torch.float32, label
+    ignored = targets < 0
+    assert bool((logprob[ignored] == 0).all()), f"{label}: ignored rows must have logprob exactly 0"
+    assert bool((grad_hidden[ignored] == 0).all()), f"{label}: ignored rows must get exactly zero gradient"
+    assert bool((grad_weight[true_vocab:] == 0).all()), f"{label}: padding weight rows must get exactly zero gradient"
+    assert grad_hidden.dtype == dtype and grad_weight.dtype == dtype, label
+    if dtype == torch.float32:
+        lp_bound, grad_rel = LOGPROB_ATOL_FP32, GRAD_RTOL_FP32
+        ent_bound = LOGPROB_ATOL_FP32 * max(1.0, float(expected.entropy.abs().max()))
+    else:
+        max_dx = BF16_HALF_ULP * expected.max_logit
+        lp_bound = 2 * max_dx + 1e-5
+        ent_bound = 2 * expected.max_std * max_dx + 1e-5
+        grad_rel = 2 * max_dx + 4 * BF16_HALF_ULP
+    lp_err = float((logprob.double() - expected.logprob).abs().max())
+    assert lp_err <= lp_bound, f"{label}: logprob off by {lp_err:.3g} > {lp_bound:.3g}"
+    if entropy is not None:
+        assert bool((entropy[ignored] == 0).all()), f"{label}: ignored rows must have entropy exactly 0"
+        ent_err = float((entropy.double() - expected.entropy).abs().max())
+        assert ent_err <= ent_bound, f"{label}: entropy off by {ent_err:.3g} > {ent_bound:.3g}"
+    for name, actual, wanted in (("hidden", grad_hidden, expected.grad_hidden),
+                                 ("weight", grad_weight, expected.grad_weight)):
+        err = (actual.double() - wanted).abs()
+        scale = float(wanted.abs().max())
+        assert float(err.max()) <= grad_rel * scale + 1e-12, \
+            f"{label}: grad of {name} off by {float(err.max()):.3g} (relative {grad_rel:.3g} of {scale:.3g})"
+        if dtype == torch.float32:  # and elementwise: 1e-4 relative, with a floor far below the largest entry
+            worst = float((err - GRAD_RTOL_FP32 * wanted.abs()).max())
+            assert worst <= 1e-6 * scale, f"{label}: grad of {name} off by {worst:.3g} beyond 1e-4 relative"
+
+
+# (batch shape, H, V, true vocab, logit_scale, chunk_rows, with entropy): odd shapes, chunk sizes that do not
+# divide the rows (1, 5, larger than T, the default), a 3-D batch, padding, scale != 1, no entropy.
+SINGLE_RANK_CASES = [
+    ((37,), 16, 50, 45, 0.7, 5, True),
+    ((1,), 8, 11, 11, 1.0, 1, True),
+    ((13,), 12, 40, 33, 2.5, 100, True),
+    ((29,), 16, 31, 30, 1.0, 1, False),
+    ((2, 7), 24, 64, 61, 1 / 0.6, 3, True),
+    ((64,), 32, 257, 250, 1.0, None, True),
+]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", SINGLE_RANK_CASES, ids=lambda c: f"T{c[0]}-V{c[2]}-chunk{c[5]}")
+def test_single_rank_matches_float64_anchor(case, dtype, implementation):
+    shape, hidden_size, vocab, true_vocab, scale, chunk_rows, entropy = case
+    hidden, weight, targets, g_lp, g_h = make_linear_case(shape, hidden_size, vocab, true_vocab, dtype,
+                                                           seed=SINGLE_RANK_CASES.index(case))
+    g_h = g_h if entropy else None
+    expected = anchor(hidden, weight, targets, true_vocab, scale, g_lp, g_h)
+    result = run_op(hidden, weight, targets, g_lp, g_h, true_vocab_size=true_vocab, logit_scale=scale,
+                    chunk_rows=chunk_rows, implementation=implementation)
+    assert result[0].shape == targets.shape and result[2].shape == hidden.shape
+    assert_matches(*result, targets, true_vocab, dtype, expected, label=f"{case} {dtype} {implementation}")
+
+
+def test_float64_takes_the_reference_kernels_and_matches_tightly():
+    hidden, weight, targets, g_lp, g_h = make_linear_case((21,), 8, 17, 15, torch.float64, seed=11)
+    logprob, entropy, grad_hidden, grad_weight = run_op(hidden, weight, targets, g_lp, g_h, true_vocab_size=15,
+                                                        logit_scale=1.5, chunk_rows=4)
+    expected = anchor(hidden, weight, targets, 15, 1.5, g_lp, g_h)
+    assert logprob.dtype == torch.float64 and grad_weight.dtype == torch.float64
+    for actual, wanted in ((logprob, expected.logprob), (entropy, expected.entropy),
+                           (grad_hidden, expected.grad_hidden), (grad_weight, expected.grad_weight)):
+        torch.testing.assert_close(actual, wanted, atol=1e-10, rtol=1e-10)
+    assert bool((grad_weight[15:] == 0).all())
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_entropy_that_is_only_logged_passes_no_gradient(implementation):
+    hidden, weight, targets, g_lp, _ = make_linear_case((19,), 8, 23, 20, torch.float32, seed=5)
+    h = hidden.clone().requires_grad_(True)
+    logprob, entropy = vocab_parallel_linear_logprobs(h, weight, targets, true_vocab_size=20, with_entropy=True,
+                                                      chunk_rows=4, implementation=implementation)
+    (logprob * g_lp).sum().backward()
+    expected = anchor(hidden, weight, targets, 20, 1.0, g_lp, None)
+    torch.testing.assert_close(h.grad.double(), expected.grad_hidden, atol=1e-5, rtol=1e-4)
+    assert float((entropy.detach().double() - expected.entropy).abs().max()) <= 2e-5
+
+
+class CountingKernels:
+    """Records the rows and chunks each kernel is given, around the real kernels."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.partial_rows, self.backward_rows = [], []
+
+    def logprob_partials(self, logits, targets, *args):
+        self.partial_rows.append(logits.shape[0])
+        assert bool((targets >= 0).all()), "an ignored row reached the partials kernel"
+        return self.inner.logprob_partials(logits, targets, *args)
+
+    def logprob_backward(self, logits, targets, *args):
+        self.backward_rows.append(logits.shape[0])
+        assert bool((targets >= 0).all()), "an ignored row reached the backward kernel"
+        return self.inner.logprob_backward(logits, targets, *args)
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    made = []
+    original = linear_logprobs.select_kernels
+
+    def select(logits, implementation):
+        made.append(CountingKernels(original(logits, implementation)))
+        return made[-1]
+
+    monkeypatch.setattr(linear_logprobs, "select_kernels", select)
+    return made
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_ignored_rows_cost_nothing_and_chunks_bound_the_logits(counting, implementation):
+    hidden, weight, targets, g_lp, g_h = make_linear_case((50,), 8, 30, 30, torch.float32, seed=7, ignore_every=0)
+    targets[::2] = -1
+    targets[7] = -100  # 24 trained rows
+    trained = int((targets >= 0).sum())
+    logprob, entropy, grad_hidden, grad_weight = run_op(hidden, weight, targets, g_lp, g_h, chunk_rows=7,
+                                                        implementation=implementation)
+    (kernels,) = counting
+    assert sum(kernels.partial_rows) == trained and sum(kernels.backward_rows) == trained
+    assert kernels.partial_rows == [7, 7, 7, 3] == kernels.backward_rows  # ceil(24 / 7) chunks, none over 7 rows
+    assert bool((grad_hidden[targets < 0] == 0).all()) and bool((logprob[targets < 0] == 0).all())
+    assert bool((entropy[targets < 0] == 0).all())
+    assert_matches(logprob, entropy, grad_hidden, grad_weight, targets, 30, torch.float32,
+                   anchor(hidden, weight, targets, 30, 1.0, g_lp, g_h))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_only_the_inputs_that_require_grad_get_one(dtype):
+    hidden, weight, targets, g_lp, _ = make_linear_case((11,), 8, 13, 12, dtype, seed=12)
+    expected = anchor(hidden, weight, targets, 12, 1.0, g_lp, None)
+    h, w = hidden.clone(), weight.clone().requires_grad_(True)
+    (vocab_parallel_linear_logprobs(h, w, targets, true_vocab_size=12, chunk_rows=3) * g_lp).sum().backward()
+    assert h.grad is None
+    bound = GRAD_RTOL_FP32 if dtype == torch.float32 else 2 * BF16_HALF_ULP * (expected.max_logit + 2)  # as above
+    assert float((w.grad.double() - expected.grad_weight).abs().max()) <= bound * float(expected.grad_weight.abs().max())
+    h, w = hidden.clone().requires_grad_(True), weight.clone()
+    (vocab_parallel_linear_logprobs(h, w, targets, true_vocab_size=12, chunk_rows=3) * g_lp).sum().backward()
+    assert w.grad is None
+    assert float((h.grad.double() - expected.grad_hidden).abs().max()) <= bound * float(expected.grad_hidden.abs().max())
+
+
+def test_bf16_weight_gradient_does_not_degrade_with_the_chunk_count():
+    """dW sums over chunks in fp32: 300 one-row chunks land as close to the anchor as one chunk of 300 rows."""
+    hidden, weight, targets, g_lp, _ = make_linear_case((300,), 8, 16, 16, torch.bfloat16, seed=13, ignore_every=0)
+    expected = anchor(hidden, weight, targets, 16, 1.0, g_lp, None).grad_weight
+    errors = {}
+    for chunk_rows in (1, 300):
+        w = weight.clone().requires_grad_(True)
+        (vocab_parallel_linear_logprobs(hidden, w, targets, chunk_rows=chunk_rows) * g_lp).sum().backward()
+        errors[chunk_rows] = float((w.grad.double() - expected).abs().max())
+    assert errors[1] <= 1.5 * errors[300] + 1e-6, errors
+
+
+def test_nothing_of_the_size_of_the_logits_is_saved_for_backward():
+    rows, vocab, hidden_size = 64, 200, 8
+    hidden, weight, targets, g_lp, _ = make_linear_case((rows,), hidden_size, vocab, vocab, torch.float32, seed=9)
+    saved = []
+
+    def pack(tensor):
+        saved.append(tuple(tensor.shape))
+        return tensor
+
+    h = hidden.clone().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logprob = vocab_parallel_linear_logprobs(h, weight.requires_grad_(True), targets, chunk_rows=8)
+    trained = int((targets >= 0).sum())
+    assert (vocab, hidden_size) in saved and (trained, hidden_size) in saved, saved  # the trained rows only
+    assert not any(shape[-1:] == (vocab,) for shape in saved), f"logits (or a chunk of them) saved: {saved}"
+    assert max(torch.Size(shape).numel() for shape in saved) < rows * vocab, saved
+    (logprob * g_lp).sum().backward()
+    assert h.grad is not None
+
+
+def test_all_rows_ignored_runs_no_kernel_and_gives_zeros(counting):
+    hidden, weight, targets, g_lp, g_h = make_linear_case((6,), 8, 10, 10, torch.float32, seed=8, ignore_every=0)
+    targets[:] = -1
+    logprob, entropy, grad_hidden, grad_weight = run_op(hidden, weight, targets, g_lp, g_h, chunk_rows=2)
+    assert counting[0].partial_rows == [] and counting[0].backward_rows == []
+    assert bool((logprob == 0).all()) and bool((entropy == 0).all())
+    assert bool((grad_hidden == 0).all()) and bool((grad_weight == 0).all())
+
+
+def test_default_chunk_rows_fit_the_memory_budget():
+    assert chunk_rows_for(65536, torch.bfloat16) == 2048
+    assert chunk_rows_for(152064, torch.float32) == 441
+    assert chunk_rows_for(10**12, torch.float32) == 1 and chunk_rows_for(0, torch.float32) >= 1
+
+
+def test_top_level_export():
+    import megatron_grpo
+
+    assert megatron_grpo.vocab_parallel_linear_logprobs is vocab_parallel_linear_logprobs
+
+
+# ---- tensor parallel ----
+
+def tp_worker(rank, world, cases):
+    out = []
+    for shape, hidden_size, v_local, true_vocab, dtype, implementation, scale, chunk_rows, seed in cases:
+        hidden, weight, targets, g_lp, g_h = make_linear_case(shape, hidden_size, v_local * world, true_vocab,
+                                                              dtype, seed)
+        h = hidden.clone().requires_grad_(True)
+        w = weight[rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
+        with counted_collectives() as calls:
+            logprob, entropy = vocab_parallel_linear_logprobs(
+                h, w, targets, true_vocab_size=true_vocab, group=dist.group.WORLD, with_entropy=True,
+                logit_scale=scale, chunk_rows=chunk_rows, implementation=implementation,
+            )
+            forward_calls = calls["n"]
+            ((logprob * g_lp).sum() + (entropy * g_h).sum()).backward()
+            backward_calls = calls["n"] - forward_calls
+        grad_hidden = h.grad.clone()
+        dist.all_reduce(grad_hidden)  # the caller's TP reduction (Megatron's copy_to_tensor_model_parallel_region)
+        out.append((logprob.detach(), entropy.detach(), grad_hidden, w.grad, forward_calls, backward_calls))
+    return out
+
+
+def tp_cases(world):
+    """(shape, H, V_local, true vocab, dtype, implementation, scale, chunk_rows, seed): the first shape pads the
+    last rank's shard; the second and third leave the last rank all padding (the second also pads the rank
+    before it)."""
+    shapes = [((23,), 16, 12, 12 * world - 5, 0.8, 4),
+              ((3, 5), 8, 7, 7 * (world - 1) - 2, 1.0, 1),
+              ((17,), 8, 5, 5 * (world - 1), 1.3, 40)]
+    return [(shape, h, v, tv, dtype, impl, scale, chunk, 10 * i + j)
+            for i, (shape, h, v, tv, scale, chunk) in enumerate(shapes)
+            for j, dtype in enumerate((torch.float32, torch.bfloat16))
+            for impl in IMPLEMENTATIONS]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_matches_the_full_vocab(world):
+    cases = tp_cases(world)
+    per_rank = run_on_ranks(world, tp_worker, cases)
+    for index, (shape, hidden_size, v_local, true_vocab, dtype, impl, scale, chunk_rows, seed) in enumerate(cases):
+        label = f"world={world} shape={shape} v_local={v_local} true_vocab={true_vocab} {dtype} {impl}"
+        hidden, weight, targets, g_lp, g_h = make_linear_case(shape, hidden_size, v_local * world, true_vocab,
+                                                              dtype, seed)
+        results = [per_rank[rank][index] for rank in range(world)]
+        for rank, result in enumerate(results):
+            assert result[4:] == (1, 0), f"{label}: rank {rank} ran {result[4:]} collectives in (forward, backward)"
+            for a, b in zip(result[:3], results[0][:3]):
+                torch.testing.assert_close(a, b, atol=0, rtol=0, msg=f"{label}: ranks disagree")
+        logprob, entropy, grad_hidden = results[0][:3]
+        grad_weight = torch.cat([r[3] for r in results])
+        expected = anchor(hidden, weight, targets, true_vocab, scale, g_lp, g_h)
+        assert_matches(logprob, entropy, grad_hidden, grad_weight, targets, true_vocab, dtype, expected, label)
+        # The same computation on one rank over the full, unsharded vocab.
+        single = run_op(hidden, weight, targets, g_lp, g_h, true_vocab_size=true_vocab, logit_scale=scale,
+                        chunk_rows=chunk_rows, implementation=impl)
+        if dtype == torch.float32:
+            for name, a, b in zip(("logprob", "entropy", "grad hidden", "grad weight"),
+                                  (logprob, entropy, grad_hidden, grad_weight), single):
+                torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=f"{label}: {name} differs from TP=1")
+
+
+# ---- bad input ----
+
+def _ok():
+    return torch.randn(4, 8), torch.randn(10, 8), torch.tensor([0, 3, -1, 9])
+
+
+BAD_INPUTS = [
+    ("hidden size", lambda h, w, t: (torch.randn(4, 7), w, t, {})),
+    ("2-D", lambda h, w, t: (h, w.reshape(10, 2, 4), t, {})),
+    ("same dtype", lambda h, w, t: (h, w.to(torch.bfloat16), t, {})),
+    ("one device", lambda h, w, t: (h, w.to("meta"), t, {})),
+    ("hidden.shape[:-1]", lambda h, w, t: (h, w, t[:3], {})),
+    ("integer token ids", lambda h, w, t: (h, w, t.float(), {})),
+    ("token id 10", lambda h, w, t: (h, w, torch.tensor([0, 10, -1, 2]), {})),
+    ("token id 9", lambda h, w, t: (h, w, t, {"true_vocab_size": 9})),
+    ("logit_scale", lambda h, w, t: (h, w, t, {"logit_scale": 0.0})),
+    ("logit_scale", lambda h, w, t: (h, w, t, {"logit_scale": -1.0})),
+    ("logit_scale", lambda h, w, t: (h, w, t, {"logit_scale": float("inf")})),
+    ("logit_scale", lambda h, w, t: (h, w, t, {"logit_scale": float("nan")})),
+    ("chunk_rows", lambda h, w, t: (h, w, t, {"chunk_rows": 0})),
+    ("chunk_rows", lambda h, w, t: (h, w, t, {"chunk_rows": -3})),
+    ("implementation", lambda h, w, t: (h, w, t, {"implementation": "cuda"})),
+]
+
+
+@pytest.mark.parametrize("message,make", BAD_INPUTS, ids=[f"{i}-{m}" for i, (m, _) in enumerate(BAD_INPUTS)])
+def test_bad_input_names_the_problem(message, make):
+    hidden, weight, targets, kwargs = make(*_ok())
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        vocab_parallel_linear_logprobs(hidden, weight, targets, **kwargs)
+
+
+def test_top_k_and_top_p_are_not_accepted():
+    hidden, weight, targets = _ok()
+    with pytest.raises(TypeError):
+        vocab_parallel_linear_logprobs(hidden, weight, targets, top_k=5)  # type: ignore[call-arg]
