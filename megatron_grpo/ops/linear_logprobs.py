@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .backends import Implementation, Kernels, select_kernels
 from .partials import combine_partials, gather_partials
-from .vocab_parallel import LOGITS_DTYPES, ShardLayout, _row_gradient
+from .vocab_parallel import LOGITS_DTYPES, ShardLayout, _check_target_ids, _row_gradient, entropy_term, outputs
 
 # Default budget for one chunk of logits (in the hidden states' dtype): large enough that each GEMM is big,
 # small enough to be negligible next to the `[T, V_local]` logits the op avoids. See `chunk_rows_for`.
@@ -62,19 +62,14 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, targets, stats.lse, stats.mean_x)
         ctx.plan, ctx.kernels = plan, kernels
         ctx.set_materialize_grads(False)  # an entropy that is only logged passes None, and its term is skipped
-        if with_entropy:
-            return stats.logprob, stats.entropy
-        return stats.logprob
+        return outputs(stats, with_entropy)
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy=None):
         hidden, weight, targets, lse, mean_x = ctx.saved_tensors
         rows = hidden.shape[0]
         grad_logprob = _row_gradient(grad_logprob, rows, lse)
-        if mean_x is not None and grad_entropy is not None:
-            grad_entropy = _row_gradient(grad_entropy, rows, lse)
-        else:  # no entropy, or one that is only logged: no entropy term
-            mean_x, grad_entropy = None, None
+        mean_x, grad_entropy = entropy_term(mean_x, grad_entropy, rows, lse)
         grad_hidden, grad_weight = VocabParallelLinearLogprobs.chunked_backward(
             hidden, weight, targets, lse, mean_x, grad_logprob, grad_entropy, ctx.plan, ctx.kernels,
             need_hidden=ctx.needs_input_grad[0], need_weight=ctx.needs_input_grad[1],
@@ -186,7 +181,7 @@ def vocab_parallel_linear_logprobs(
     """
     _check_inputs(hidden, weight, targets, logit_scale, chunk_rows)
     layout = ShardLayout.resolve(weight.shape[0], vocab_start_index, true_vocab_size, group)
-    _check_target_range(targets, layout)
+    _check_target_ids(targets, layout)  # a host sync, like the row gather
     kernels = select_kernels(weight, implementation)
     plan = LinearPlan(layout=layout, logit_scale=float(logit_scale),
                       chunk_rows=int(chunk_rows) if chunk_rows is not None
@@ -251,15 +246,3 @@ def _check_inputs(hidden, weight, targets, logit_scale, chunk_rows) -> None:
     if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)
                                    or chunk_rows < 1):
         raise ValueError(f"chunk_rows must be an int >= 1 (or None), got {chunk_rows!r}")
-
-
-def _check_target_range(targets: torch.Tensor, layout: ShardLayout) -> None:
-    """Target ids beyond the true vocab are an error, never a silent -inf (a host sync, like the row gather)."""
-    if targets.numel() == 0:
-        return
-    largest = int(targets.max())
-    if largest >= layout.true_vocab_size:
-        raise ValueError(
-            f"targets contain token id {largest}, which is >= true_vocab_size={layout.true_vocab_size} "
-            f"(ids at or beyond it are vocab padding and cannot be targets)"
-        )

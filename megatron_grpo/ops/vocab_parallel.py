@@ -68,9 +68,7 @@ class VocabParallelLogprobs(torch.autograd.Function):
         ctx.save_for_backward(logits, targets, stats.lse, stats.mean_x, threshold, filtered_target)
         ctx.layout, ctx.inplace_backward, ctx.kernels = layout, inplace_backward, kernels
         ctx.set_materialize_grads(False)  # an entropy that is only logged passes None, and its term is skipped
-        if with_entropy:
-            return stats.logprob, stats.entropy
-        return stats.logprob
+        return outputs(stats, with_entropy)
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy=None):
@@ -79,10 +77,7 @@ class VocabParallelLogprobs(torch.autograd.Function):
         grad_logprob = _row_gradient(grad_logprob, rows, lse)
         if filtered_target is not None:
             grad_logprob = grad_logprob.masked_fill(filtered_target, 0.0)
-        if mean_x is not None and grad_entropy is not None:
-            grad_entropy = _row_gradient(grad_entropy, rows, lse)
-        else:  # no entropy, or one that is only logged: no entropy term
-            mean_x, grad_entropy = None, None
+        mean_x, grad_entropy = entropy_term(mean_x, grad_entropy, rows, lse)
         grad_logits = logits if ctx.inplace_backward else empty_with_alignment_of(logits)
         ctx.kernels.logprob_backward(
             logits, targets, ctx.layout.vocab_start, ctx.layout.valid_cols, lse, mean_x, grad_logprob,
@@ -122,6 +117,20 @@ def _row_gradient(grad: torch.Tensor | None, rows: int, like: torch.Tensor) -> t
     if grad is None:
         return torch.zeros(rows, dtype=like.dtype, device=like.device)
     return grad.reshape(rows).to(like.dtype).contiguous()
+
+def outputs(stats, with_entropy: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """What the autograd Functions return: the logprobs, and the entropies with `with_entropy`."""
+    return (stats.logprob, stats.entropy) if with_entropy else stats.logprob
+
+
+def entropy_term(mean_x: torch.Tensor | None, grad_entropy: torch.Tensor | None, rows: int, lse: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The backward kernels' `(mean_x, grad_entropy)`: both None without an entropy, or with one that is only
+    logged (its upstream gradient is None), so the kernels skip the entropy term."""
+    if mean_x is None or grad_entropy is None:
+        return None, None
+    return mean_x, _row_gradient(grad_entropy, rows, lse)
+
 
 
 def vocab_parallel_logprobs(
