@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -94,14 +95,31 @@ def test_two_torchrun_agents_on_loopback_match_the_single_agent_run(reference_ru
     assert multi_node == single_node
 
 
-def _wait_for_children(process: psutil.Process, timeout: float = 60) -> None:
-    """Waits until `process` has a child: Megatron's checkpoint writer forks during a save."""
+def _megatron_forks_checkpoint_writers() -> bool:
+    """Megatron-Core 0.16's checkpoint writer forks helper processes during a save; later versions use threads."""
+    from megatron.core.package_info import __version__ as megatron_version
+
+    return tuple(int(part) for part in megatron_version.split(".")[:2]) < (0, 17)
+
+
+def _wait_for_a_save(process: psutil.Process, run_dir: Path, *, forks_writers: bool, before_step: int,
+                     timeout: float = 60) -> None:
+    """Waits until rank `process` is inside a checkpoint save. With a writer that forks, wait for a helper
+    process, so that killing the rank shows they die with it. A writer of threads saves within a few
+    milliseconds per step: poll for a step directory whose save has begun and is not yet published, but return
+    by the time the metrics reach `before_step` lines either way (the rerun must resume before the reference
+    run ends)."""
+    checkpoints, metrics = run_dir / "checkpoints", run_dir / METRICS_FILE
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if process.children():
+        if forks_writers:
+            if process.children():
+                return
+            time.sleep(0.005)
+        elif any(not (step / "COMPLETE").exists() for step in checkpoints.glob("step_*")) or \
+                len(metrics.read_text().splitlines()) >= before_step:
             return
-        time.sleep(0.005)
-    raise TimeoutError(f"rank process {process.pid} started no checkpoint writer within {timeout} s")
+    raise TimeoutError(f"rank process {process.pid} was not seen saving a checkpoint within {timeout} s")
 
 
 def _survivors(job, timeout: float = 10) -> list[str]:
@@ -127,11 +145,12 @@ def test_a_rank_killed_mid_save_takes_its_writers_along_and_the_job_resumes_by_i
     metrics line), repeating the uninterrupted run's metrics exactly (fp32 on the CPU)."""
     reference_dir, _ = reference_run
     config = write_config(tmp_path, "long.yaml", **{"grpo.max_num_steps": 500, "checkpoint.every_n_steps": 1})
+    forks_writers = _megatron_forks_checkpoint_writers()
     job = start(torchrun_command(config, nproc=2), tmp_path / "killed.txt")
     try:
         wait_for_lines(tmp_path / "run" / METRICS_FILE, 3, job)
         victim = rank_process(job, 1)
-        _wait_for_children(victim)
+        _wait_for_a_save(victim, tmp_path / "run", forks_writers=forks_writers, before_step=STEPS - 1)
         victim.kill()
         killed_at = time.monotonic()
         code = job.wait(timeout=60)

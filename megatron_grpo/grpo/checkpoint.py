@@ -18,6 +18,7 @@ still loadable.
 
 from __future__ import annotations
 
+import logging
 import queue
 import random
 import re
@@ -67,6 +68,7 @@ def save_checkpoint(
 
     An OS error on the way (unwritable, full) is a `CheckpointSaveError` that says what is still loadable."""
     step_dir = Path(directory) / step_dir_name(steps_done)
+    writer_errors = WriterErrorLog()
     try:
         if rank == 0:
             step_dir.mkdir(parents=True, exist_ok=True)
@@ -76,13 +78,14 @@ def save_checkpoint(
         state["steps_done"] = steps_done
         state.update(_rollout_state(rollouts.state_dict() if rollouts is not None else None, rank, world_size))
         _keep_write_results_in_process()
-        dist_checkpointing.save(state, str(step_dir))
+        with writer_errors:
+            dist_checkpointing.save(state, str(step_dir))
         barrier()
         if rank == 0:
             publish(step_dir, world_size)
         barrier()
     except (Exception, CheckpointException) as err:  # dist_checkpointing wraps a rank's OSError in its own types
-        os_error = find_os_error(err)
+        os_error = find_os_error(err) or writer_errors.os_error()
         if os_error is None:
             raise
         raise CheckpointSaveError(f"rank {rank}: could not save checkpoint {step_dir}: {describe_os_error(os_error)}; "
@@ -102,6 +105,43 @@ def _keep_write_results_in_process() -> None:
 
     if getattr(filesystem_async, "_results_queue", False) is None:
         filesystem_async._results_queue = queue.Queue()
+
+
+def quoted_os_error(text: str) -> Optional[OSError]:
+    """An OSError quoted in a message (`[Errno 28] No space left on device: '<path>'`), rebuilt from its text."""
+    quoted = QUOTED_OS_ERROR.search(text)
+    if quoted is None:
+        return None
+    return OSError(int(quoted["errno"]), quoted["strerror"], quoted["filename"])
+
+
+class WriterErrorLog(logging.Handler):
+    """The errors Megatron's checkpoint writer logs while a save runs (a `with` block).
+
+    Megatron-Core 0.17+ writes from threads and raises only the failed worker's exception class
+    (`AssertionError: <class 'IsADirectoryError'>`); the errno and the path appear only in the line it logs
+    (`Local worker 0 encountered an error: [Errno 21] Is a directory: '<path>'`). This handler keeps those
+    lines, so that a failed save can still name them."""
+
+    LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> "WriterErrorLog":
+        logging.getLogger(self.LOGGER).addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger(self.LOGGER).removeHandler(self)
+
+    def os_error(self) -> Optional[OSError]:
+        """The first OSError quoted in a logged line, rebuilt from its text; None if there is none."""
+        return next((error for error in map(quoted_os_error, self.messages) if error is not None), None)
 
 
 class CheckpointSaveError(CheckpointError):
@@ -124,9 +164,9 @@ def find_os_error(err: BaseException) -> Optional[OSError]:
         seen.add(id(current))
         if isinstance(current, OSError):
             return current
-        quoted = QUOTED_OS_ERROR.search(str(current))
-        if quoted:
-            return OSError(int(quoted["errno"]), quoted["strerror"], quoted["filename"])
+        quoted = quoted_os_error(str(current))
+        if quoted is not None:
+            return quoted
         pending += [current.__cause__, current.__context__]
         failures = getattr(current, "failures", None)
         if isinstance(failures, dict):
