@@ -17,6 +17,7 @@ _EXPORTS = {
     "Aggregation": "megatron_grpo.loss.metrics",
     "aggregate_metrics": "megatron_grpo.loss.metrics",
     "next_token_logprobs": "megatron_grpo.loss.next_token",
+    "next_token_linear_logprobs": "megatron_grpo.loss.next_token",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -38,17 +38,25 @@ class LossBatch:
 
 
 def validate_batch(
-    batch: Mapping[str, torch.Tensor], logits: torch.Tensor, requirements: BatchRequirements
+    batch: Mapping[str, torch.Tensor], logits: torch.Tensor | None, requirements: BatchRequirements,
+    *, current: Mapping[str, torch.Tensor] | None = None,
 ) -> LossBatch:
-    """Checks `batch` against `logits [B, S, V_local]` and returns it in the loss's working form."""
+    """Checks `batch` against `logits [B, S, V_local]`, or against the precomputed `[B, S]` per-token tensors of
+    `current` (name -> tensor) when there are no logits, and returns it in the loss's working form."""
     mask = trained_token_mask(batch)
     batch_size, seq_len = mask.shape
-    if logits.dim() != 3 or tuple(logits.shape[:2]) != (batch_size, seq_len):
-        raise ValueError(
-            f"logits: expected shape [{batch_size}, {seq_len}, V_local] to match input_ids, got {_shape(logits)}"
-        )
-    if not logits.dtype.is_floating_point:
-        raise ValueError(f"logits: expected a floating dtype, got {logits.dtype}")
+    if logits is not None:
+        if logits.dim() != 3 or tuple(logits.shape[:2]) != (batch_size, seq_len):
+            raise ValueError(
+                f"logits: expected shape [{batch_size}, {seq_len}, V_local] to match input_ids, got {_shape(logits)}"
+            )
+        if not logits.dtype.is_floating_point:
+            raise ValueError(f"logits: expected a floating dtype, got {logits.dtype}")
+    for key, tensor in (current or {}).items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{key}: expected a tensor, got {type(tensor).__name__}")
+        _check_shape(key, tensor, [(batch_size, seq_len)])
+        _check_floating(key, tensor)
     advantages = _advantages(batch, batch_size, seq_len)
     logprobs = {}
     for key in OPTIONAL_LOGPROB_KEYS:

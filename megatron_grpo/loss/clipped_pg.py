@@ -53,7 +53,8 @@ class _PolicyTerm:
 
 
 class ClippedPGLoss:
-    """Callable loss: `loss, metrics = loss_fn(logits, batch, global_valid_tokens=..., global_valid_seqs=...)`.
+    """Callable loss: `loss, metrics = loss_fn(logits, batch, global_valid_tokens=..., global_valid_seqs=...)`,
+    or `loss_fn(None, batch, curr_logprobs=..., curr_entropy=..., ...)` with precomputed current logprobs.
 
     `loss` is this microbatch's share of the step's globally normalised loss. `metrics` maps the names in
     `metrics.METRIC_AGGREGATION` to detached tensors (`self.metric_aggregation` says how each aggregates):
@@ -92,7 +93,7 @@ class ClippedPGLoss:
 
     def __call__(
         self,
-        logits: torch.Tensor,
+        logits: torch.Tensor | None,
         batch: Mapping[str, torch.Tensor],
         *,
         global_valid_tokens: Count,
@@ -103,19 +104,33 @@ class ClippedPGLoss:
         prev_logprobs_from_current: bool = False,
         top_k: int | None = None,
         top_p: float | None = None,
+        curr_logprobs: torch.Tensor | None = None,
+        curr_entropy: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This microbatch's globally normalised loss and its detached metrics (see the class docstring).
 
         `top_k` / `top_p`: the rollouts' sampling filter. The policy term trains the filtered distribution they
         came from; the KL to the (unfiltered) reference reads unfiltered current logprobs, as NeMo-RL does.
+
+        `logits=None` with `curr_logprobs` and `curr_entropy` (`[B, S]`, differentiable, aligned with `input_ids`
+        as `next_token_logprobs` aligns them, e.g. from `next_token_linear_logprobs` on hidden states): the
+        current logprobs and entropies are taken as given (and zeroed off the trained-token mask) instead of
+        computed from logits; everything after is the same code. No sampling filter in that mode.
         """
         cfg = self.config
         prev_from_current = prev_logprobs_from_current or cfg.force_on_policy_ratio
-        inputs = validate_batch(batch, logits, self._requirements(prev_from_current))
-        curr, entropy = self._current_logprobs(
-            logits, inputs, vocab_start_index=vocab_start_index, true_vocab_size=true_vocab_size, group=group,
-            top_k=top_k, top_p=top_p,
-        )
+        precomputed = self._check_precomputed(logits, curr_logprobs, curr_entropy, top_k, top_p)
+        inputs = validate_batch(batch, logits, self._requirements(prev_from_current), current=precomputed)
+        if precomputed is None:
+            curr, entropy = self._current_logprobs(
+                logits, inputs, vocab_start_index=vocab_start_index, true_vocab_size=true_vocab_size, group=group,
+                top_k=top_k, top_p=top_p,
+            )
+        else:
+            trained = inputs.mask.bool()
+            zero = torch.zeros((), dtype=torch.float32, device=trained.device)
+            curr, entropy = (torch.where(trained, precomputed[key].to(torch.float32), zero)
+                             for key in ("curr_logprobs", "curr_entropy"))
         curr_unfiltered = None  # the KL's current logprobs, where a sampling filter makes them differ
         if cfg.kl_in_loss and (top_k is not None or top_p is not None):
             curr_unfiltered, _ = self._current_logprobs(
@@ -156,6 +171,27 @@ class ClippedPGLoss:
         with torch.no_grad():
             metrics = self._metrics(loss, curr, prev, inputs, mask, policy, weights, kl, kl_mask, entropy, nll)
         return loss, metrics
+
+    @staticmethod
+    def _check_precomputed(
+        logits: torch.Tensor | None, curr_logprobs: torch.Tensor | None, curr_entropy: torch.Tensor | None,
+        top_k: int | None, top_p: float | None,
+    ) -> dict[str, torch.Tensor] | None:
+        """The precomputed current tensors by name, or None when the loss computes them from logits."""
+        given = {"curr_logprobs": curr_logprobs, "curr_entropy": curr_entropy}
+        if logits is not None:
+            extra = [name for name, value in given.items() if value is not None]
+            if extra:
+                raise ValueError(f"{' and '.join(extra)}: give either logits or precomputed current logprobs, "
+                                 "not both")
+            return None
+        missing = [name for name, value in given.items() if value is None]
+        if missing:
+            raise ValueError(f"{' and '.join(missing)}: required when logits is None")
+        if top_k is not None or top_p is not None:
+            raise ValueError("top_k / top_p: a sampling filter needs the logits; precomputed current logprobs "
+                             "are of the unfiltered distribution")
+        return given
 
     def _requirements(self, prev_from_current: bool) -> BatchRequirements:
         """Which optional batch keys this call needs, each with the reason a missing one's error gives."""

@@ -16,6 +16,7 @@ logprob). A batch given to these functions is this data-parallel rank's share.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterator, Mapping
@@ -28,7 +29,15 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_grpo.config import Config, OptimizerConfig
-from megatron_grpo.loss import METRIC_AGGREGATION, aggregate_metrics, count_valid, next_token_logprobs
+from megatron_grpo.loss import (
+    METRIC_AGGREGATION,
+    aggregate_metrics,
+    count_valid,
+    next_token_linear_logprobs,
+    next_token_logprobs,
+    trained_token_mask,
+)
+from megatron_grpo.megatron.hidden_states import output_weight, without_output_layer
 from megatron_grpo.scheduler import LogprobPlan
 from megatron_grpo.timing import StepTimer
 
@@ -37,6 +46,8 @@ log = logging.getLogger(__name__)
 Batch = Mapping[str, torch.Tensor]
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 ForwardStep = Callable[[Iterator[Batch], torch.nn.Module], tuple[torch.Tensor, Callable]]
+_FUSED_FILTER_ERROR = ("fused_linear: top_k / top_p are not supported from hidden states "
+                       "(policy.fused_linear_logprobs with generation.top_k / generation.top_p)")
 
 
 @dataclass(frozen=True)
@@ -81,11 +92,18 @@ def make_forward_step(
     logits_temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    fused_linear: bool = False,
 ) -> ForwardStep:
     """A `forward_step(data_iterator, model) -> (output_tensor, loss_func)` for one optimizer step.
 
     The policy trained is softmax(logits / `logits_temperature`), filtered by `top_k` / `top_p`: pass the
     sampling settings so that the trained policy is the one the rollouts came from.
+
+    `fused_linear` (`policy.fused_linear_logprobs`): the model runs without its output layer
+    (`hidden_states.without_output_layer`), and the current logprobs and entropies of the trained tokens come
+    from `next_token_linear_logprobs` on the final hidden states and the output weight shard, with
+    `logit_scale = 1 / logits_temperature`; no logits are materialised. `loss_fn` then gets `logits=None` and
+    `curr_logprobs=` / `curr_entropy=` (as `ClippedPGLoss` takes them). No `top_k` / `top_p` in that mode.
 
     `global_valid_*` count the whole optimizer step (all microbatches, all DP ranks); the loss is already
     normalised by them, so the per-microbatch losses sum to the step's loss. With pipeline parallelism the
@@ -95,10 +113,23 @@ def make_forward_step(
 
     # Only a set filter is passed on, so a loss that knows no sampling filter still works without one.
     sampling_filter = {name: value for name, value in (("top_k", top_k), ("top_p", top_p)) if value is not None}
+    if fused_linear and sampling_filter:
+        raise ValueError(_FUSED_FILTER_ERROR)
 
-    def loss_func(batch: Batch, output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def current(batch: Batch, model: torch.nn.Module, output_tensor: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        """What the loss reads of the model's output: the tempered logits, or the fused op's current tensors."""
+        if not fused_linear:
+            return {"logits": tempered(output_tensor, logits_temperature)}
+        logprobs, entropy = _linear_next_token_logprobs(model, output_tensor, batch["input_ids"], vocab,
+                                                        logits_temperature, trained=trained_token_mask(batch),
+                                                        with_entropy=True)
+        return {"logits": None, "curr_logprobs": logprobs, "curr_entropy": entropy}
+
+    def loss_func(batch: Batch, model: torch.nn.Module,
+                  output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model_output = current(batch, model, output_tensor)
         loss, metrics = loss_fn(
-            tempered(output_tensor, logits_temperature),
+            model_output.pop("logits"),
             batch,
             global_valid_tokens=global_valid_tokens,
             global_valid_seqs=global_valid_seqs,
@@ -107,6 +138,7 @@ def make_forward_step(
             group=vocab.group,
             prev_logprobs_from_current=plan.prev_from_current,
             **sampling_filter,
+            **model_output,
         )
         # Megatron divides the returned loss in place by num_microbatches: hand it a scaled copy (a new tensor,
         # so `metrics["loss"]`, ClippedPGLoss's own detached clone, keeps the unscaled value).
@@ -114,25 +146,32 @@ def make_forward_step(
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
         batch = next(data_iterator)
-        return model_forward(model, batch["input_ids"]), partial(loss_func, batch)
+        return model_forward(model, batch["input_ids"], hidden_states=fused_linear), partial(loss_func, batch, model)
 
     return forward_step
 
 
 def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int,
                      logits_temperature: float = 1.0, top_k: int | None = None,
-                     top_p: float | None = None) -> torch.Tensor:
+                     top_p: float | None = None, fused_linear: bool = False) -> torch.Tensor:
     """float32 `[B, S]` logprobs of `batch["input_ids"]` under softmax(logits / `logits_temperature`) of `model`,
     filtered by `top_k` / `top_p` (-inf outside the kept set), in eval mode; position 0 is 0.
+
+    `fused_linear`: from the final hidden states and the output weight (`next_token_linear_logprobs`), without
+    materialising the logits; no `top_k` / `top_p` then.
 
     A forward-only pass through Megatron's schedule; with pipeline parallelism the last stage broadcasts the
     result to the other stages.
     """
+    if fused_linear and (top_k is not None or top_p is not None):
+        raise ValueError(_FUSED_FILTER_ERROR)
     input_ids = batch["input_ids"]
     vocab = VocabShard.of(model)
     microbatches = _split(batch, micro_batch_size)
 
     def logprob_func(ids: torch.Tensor, output_tensor: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
+        if fused_linear:
+            return _linear_next_token_logprobs(model, output_tensor, ids, vocab, logits_temperature)[0]
         logprobs, _ = next_token_logprobs(
             tempered(output_tensor, logits_temperature), ids, vocab_start_index=vocab.start_index, true_vocab_size=vocab.true_vocab_size,
             group=vocab.group, top_k=top_k, top_p=top_p,
@@ -141,7 +180,7 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
         ids = next(data_iterator)["input_ids"]
-        return model_forward(model, ids), partial(logprob_func, ids)
+        return model_forward(model, ids, hidden_states=fused_linear), partial(logprob_func, ids)
 
     was_training = model.training
     model.eval()
@@ -160,15 +199,32 @@ def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits if temperature == 1.0 else logits / temperature
 
 
-def model_forward(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, *, hidden_states: bool = False) -> torch.Tensor:
     """GPTModel forward over positions 0..S-1 with an explicit causal mask (True = masked out).
 
     Passing the mask keeps it on the batch's device: Megatron's default causal mask is built on "cuda".
+    `hidden_states`: the last stage returns the `[b, s, h]` final hidden states (after the final norm) instead
+    of the logits, their gradient all-reduced over TP as the output layer's input is
+    (`hidden_states.without_output_layer`).
     """
     seq_len = input_ids.shape[1]
     position_ids = torch.arange(seq_len, device=input_ids.device).expand_as(input_ids)
     causal_mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=input_ids.device).triu(diagonal=1)
-    return model(input_ids, position_ids, attention_mask=causal_mask[None, None])
+    with without_output_layer(model) if hidden_states else nullcontext():
+        return model(input_ids, position_ids, attention_mask=causal_mask[None, None])
+
+
+def _linear_next_token_logprobs(model: torch.nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor,
+                                vocab: VocabShard, temperature: float, *, trained: torch.Tensor | None = None,
+                                with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`next_token_linear_logprobs` on `model`'s final hidden states `[b, s, h]` and its output weight shard at
+    `temperature`; the weight runs in the hidden states' dtype (bf16 under autocast, as the output layer would)."""
+    weight = output_weight(model)
+    return next_token_linear_logprobs(
+        hidden, weight.to(hidden.dtype), input_ids, trained=trained, vocab_start_index=vocab.start_index,
+        true_vocab_size=vocab.true_vocab_size, group=vocab.group, with_entropy=with_entropy,
+        logit_scale=1.0 / temperature,
+    )
 
 
 def train_step(
@@ -198,6 +254,7 @@ def train_step(
     micro_batch_size = cfg.policy.train_micro_batch_size
     temperature = cfg.generation.temperature  # train the policy the rollouts sampled from...
     sampling = {"top_k": cfg.generation.top_k, "top_p": cfg.generation.top_p}  # ...filtered as they were
+    fused = cfg.policy.fused_linear_logprobs  # no top-k / top-p then (the config rejects them)
     step_rows = _rows_per_optimizer_step(cfg, batch["input_ids"].shape[0])
     batch = dict(batch)
     passes_run: dict[str, int] = {}
@@ -206,12 +263,14 @@ def train_step(
         with timer.section("reference_pass"):
             batch["reference_policy_logprobs"] = compute_logprobs(reference_model, batch,
                                                                   micro_batch_size=micro_batch_size,
-                                                                  logits_temperature=temperature)
+                                                                  logits_temperature=temperature,
+                                                                  fused_linear=fused)
         passes_run["reference"] = 1
     if plan.compute_prev_logprobs:
         with timer.section("prev_pass"):
             batch["prev_logprobs"] = compute_logprobs(model, batch, micro_batch_size=micro_batch_size,
-                                                      logits_temperature=temperature, **sampling)
+                                                      logits_temperature=temperature, fused_linear=fused,
+                                                      **sampling)
         passes_run["prev"] = 1
     if passes_run:
         log.info("logprob passes run: %s", ", ".join(f"{name} x{count}" for name, count in passes_run.items()))
@@ -223,7 +282,7 @@ def train_step(
         step_batch = {key: value[start:start + step_rows] for key, value in batch.items()}
         with timer.section("forward_backward"):
             metrics = _forward_backward(model, optimizer, loss_fn, plan, step_batch, micro_batch_size, temperature,
-                                        **sampling)
+                                        fused_linear=fused, **sampling)
         with timer.section("optimizer"):
             grad_norm = clip_grad_norm(model, clip)
             lr = learning_rate(optimizer)  # the rate this optimizer.step() uses
@@ -265,6 +324,7 @@ def _forward_backward(
     logits_temperature: float,
     top_k: int | None = None,
     top_p: float | None = None,
+    fused_linear: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Fresh gradients of one optimizer step: Megatron's schedule over the microbatches, then the DP sum.
 
@@ -274,7 +334,8 @@ def _forward_backward(
     tokens, seqs = _global_valid_counts(microbatches)
     forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches), global_valid_tokens=tokens,
                                      global_valid_seqs=seqs, vocab=VocabShard.of(model),
-                                     logits_temperature=logits_temperature, top_k=top_k, top_p=top_p)
+                                     logits_temperature=logits_temperature, top_k=top_k, top_p=top_p,
+                                     fused_linear=fused_linear)
     optimizer.zero_grad()
     model.train()
     metrics = _run_schedule(forward_step, model, microbatches, forward_only=False)

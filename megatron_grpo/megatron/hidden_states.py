@@ -1,0 +1,91 @@
+"""The GPTModel forward without its output layer: final hidden states for `vocab_parallel_linear_logprobs`.
+
+Why an adapter: Megatron-Core's `GPTModel.forward` (0.16 and 0.19) has no switch that returns the final
+hidden states (after the final layernorm) of the last pipeline stage; it always ends in
+`logits, _ = self.output_layer(hidden_states, weight=..., runtime_gather_output=...)` and, without labels,
+`logits.transpose(0, 1).contiguous()`. Rebuilding its preprocessing (embeddings, rotary tables) outside
+the model would copy private code that changes between versions. Instead, for the duration of one forward,
+`without_output_layer` swaps the public `model.output_layer` submodule for `_HiddenStatesOut`, which returns
+its input unchanged, so the forward returns `[b, s, h]` hidden states through Megatron's own code path. This
+is the only place that does such a swap.
+
+`_HiddenStatesOut` applies `copy_to_tensor_model_parallel_region` to the hidden states, as Megatron's
+ColumnParallelLinear does to its input: identity forward, all-reduce of the input gradient over TP in
+backward, which sums the per-shard `dH` partials of `vocab_parallel_linear_logprobs`. Megatron's all-reduce
+(`mappings._reduce`) reduces `grad.contiguous()` and returns `grad`: on a non-contiguous gradient it reduces a
+copy and passes the unreduced one on. The gradient reaching the hidden states here is the `[s, b, h]` view of
+the `[b, s, h]` output's gradient (GPTModel's final transpose), so `_ContiguousGrad` makes it contiguous first.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; backward passes on `grad.contiguous()` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class _HiddenStatesOut(torch.nn.Module):
+    """Stands in for the output layer: `(copy_to_tensor_model_parallel_region(hidden_states), None)`.
+
+    `weight` is the replaced layer's (GPTModel reads it for tied embeddings on a stage without the embedding)."""
+
+    def __init__(self, replaced: torch.nn.Module) -> None:
+        super().__init__()
+        self._replaced = [replaced]  # a list: not registered as a submodule, so no parameter appears twice
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        return self._replaced[0].weight
+
+    def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None, **_: object) -> tuple[torch.Tensor, None]:
+        return _ContiguousGrad.apply(copy_to_tensor_model_parallel_region(hidden_states)), None
+
+
+def output_weight(model: torch.nn.Module) -> torch.Tensor:
+    """This rank's `[V_local, H]` output-layer weight: the tied embedding when the model shares them."""
+    if getattr(model, "share_embeddings_and_output_weights", False):
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """The settings under which the hidden states the forward returns are the output layer's whole input."""
+    config = model.config
+    problems = [name for name in ("sequence_parallel", "use_mup") if getattr(config, name, False)]
+    if getattr(config, "mtp_num_layers", None):
+        problems.append("mtp_num_layers")
+    if getattr(model.output_layer, "bias", None) is not None:
+        problems.append("output layer bias")
+    if problems:
+        raise ValueError(f"policy.fused_linear_logprobs: not supported with {', '.join(problems)}")
+
+
+@contextmanager
+def without_output_layer(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block, `model(...)` on the last pipeline stage returns `[b, s, h]` final hidden states
+    (TP-replicated, their gradient all-reduced over TP) instead of logits. Other stages are unchanged."""
+    if not getattr(model, "post_process", False):
+        yield
+        return
+    check_supported(model)
+    original = model.output_layer
+    model.output_layer = _HiddenStatesOut(original)
+    try:
+        yield
+    finally:
+        model.output_layer = original
