@@ -39,8 +39,7 @@ def next_token_logprobs(
         top_k=top_k,
         top_p=top_p,
     )
-    logprobs, entropy = out if with_entropy else (out, None)
-    return _shift_right(logprobs), (_shift_right(entropy) if entropy is not None else None)
+    return _aligned(out, with_entropy)
 
 
 def next_token_linear_logprobs(
@@ -72,8 +71,7 @@ def next_token_linear_logprobs(
         with_entropy=with_entropy,
         logit_scale=logit_scale,
     )
-    logprobs, entropy = out if with_entropy else (out, None)
-    return _shift_right(logprobs), (_shift_right(entropy) if entropy is not None else None)
+    return _aligned(out, with_entropy)
 
 
 def _next_targets(input_ids: torch.Tensor, trained: torch.Tensor | None) -> torch.Tensor:
@@ -84,6 +82,12 @@ def _next_targets(input_ids: torch.Tensor, trained: torch.Tensor | None) -> torc
         following = following.masked_fill(trained[:, 1:] == 0, -1)
     next_targets[:, :-1] = following
     return next_targets
+
+
+def _aligned(out, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The op's per-row output (logprobs, or logprobs and entropies) moved to the positions of their tokens."""
+    logprobs, entropy = out if with_entropy else (out, None)
+    return _shift_right(logprobs), (_shift_right(entropy) if entropy is not None else None)
 
 
 def _shift_right(per_row: torch.Tensor) -> torch.Tensor:
