@@ -11,12 +11,14 @@ SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu) $(C
 NVCC ?= nvcc
 
 # megatron-core 0.17+ declares Python >= 3.12 and imports triton undeclared; its code runs on 3.11, so the
-# Megatron-facing tests also run against it, from a private target directory (the .venv keeps 0.16.x).
+# Megatron-facing tests also run against it, from a private target directory (the .venv keeps 0.16.x). The
+# long learning runs exercise nothing version-specific that the shorter runner tests do not, so they run once.
 MCORE_NEW ?= 0.19.2
 TRITON ?= 3.9.0
 MCORE_NEW_DIR := build/megatron-core-$(MCORE_NEW)
 MEGATRON_TESTS := tests/test_megatron_hooks.py tests/test_megatron_fused_linear.py tests/test_megatron_dp.py tests/test_logprob_tp.py tests/test_bench_scheduler.py \
-	tests/test_benchmarks.py tests/test_bench_logprob.py tests/test_loss_runner_options.py $(wildcard tests/test_grpo_*.py)
+	tests/test_benchmarks.py tests/test_bench_logprob.py tests/test_loss_runner_options.py \
+	$(filter-out %_learning.py,$(wildcard tests/test_grpo_*.py))
 
 .PHONY: install demo test test-mcore-new bench cuda-check clean
 
