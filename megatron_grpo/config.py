@@ -192,7 +192,7 @@ class PolicyConfig:
     train_global_batch_size: int  # sequences per optimizer step, all DP ranks
     train_micro_batch_size: int  # sequences per microbatch per DP rank
     precision: Literal["fp32", "bf16"]  # no fp16: the train step does no loss scaling
-    fused_linear_logprobs: bool  # logprobs from the final hidden states, no [tokens, vocab] logits (no top-k/top-p)
+    fused_linear_logprobs: bool  # logprobs from the final hidden states, no [tokens, vocab] logits
     model: ModelConfig
     optimizer: OptimizerConfig
 
@@ -382,10 +382,6 @@ def _range_problems(cfg: Config) -> list[str]:
         problems.append(f"generation.top_k: must be null or >= 1, got {cfg.generation.top_k!r}")
     if cfg.generation.top_p is not None and not 0.0 < cfg.generation.top_p <= 1.0:
         problems.append(f"generation.top_p: must be null or in (0, 1], got {cfg.generation.top_p!r}")
-    if policy.fused_linear_logprobs and (cfg.generation.top_k is not None or cfg.generation.top_p is not None):
-        problems.append(f"policy.fused_linear_logprobs: true does not support generation.top_k / generation.top_p "
-                        f"yet (got top_k {cfg.generation.top_k!r}, top_p {cfg.generation.top_p!r}): set both to null, "
-                        f"or policy.fused_linear_logprobs: false")
     threshold = cfg.grpo.seq_logprob_error_threshold
     if threshold is not None and not threshold > 0:
         problems.append(f"grpo.seq_logprob_error_threshold: must be null or > 0, got {threshold!r}")

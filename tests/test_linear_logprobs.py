@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from _dist import counted_collectives, run_on_ranks
-from logprob_reference import expected_logprobs
-from megatron_grpo.ops import linear_logprobs, vocab_parallel_linear_logprobs
+from logprob_reference import expected_filtered_logprobs, expected_logprobs
+from megatron_grpo.ops import VocabShard, linear_logprobs, vocab_parallel_linear_logprobs
 from megatron_grpo.ops.linear_logprobs import chunk_rows_for
 
 IMPLEMENTATIONS = ("fused", "reference")
@@ -139,7 +139,8 @@ def test_single_rank_matches_float64_anchor(case, dtype, implementation):
                                                            seed=SINGLE_RANK_CASES.index(case))
     g_h = g_h if entropy else None
     expected = anchor(hidden, weight, targets, true_vocab, scale, g_lp, g_h)
-    result = run_op(hidden, weight, targets, g_lp, g_h, true_vocab_size=true_vocab, logit_scale=scale,
+    result = run_op(hidden, weight, targets, g_lp, g_h, shard=VocabShard(true_vocab_size=true_vocab),
+                    logit_scale=scale,
                     chunk_rows=chunk_rows, implementation=implementation)
     assert result[0].shape == targets.shape and result[2].shape == hidden.shape
     assert_matches(*result, targets, true_vocab, dtype, expected, label=f"{case} {dtype} {implementation}")
@@ -147,7 +148,8 @@ def test_single_rank_matches_float64_anchor(case, dtype, implementation):
 
 def test_float64_takes_the_reference_kernels_and_matches_tightly():
     hidden, weight, targets, g_lp, g_h = make_linear_case((21,), 8, 17, 15, torch.float64, seed=11)
-    logprob, entropy, grad_hidden, grad_weight = run_op(hidden, weight, targets, g_lp, g_h, true_vocab_size=15,
+    logprob, entropy, grad_hidden, grad_weight = run_op(hidden, weight, targets, g_lp, g_h,
+                                                        shard=VocabShard(true_vocab_size=15),
                                                         logit_scale=1.5, chunk_rows=4)
     expected = anchor(hidden, weight, targets, 15, 1.5, g_lp, g_h)
     assert logprob.dtype == torch.float64 and grad_weight.dtype == torch.float64
@@ -161,7 +163,8 @@ def test_float64_takes_the_reference_kernels_and_matches_tightly():
 def test_entropy_that_is_only_logged_passes_no_gradient(implementation):
     hidden, weight, targets, g_lp, _ = make_linear_case((19,), 8, 23, 20, torch.float32, seed=5)
     h = hidden.clone().requires_grad_(True)
-    logprob, entropy = vocab_parallel_linear_logprobs(h, weight, targets, true_vocab_size=20, with_entropy=True,
+    logprob, entropy = vocab_parallel_linear_logprobs(h, weight, targets, shard=VocabShard(true_vocab_size=20),
+                                                      with_entropy=True,
                                                       chunk_rows=4, implementation=implementation)
     (logprob * g_lp).sum().backward()
     expected = anchor(hidden, weight, targets, 20, 1.0, g_lp, None)
@@ -222,12 +225,13 @@ def test_only_the_inputs_that_require_grad_get_one(dtype):
     hidden, weight, targets, g_lp, _ = make_linear_case((11,), 8, 13, 12, dtype, seed=12)
     expected = anchor(hidden, weight, targets, 12, 1.0, g_lp, None)
     h, w = hidden.clone(), weight.clone().requires_grad_(True)
-    (vocab_parallel_linear_logprobs(h, w, targets, true_vocab_size=12, chunk_rows=3) * g_lp).sum().backward()
+    twelve = VocabShard(true_vocab_size=12)
+    (vocab_parallel_linear_logprobs(h, w, targets, shard=twelve, chunk_rows=3) * g_lp).sum().backward()
     assert h.grad is None
     bound = GRAD_RTOL_FP32 if dtype == torch.float32 else 2 * BF16_HALF_ULP * (expected.max_logit + 2)  # as above
     assert float((w.grad.double() - expected.grad_weight).abs().max()) <= bound * float(expected.grad_weight.abs().max())
     h, w = hidden.clone().requires_grad_(True), weight.clone()
-    (vocab_parallel_linear_logprobs(h, w, targets, true_vocab_size=12, chunk_rows=3) * g_lp).sum().backward()
+    (vocab_parallel_linear_logprobs(h, w, targets, shard=twelve, chunk_rows=3) * g_lp).sum().backward()
     assert w.grad is None
     assert float((h.grad.double() - expected.grad_hidden).abs().max()) <= bound * float(expected.grad_hidden.abs().max())
 
@@ -285,6 +289,92 @@ def test_top_level_export():
     assert megatron_grpo.vocab_parallel_linear_logprobs is vocab_parallel_linear_logprobs
 
 
+# ---- top-k / top-p, and the next-token shift ----
+
+FILTERS = [(1, None), (6, None), (None, 0.7), (4, 0.8)]
+
+
+def filtered_run(hidden, weight, targets, g_lp, g_h, shard, top_k, top_p, chunk_rows):
+    """The op with a sampling filter, forward and backward (a filtered target's -inf logprob passes no gradient)."""
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    logprob, entropy = vocab_parallel_linear_logprobs(h, w, targets, shard=shard, with_entropy=True, top_k=top_k,
+                                                      top_p=top_p, logit_scale=1.3, chunk_rows=chunk_rows)
+    (torch.where(torch.isfinite(logprob), logprob, 0.0) * g_lp + entropy * g_h).sum().backward()
+    return logprob.detach(), entropy.detach(), h.grad, w.grad
+
+
+def check_filtered(result, hidden, weight, targets, g_lp, g_h, true_vocab, top_k, top_p, label):
+    """Against the float64 filtered distribution of the float64 logits (`expected_filtered_logprobs` sorts)."""
+    logprob, entropy, grad_hidden, grad_weight = result
+    h, w = hidden.double().reshape(-1, hidden.shape[-1]), weight.double()
+    flat = targets.reshape(-1)
+    trained = flat >= 0
+    expected = expected_filtered_logprobs(1.3 * h[trained] @ w.t(), flat[trained], true_vocab, top_k, top_p,
+                                          g_lp.reshape(-1)[trained], g_h.reshape(-1)[trained])
+    got = logprob.reshape(-1)[trained].double()
+    assert torch.equal(torch.isneginf(got), torch.isneginf(expected.logprob)), f"{label}: filtered targets differ"
+    finite = torch.isfinite(expected.logprob)
+    assert float((got[finite] - expected.logprob[finite]).abs().max() if finite.any() else 0.0) \
+        <= LOGPROB_ATOL_FP32, label
+    assert float((entropy.reshape(-1)[trained].double() - expected.entropy).abs().max()) <= 1e-5, label
+    assert bool((logprob.reshape(-1)[~trained] == 0).all()), f"{label}: ignored rows must be 0"
+    dlogits = expected.grad  # [trained rows, padded vocab], 0 on the padding
+    want_hidden = torch.zeros_like(h)
+    want_hidden[trained] = 1.3 * dlogits @ w
+    want_weight = 1.3 * dlogits.t() @ h[trained]
+    for name, got_grad, want in (("hidden", grad_hidden.reshape(want_hidden.shape), want_hidden),
+                                 ("weight", grad_weight, want_weight)):
+        error = float((got_grad.double() - want).abs().max())
+        assert error <= GRAD_RTOL_FP32 * float(want.abs().max()), f"{label}: grad {name} off by {error}"
+
+
+@pytest.mark.parametrize("top_k, top_p", FILTERS)
+def test_filtered_logprobs_match_the_float64_reference(top_k, top_p):
+    hidden, weight, targets, g_lp, g_h = make_linear_case((29,), 12, 40, 37, torch.float32, seed=31)
+    result = filtered_run(hidden, weight, targets, g_lp, g_h, VocabShard(true_vocab_size=37), top_k, top_p,
+                          chunk_rows=6)
+    check_filtered(result, hidden, weight, targets, g_lp, g_h, 37, top_k, top_p, f"top_k={top_k} top_p={top_p}")
+
+
+def filtered_tp_worker(rank, world, v_local, true_vocab):
+    hidden, weight, targets, g_lp, g_h = make_linear_case((21,), 12, v_local * world, true_vocab, torch.float32, 7)
+    shard = VocabShard(true_vocab_size=true_vocab, group=dist.group.WORLD)
+    out = []
+    for top_k, top_p in FILTERS:
+        logprob, entropy, grad_hidden, grad_weight = filtered_run(
+            hidden, weight[rank * v_local:(rank + 1) * v_local], targets, g_lp, g_h, shard, top_k, top_p,
+            chunk_rows=5)
+        dist.all_reduce(grad_hidden)  # the caller's TP reduction
+        out.append((logprob, entropy, grad_hidden, grad_weight))
+    return out
+
+
+def test_filtered_tensor_parallel_matches_the_full_vocab():
+    world, v_local, true_vocab = 2, 20, 37  # the last rank's shard is partly padding
+    per_rank = run_on_ranks(world, filtered_tp_worker, v_local, true_vocab)
+    hidden, weight, targets, g_lp, g_h = make_linear_case((21,), 12, v_local * world, true_vocab, torch.float32, 7)
+    for index, (top_k, top_p) in enumerate(FILTERS):
+        results = [per_rank[rank][index] for rank in range(world)]
+        logprob, entropy, grad_hidden, _ = results[0]
+        grad_weight = torch.cat([r[3] for r in results])
+        check_filtered((logprob, entropy, grad_hidden, grad_weight), hidden, weight, targets, g_lp, g_h, true_vocab,
+                       top_k, top_p, f"TP=2 top_k={top_k} top_p={top_p}")
+
+
+def test_shift_scores_the_next_token_and_aligns_with_the_tokens():
+    hidden, weight, _, _, _ = make_linear_case((3, 7), 8, 16, 16, torch.float32, seed=4)
+    tokens = torch.randint(0, 16, (3, 7), generator=torch.Generator().manual_seed(4))
+    tokens[1, 3] = -1  # a token that is not trained
+    shifted = vocab_parallel_linear_logprobs(hidden, weight, tokens, shift=True)
+    logits = hidden.double() @ weight.double().t()
+    expected = torch.zeros(3, 7, dtype=torch.float64)
+    expected[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:].clamp(min=0)[..., None])[..., 0]
+    expected[1, 3] = 0
+    torch.testing.assert_close(shifted.double(), expected, atol=LOGPROB_ATOL_FP32, rtol=0)
+    with pytest.raises(ValueError, match="shift=True needs targets with a sequence dim"):
+        vocab_parallel_linear_logprobs(hidden[0, 0], weight, tokens[0, 0], shift=True)
+
+
 # ---- tensor parallel ----
 
 def tp_worker(rank, world, cases):
@@ -296,8 +386,8 @@ def tp_worker(rank, world, cases):
         w = weight[rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
         with counted_collectives() as calls:
             logprob, entropy = vocab_parallel_linear_logprobs(
-                h, w, targets, true_vocab_size=true_vocab, group=dist.group.WORLD, with_entropy=True,
-                logit_scale=scale, chunk_rows=chunk_rows, implementation=implementation,
+                h, w, targets, shard=VocabShard(true_vocab_size=true_vocab, group=dist.group.WORLD),
+                with_entropy=True, logit_scale=scale, chunk_rows=chunk_rows, implementation=implementation,
             )
             forward_calls = calls["n"]
             ((logprob * g_lp).sum() + (entropy * g_h).sum()).backward()
@@ -305,6 +395,11 @@ def tp_worker(rank, world, cases):
         grad_hidden = h.grad.clone()
         dist.all_reduce(grad_hidden)  # the caller's TP reduction (Megatron's copy_to_tensor_model_parallel_region)
         out.append((logprob.detach(), entropy.detach(), grad_hidden, w.grad, forward_calls, backward_calls))
+    wrong_start = VocabShard(start_index=(rank + 1) % world * 5, group=dist.group.WORLD)
+    try:  # a weight shard that is not where the shard says: the rank's real shard starts elsewhere
+        vocab_parallel_linear_logprobs(torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2]), shard=wrong_start)
+    except ValueError as err:
+        out.append(str(err))
     return out
 
 
@@ -325,6 +420,8 @@ def tp_cases(world):
 def test_tensor_parallel_matches_the_full_vocab(world):
     cases = tp_cases(world)
     per_rank = run_on_ranks(world, tp_worker, cases)
+    for rank in range(world):
+        assert "disagrees with the local vocab" in per_rank[rank].pop(), f"rank {rank}: a misplaced shard passed"
     for index, (shape, hidden_size, v_local, true_vocab, dtype, impl, scale, chunk_rows, seed) in enumerate(cases):
         label = f"world={world} shape={shape} v_local={v_local} true_vocab={true_vocab} {dtype} {impl}"
         hidden, weight, targets, g_lp, g_h = make_linear_case(shape, hidden_size, v_local * world, true_vocab,
@@ -339,8 +436,8 @@ def test_tensor_parallel_matches_the_full_vocab(world):
         expected = anchor(hidden, weight, targets, true_vocab, scale, g_lp, g_h)
         assert_matches(logprob, entropy, grad_hidden, grad_weight, targets, true_vocab, dtype, expected, label)
         # The same computation on one rank over the full, unsharded vocab.
-        single = run_op(hidden, weight, targets, g_lp, g_h, true_vocab_size=true_vocab, logit_scale=scale,
-                        chunk_rows=chunk_rows, implementation=impl)
+        single = run_op(hidden, weight, targets, g_lp, g_h, shard=VocabShard(true_vocab_size=true_vocab),
+                        logit_scale=scale, chunk_rows=chunk_rows, implementation=impl)
         if dtype == torch.float32:
             for name, a, b in zip(("logprob", "entropy", "grad hidden", "grad weight"),
                                   (logprob, entropy, grad_hidden, grad_weight), single):
@@ -361,7 +458,10 @@ BAD_INPUTS = [
     ("hidden.shape[:-1]", lambda h, w, t: (h, w, t[:3], {})),
     ("integer token ids", lambda h, w, t: (h, w, t.float(), {})),
     ("token id 10", lambda h, w, t: (h, w, torch.tensor([0, 10, -1, 2]), {})),
-    ("token id 9", lambda h, w, t: (h, w, t, {"true_vocab_size": 9})),
+    ("token id 9", lambda h, w, t: (h, w, t, {"shard": VocabShard(true_vocab_size=9)})),
+    ("true_vocab_size=11 exceeds the sharded vocab of 1 rank",
+     lambda h, w, t: (h, w, t, {"shard": VocabShard(true_vocab_size=11)})),
+    ("start_index must be >= 0", lambda h, w, t: (h, w, t, {"shard": VocabShard(start_index=-3, true_vocab_size=9)})),
     ("logit_scale", lambda h, w, t: (h, w, t, {"logit_scale": 0.0})),
     ("logit_scale", lambda h, w, t: (h, w, t, {"logit_scale": -1.0})),
     ("logit_scale", lambda h, w, t: (h, w, t, {"logit_scale": float("inf")})),
@@ -379,7 +479,9 @@ def test_bad_input_names_the_problem(message, make):
         vocab_parallel_linear_logprobs(hidden, weight, targets, **kwargs)
 
 
-def test_top_k_and_top_p_are_not_accepted():
+def test_bad_sampling_filter_names_the_problem():
     hidden, weight, targets = _ok()
-    with pytest.raises(TypeError):
-        vocab_parallel_linear_logprobs(hidden, weight, targets, top_k=5)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="top_k must be None or an int >= 1"):
+        vocab_parallel_linear_logprobs(hidden, weight, targets, top_k=0)
+    with pytest.raises(ValueError, match="top_p must be None or a number in"):
+        vocab_parallel_linear_logprobs(hidden, weight, targets, top_p=1.5)

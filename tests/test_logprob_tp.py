@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from _dist import counted_collectives, run_on_ranks
 from logprob_reference import assert_grad_close, expected_logprobs, make_case, torch_fp32_logprob_error
-from megatron_grpo.ops import vocab_parallel_logprobs
+from megatron_grpo.ops import VocabShard, vocab_parallel_logprobs
 
 
 # (rows, v_local, true_vocab as a function of world size); the second case leaves the last rank all padding.
@@ -26,16 +26,16 @@ def sharded_run(rank, world, rows, v_local, true_vocab, dtype, implementation, s
     """This rank's logprob, entropy and gradient shard, and the collectives counted in forward and backward."""
     full, targets = make_case(rows, v_local * world, true_vocab, dtype, seed=seed)
     g_lp, g_h = upstream_grads(rows, seed)
-    shard = full[:, rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
+    local = full[:, rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
     with counted_collectives() as calls:
         logprob, entropy = vocab_parallel_logprobs(
-            shard, targets, true_vocab_size=true_vocab, group=dist.group.WORLD, with_entropy=True,
+            local, targets, shard=VocabShard(true_vocab_size=true_vocab, group=dist.group.WORLD), with_entropy=True,
             implementation=implementation,
         )
         forward_calls = calls["n"]
         ((logprob * g_lp).sum() + (entropy * g_h).sum()).backward()
         backward_calls = calls["n"] - forward_calls
-    return logprob.detach(), entropy.detach(), shard.grad, forward_calls, backward_calls
+    return logprob.detach(), entropy.detach(), local.grad, forward_calls, backward_calls
 
 
 def tp_worker(rank, world, cases):
@@ -79,7 +79,8 @@ def megatron_worker(rank, world, rows, v_local, seed):
         full, targets = make_case(rows, v_local * world, v_local * world, torch.float32, seed=seed, ignore_every=0)
         shard = full[:, rank * v_local:(rank + 1) * v_local]
         ours_in = shard.clone().requires_grad_(True)
-        ours = vocab_parallel_logprobs(ours_in, targets, group=parallel_state.get_tensor_model_parallel_group())
+        ours = vocab_parallel_logprobs(
+            ours_in, targets, shard=VocabShard(group=parallel_state.get_tensor_model_parallel_group()))
         ours.sum().backward()
         theirs_in = shard.clone().requires_grad_(True)
         theirs = -vocab_parallel_cross_entropy(theirs_in * 1, targets)

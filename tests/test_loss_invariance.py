@@ -16,6 +16,7 @@ from _dist import run_on_ranks
 from _loss_inputs import batch_for_logits, loss_config
 
 from megatron_grpo.loss import ClippedPGLoss, ClippedPGLossConfig, aggregate_metrics, count_valid
+from megatron_grpo.ops import VocabShard
 
 BATCH, SEQ, HIDDEN, VOCAB, PADDED_VOCAB = 6, 7, 5, 13, 16
 MICROBATCH_SIZES = (2, 3, 1)  # uneven, and the last one holds only the sequence without trained tokens
@@ -80,7 +81,7 @@ def weight_gradient(
 
 def full_batch(problem: LinearHeadProblem, cfg: ClippedPGLossConfig):
     tokens, seqs = count_valid(problem.batch)
-    return weight_gradient(problem, cfg, 0, BATCH, tokens, seqs, true_vocab_size=VOCAB)
+    return weight_gradient(problem, cfg, 0, BATCH, tokens, seqs, shard=VocabShard(true_vocab_size=VOCAB))
 
 
 def assert_same_metrics(actual: dict[str, float], expected: dict[str, float]) -> None:
@@ -99,7 +100,7 @@ def test_microbatches_sum_to_the_full_batch(mode, gspo):
     counts = [count_valid(rows(problem.batch, a, b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     tokens, seqs = sum(c[0] for c in counts), sum(c[1] for c in counts)
     parts = [
-        weight_gradient(problem, cfg, a, b, tokens, seqs, true_vocab_size=VOCAB)
+        weight_gradient(problem, cfg, a, b, tokens, seqs, shard=VocabShard(true_vocab_size=VOCAB))
         for a, b in zip(bounds[:-1], bounds[1:], strict=True)
     ]
 
@@ -137,7 +138,8 @@ def _data_parallel_split(rank: int, world_size: int, mode: str, gspo: bool) -> S
     start, stop = rank * half, (rank + 1) * half
     counts = torch.stack(count_valid(rows(problem.batch, start, stop)))
     dist.all_reduce(counts)
-    loss, metrics, grad = weight_gradient(problem, cfg, start, stop, counts[0], counts[1], true_vocab_size=VOCAB)
+    loss, metrics, grad = weight_gradient(problem, cfg, start, stop, counts[0], counts[1],
+                                          shard=VocabShard(true_vocab_size=VOCAB))
     dist.all_reduce(loss)
     dist.all_reduce(grad)
     return SplitResult.of(
@@ -163,8 +165,7 @@ def _tensor_parallel_split(rank: int, world_size: int, mode: str, gspo: bool) ->
         tokens,
         seqs,
         weight=problem.weight[:, shard],
-        true_vocab_size=VOCAB,
-        group=dist.group.WORLD,
+        shard=VocabShard(true_vocab_size=VOCAB, group=dist.group.WORLD),
     )
     padded_loss, padded_metrics, padded_grad = full_batch(problem, cfg)
     unpadded_loss, unpadded_metrics, unpadded_grad = weight_gradient(

@@ -14,6 +14,7 @@ from _loss_inputs import loss_config, random_inputs
 
 from megatron_grpo.config import ConfigError
 from megatron_grpo.loss import ClippedPGLoss, aggregate_metrics, count_valid
+from megatron_grpo.ops import VocabShard
 
 IS_ON = dict(use_importance_sampling_correction=True)
 
@@ -293,7 +294,7 @@ def test_a_minus_inf_current_logprob_is_dropped_from_the_loss_and_counted(agg):
     filtered[b, t - 1, batch["input_ids"][b, t]] = -torch.inf  # the target is outside the kept set
     filtered.requires_grad_()
     loss, metrics = ClippedPGLoss(cfg)(
-        filtered, batch, global_valid_tokens=tokens, global_valid_seqs=seqs, true_vocab_size=11
+        filtered, batch, global_valid_tokens=tokens, global_valid_seqs=seqs, shard=VocabShard(true_vocab_size=11)
     )
     loss.backward()
     assert float(metrics["filtered_out_tokens"]) == 1
@@ -304,7 +305,7 @@ def test_a_minus_inf_current_logprob_is_dropped_from_the_loss_and_counted(agg):
     untrained["token_mask"][b, t] = 0
     logits = inputs.logits.clone().requires_grad_()
     expected, _ = ClippedPGLoss(cfg)(
-        logits, untrained, global_valid_tokens=tokens, global_valid_seqs=seqs, true_vocab_size=11
+        logits, untrained, global_valid_tokens=tokens, global_valid_seqs=seqs, shard=VocabShard(true_vocab_size=11)
     )
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)
@@ -326,7 +327,8 @@ def test_the_kl_keeps_filtered_out_tokens_through_the_unfiltered_logprobs(agg):
     for top_k in (None, 1):
         logits = inputs.logits.clone().requires_grad_()
         loss, metrics = ClippedPGLoss(cfg)(
-            logits, batch, global_valid_tokens=tokens, global_valid_seqs=seqs, true_vocab_size=9, top_k=top_k
+            logits, batch, global_valid_tokens=tokens, global_valid_seqs=seqs, shard=VocabShard(true_vocab_size=9),
+            top_k=top_k,
         )
         loss.backward()
         results.append((loss.detach(), logits.grad, metrics))

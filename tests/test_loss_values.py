@@ -9,6 +9,7 @@ import torch
 from _loss_inputs import LossInputs, loss_config, random_inputs
 
 from megatron_grpo.loss import METRIC_AGGREGATION, Aggregation, ClippedPGLoss, ClippedPGLossConfig, count_valid
+from megatron_grpo.ops import VocabShard
 
 
 def reference_loss(
@@ -167,7 +168,7 @@ def run_both(
         inputs.batch,
         global_valid_tokens=tokens,
         global_valid_seqs=seqs,
-        true_vocab_size=inputs.true_vocab_size,
+        shard=VocabShard(true_vocab_size=inputs.true_vocab_size),
         prev_logprobs_from_current=prev_from_current,
     )
     loss.backward()
@@ -359,7 +360,8 @@ def test_on_policy_ratio_is_exactly_one_with_the_gradient_of_explicit_detached_p
     tokens, seqs = count_valid(explicit)
     logits = inputs.logits.clone().requires_grad_()
     explicit_loss, _ = ClippedPGLoss(loss_config(**overrides))(
-        logits, explicit, global_valid_tokens=tokens, global_valid_seqs=seqs, true_vocab_size=inputs.true_vocab_size
+        logits, explicit, global_valid_tokens=tokens, global_valid_seqs=seqs,
+        shard=VocabShard(true_vocab_size=inputs.true_vocab_size),
     )
     explicit_loss.backward()
     torch.testing.assert_close(explicit_loss, loss, rtol=0, atol=0)

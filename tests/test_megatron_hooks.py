@@ -93,7 +93,7 @@ def scenario_microbatches(cfg) -> dict:
 
     from megatron_grpo.loss import ClippedPGLoss, count_valid
     from megatron_grpo.megatron import compute_logprobs, make_forward_step
-    from megatron_grpo.megatron.train_step import VocabShard
+    from megatron_grpo.megatron.vocab import vocab_shard_of
     from megatron_grpo.scheduler import plan_logprob_passes
 
     model, batch = build(cfg), make_batch(seed=11)
@@ -109,7 +109,7 @@ def scenario_microbatches(cfg) -> dict:
         rows = ROWS // count
         microbatches = [{k: v[i * rows:(i + 1) * rows] for k, v in batch.items()} for i in range(count)]
         forward_step = make_forward_step(ClippedPGLoss(cfg.loss_fn), plan, num_microbatches=count,
-                                         global_valid_tokens=tokens, global_valid_seqs=seqs, vocab=VocabShard.of(model))
+                                         global_valid_tokens=tokens, global_valid_seqs=seqs, vocab=vocab_shard_of(model))
         metrics = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(microbatches),
                                               model=model, num_microbatches=count, seq_length=SEQ,
                                               micro_batch_size=rows, forward_only=False)

@@ -10,14 +10,13 @@ from megatron_grpo._lazy import lazy_exports
 _EXPORTS = {
     "count_valid": "megatron_grpo.loss.batch",
     "trained_token_mask": "megatron_grpo.loss.batch",
+    "trained_token_targets": "megatron_grpo.loss.batch",
     "ClippedPGLoss": "megatron_grpo.loss.clipped_pg",
     "ClippedPGLossConfig": "megatron_grpo.loss.config",
     "TruncatedImportanceSamplingConfig": "megatron_grpo.loss.config",
     "METRIC_AGGREGATION": "megatron_grpo.loss.metrics",
     "Aggregation": "megatron_grpo.loss.metrics",
     "aggregate_metrics": "megatron_grpo.loss.metrics",
-    "next_token_logprobs": "megatron_grpo.loss.next_token",
-    "next_token_linear_logprobs": "megatron_grpo.loss.next_token",
 }
 
 __all__ = sorted(_EXPORTS)

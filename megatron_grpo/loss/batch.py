@@ -76,6 +76,11 @@ def validate_batch(
     )
 
 
+def trained_token_targets(input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`input_ids` with -1 (ignore) where `mask` is 0: the targets of the ops' next-token mode (`shift=True`)."""
+    return input_ids.masked_fill(mask == 0, -1)
+
+
 def trained_token_mask(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """float32 `[B, S]`: `token_mask * sample_mask`, position 0 excluded (it has no logprob)."""
     input_ids = _tensor(batch, "input_ids")

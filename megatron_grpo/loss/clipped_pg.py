@@ -27,14 +27,12 @@ from collections.abc import Mapping
 from functools import partial
 
 import torch
-import torch.distributed as dist
 
-from megatron_grpo.loss.batch import BatchRequirements, LossBatch, validate_batch
+from megatron_grpo.loss.batch import BatchRequirements, LossBatch, trained_token_targets, validate_batch
 from megatron_grpo.loss.config import ClippedPGLossConfig
 from megatron_grpo.loss.importance import ImportanceWeights, finite_or_zero, importance_weights
 from megatron_grpo.loss.kl import kl_estimate
 from megatron_grpo.loss.metrics import METRIC_AGGREGATION, Aggregation
-from megatron_grpo.loss.next_token import next_token_logprobs
 from megatron_grpo.loss.reductions import (
     Count,
     aggregate_loss,
@@ -43,6 +41,7 @@ from megatron_grpo.loss.reductions import (
     token_mean_per_sequence,
     token_min,
 )
+from megatron_grpo.ops import VocabShard, vocab_parallel_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,33 +97,35 @@ class ClippedPGLoss:
         *,
         global_valid_tokens: Count,
         global_valid_seqs: Count,
-        vocab_start_index: int | None = None,
-        true_vocab_size: int | None = None,
-        group: dist.ProcessGroup | None = None,
+        shard: VocabShard | None = None,
         prev_logprobs_from_current: bool = False,
         top_k: int | None = None,
         top_p: float | None = None,
         curr_logprobs: torch.Tensor | None = None,
         curr_entropy: torch.Tensor | None = None,
+        curr_unfiltered_logprobs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This microbatch's globally normalised loss and its detached metrics (see the class docstring).
 
+        `shard`: where the logits' vocab columns sit (`megatron_grpo.ops.VocabShard`); None: unsharded.
         `top_k` / `top_p`: the rollouts' sampling filter. The policy term trains the filtered distribution they
         came from; the KL to the (unfiltered) reference reads unfiltered current logprobs, as NeMo-RL does.
 
         `logits=None` with `curr_logprobs` and `curr_entropy` (`[B, S]`, differentiable, aligned with `input_ids`
-        as `next_token_logprobs` aligns them, e.g. from `next_token_linear_logprobs` on hidden states): the
+        as the ops' `shift=True` aligns them, e.g. from `vocab_parallel_linear_logprobs` on hidden states): the
         current logprobs and entropies are taken as given (and zeroed off the trained-token mask) instead of
-        computed from logits; everything after is the same code. No sampling filter in that mode.
+        computed from logits; everything after is the same code. With a sampling filter in that mode, `top_k` /
+        `top_p` say which filter the precomputed logprobs used, and a KL in the loss reads
+        `curr_unfiltered_logprobs` (required then, as the KL to the unfiltered reference needs them).
         """
         cfg = self.config
         prev_from_current = prev_logprobs_from_current or cfg.force_on_policy_ratio
-        precomputed = self._check_precomputed(logits, curr_logprobs, curr_entropy, top_k, top_p)
+        precomputed = self._check_precomputed(logits, curr_logprobs, curr_entropy, curr_unfiltered_logprobs,
+                                              filtered=top_k is not None or top_p is not None)
         inputs = validate_batch(batch, logits, self._requirements(prev_from_current), current=precomputed)
         if precomputed is None:
             curr, entropy = self._current_logprobs(
-                logits, inputs, vocab_start_index=vocab_start_index, true_vocab_size=true_vocab_size, group=group,
-                top_k=top_k, top_p=top_p,
+                logits, inputs, shard=shard, top_k=top_k, top_p=top_p,
             )
         else:
             trained = inputs.mask.bool()
@@ -132,10 +133,12 @@ class ClippedPGLoss:
             curr, entropy = (torch.where(trained, precomputed[key].to(torch.float32), zero)
                              for key in ("curr_logprobs", "curr_entropy"))
         curr_unfiltered = None  # the KL's current logprobs, where a sampling filter makes them differ
-        if cfg.kl_in_loss and (top_k is not None or top_p is not None):
+        if cfg.kl_in_loss and precomputed is not None and curr_unfiltered_logprobs is not None:
+            curr_unfiltered = torch.where(inputs.mask.bool(), curr_unfiltered_logprobs.to(torch.float32),
+                                          torch.zeros((), dtype=torch.float32, device=inputs.mask.device))
+        elif cfg.kl_in_loss and (top_k is not None or top_p is not None):
             curr_unfiltered, _ = self._current_logprobs(
-                logits, inputs, vocab_start_index=vocab_start_index, true_vocab_size=true_vocab_size, group=group,
-                top_k=None, top_p=None, with_entropy=False,
+                logits, inputs, shard=shard, top_k=None, top_p=None, with_entropy=False,
             )
         prev = curr.detach() if prev_from_current else inputs.prev_logprobs
         kept = ~(torch.isneginf(curr) | torch.isneginf(prev))  # -inf: target outside a top-k / top-p kept set
@@ -172,15 +175,15 @@ class ClippedPGLoss:
             metrics = self._metrics(loss, curr, prev, inputs, mask, policy, weights, kl, kl_mask, entropy, nll)
         return loss, metrics
 
-    @staticmethod
     def _check_precomputed(
-        logits: torch.Tensor | None, curr_logprobs: torch.Tensor | None, curr_entropy: torch.Tensor | None,
-        top_k: int | None, top_p: float | None,
+        self, logits: torch.Tensor | None, curr_logprobs: torch.Tensor | None, curr_entropy: torch.Tensor | None,
+        curr_unfiltered_logprobs: torch.Tensor | None, *, filtered: bool,
     ) -> dict[str, torch.Tensor] | None:
         """The precomputed current tensors by name, or None when the loss computes them from logits."""
         given = {"curr_logprobs": curr_logprobs, "curr_entropy": curr_entropy}
         if logits is not None:
-            extra = [name for name, value in given.items() if value is not None]
+            extra = [name for name, value in {**given, "curr_unfiltered_logprobs": curr_unfiltered_logprobs}.items()
+                     if value is not None]
             if extra:
                 raise ValueError(f"{' and '.join(extra)}: give either logits or precomputed current logprobs, "
                                  "not both")
@@ -188,9 +191,12 @@ class ClippedPGLoss:
         missing = [name for name, value in given.items() if value is None]
         if missing:
             raise ValueError(f"{' and '.join(missing)}: required when logits is None")
-        if top_k is not None or top_p is not None:
-            raise ValueError("top_k / top_p: a sampling filter needs the logits; precomputed current logprobs "
-                             "are of the unfiltered distribution")
+        if curr_unfiltered_logprobs is not None and not filtered:
+            raise ValueError("curr_unfiltered_logprobs: only with top_k / top_p (without a filter curr_logprobs "
+                             "are the unfiltered ones)")
+        if filtered and self.config.kl_in_loss and curr_unfiltered_logprobs is None:
+            raise ValueError("curr_unfiltered_logprobs: required with top_k / top_p and a KL penalty in the loss "
+                             "(the KL to the unfiltered reference reads unfiltered current logprobs)")
         return given
 
     def _requirements(self, prev_from_current: bool) -> BatchRequirements:
@@ -215,26 +221,16 @@ class ClippedPGLoss:
         logits: torch.Tensor,
         inputs: LossBatch,
         *,
-        vocab_start_index: int | None,
-        true_vocab_size: int | None,
-        group: dist.ProcessGroup | None,
+        shard: VocabShard | None,
         top_k: int | None,
         top_p: float | None,
         with_entropy: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`[B, S]` logprobs (and entropies) of the trained tokens, from the logits one position earlier, under
         the top-k/top-p filtered distribution when a filter is given."""
-        return next_token_logprobs(
-            logits,
-            inputs.input_ids,
-            trained=inputs.mask,
-            vocab_start_index=vocab_start_index,
-            true_vocab_size=true_vocab_size,
-            group=group,
-            with_entropy=with_entropy,
-            top_k=top_k,
-            top_p=top_p,
-        )
+        out = vocab_parallel_logprobs(logits, trained_token_targets(inputs.input_ids, inputs.mask), shard=shard,
+                                      shift=True, with_entropy=with_entropy, top_k=top_k, top_p=top_p)
+        return out if with_entropy else (out, None)
 
     def _policy_term(
         self, curr: torch.Tensor, prev: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor

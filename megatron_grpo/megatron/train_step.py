@@ -33,11 +33,12 @@ from megatron_grpo.loss import (
     METRIC_AGGREGATION,
     aggregate_metrics,
     count_valid,
-    next_token_linear_logprobs,
-    next_token_logprobs,
     trained_token_mask,
+    trained_token_targets,
 )
 from megatron_grpo.megatron.hidden_states import output_weight, without_output_layer
+from megatron_grpo.megatron.vocab import vocab_shard_of
+from megatron_grpo.ops import VocabShard, vocab_parallel_linear_logprobs, vocab_parallel_logprobs
 from megatron_grpo.scheduler import LogprobPlan
 from megatron_grpo.timing import StepTimer
 
@@ -46,27 +47,6 @@ log = logging.getLogger(__name__)
 Batch = Mapping[str, torch.Tensor]
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 ForwardStep = Callable[[Iterator[Batch], torch.nn.Module], tuple[torch.Tensor, Callable]]
-_FUSED_FILTER_ERROR = ("fused_linear: top_k / top_p are not supported from hidden states "
-                       "(policy.fused_linear_logprobs with generation.top_k / generation.top_p)")
-
-
-@dataclass(frozen=True)
-class VocabShard:
-    """Which columns of the padded vocabulary this TP rank's logits hold, and where the padding starts."""
-
-    start_index: int
-    true_vocab_size: int
-    group: dist.ProcessGroup | None
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> VocabShard:
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        local_size = model.padded_vocab_size // tp_size
-        return cls(
-            start_index=parallel_state.get_tensor_model_parallel_rank() * local_size,
-            true_vocab_size=model.true_vocab_size,
-            group=parallel_state.get_tensor_model_parallel_group() if tp_size > 1 else None,
-        )
 
 
 @dataclass(frozen=True)
@@ -101,9 +81,9 @@ def make_forward_step(
 
     `fused_linear` (`policy.fused_linear_logprobs`): the model runs without its output layer
     (`hidden_states.without_output_layer`), and the current logprobs and entropies of the trained tokens come
-    from `next_token_linear_logprobs` on the final hidden states and the output weight shard, with
-    `logit_scale = 1 / logits_temperature`; no logits are materialised. `loss_fn` then gets `logits=None` and
-    `curr_logprobs=` / `curr_entropy=` (as `ClippedPGLoss` takes them). No `top_k` / `top_p` in that mode.
+    from `vocab_parallel_linear_logprobs` on the final hidden states and the output weight shard, with
+    `logit_scale = 1 / logits_temperature` and the sampling filter; no logits are materialised. `loss_fn` then
+    gets `logits=None` and `curr_logprobs=` / `curr_entropy=` (as `ClippedPGLoss` takes them).
 
     `global_valid_*` count the whole optimizer step (all microbatches, all DP ranks); the loss is already
     normalised by them, so the per-microbatch losses sum to the step's loss. With pipeline parallelism the
@@ -113,17 +93,19 @@ def make_forward_step(
 
     # Only a set filter is passed on, so a loss that knows no sampling filter still works without one.
     sampling_filter = {name: value for name, value in (("top_k", top_k), ("top_p", top_p)) if value is not None}
-    if fused_linear and sampling_filter:
-        raise ValueError(_FUSED_FILTER_ERROR)
 
     def current(batch: Batch, model: torch.nn.Module, output_tensor: torch.Tensor) -> dict[str, torch.Tensor | None]:
         """What the loss reads of the model's output: the tempered logits, or the fused op's current tensors."""
         if not fused_linear:
             return {"logits": tempered(output_tensor, logits_temperature)}
-        logprobs, entropy = _linear_next_token_logprobs(model, output_tensor, batch["input_ids"], vocab,
-                                                        logits_temperature, trained=trained_token_mask(batch),
-                                                        with_entropy=True)
-        return {"logits": None, "curr_logprobs": logprobs, "curr_entropy": entropy}
+        targets = trained_token_targets(batch["input_ids"], trained_token_mask(batch))
+        logprobs, entropy = _linear_logprobs(model, output_tensor, targets, vocab, logits_temperature,
+                                             with_entropy=True, **sampling_filter)
+        current = {"logits": None, "curr_logprobs": logprobs, "curr_entropy": entropy}
+        if sampling_filter:  # a KL to the unfiltered reference reads these; unused, they cost no backward
+            current["curr_unfiltered_logprobs"] = _linear_logprobs(model, output_tensor, targets, vocab,
+                                                                   logits_temperature)
+        return current
 
     def loss_func(batch: Batch, model: torch.nn.Module,
                   output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -133,9 +115,7 @@ def make_forward_step(
             batch,
             global_valid_tokens=global_valid_tokens,
             global_valid_seqs=global_valid_seqs,
-            vocab_start_index=vocab.start_index,
-            true_vocab_size=vocab.true_vocab_size,
-            group=vocab.group,
+            shard=vocab,
             prev_logprobs_from_current=plan.prev_from_current,
             **sampling_filter,
             **model_output,
@@ -157,26 +137,21 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
     """float32 `[B, S]` logprobs of `batch["input_ids"]` under softmax(logits / `logits_temperature`) of `model`,
     filtered by `top_k` / `top_p` (-inf outside the kept set), in eval mode; position 0 is 0.
 
-    `fused_linear`: from the final hidden states and the output weight (`next_token_linear_logprobs`), without
-    materialising the logits; no `top_k` / `top_p` then.
+    `fused_linear`: from the final hidden states and the output weight (`vocab_parallel_linear_logprobs`),
+    without materialising the logits.
 
     A forward-only pass through Megatron's schedule; with pipeline parallelism the last stage broadcasts the
     result to the other stages.
     """
-    if fused_linear and (top_k is not None or top_p is not None):
-        raise ValueError(_FUSED_FILTER_ERROR)
     input_ids = batch["input_ids"]
-    vocab = VocabShard.of(model)
+    vocab = vocab_shard_of(model)
     microbatches = _split(batch, micro_batch_size)
 
     def logprob_func(ids: torch.Tensor, output_tensor: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
         if fused_linear:
-            return _linear_next_token_logprobs(model, output_tensor, ids, vocab, logits_temperature)[0]
-        logprobs, _ = next_token_logprobs(
-            tempered(output_tensor, logits_temperature), ids, vocab_start_index=vocab.start_index, true_vocab_size=vocab.true_vocab_size,
-            group=vocab.group, top_k=top_k, top_p=top_p,
-        )
-        return logprobs
+            return _linear_logprobs(model, output_tensor, ids, vocab, logits_temperature, top_k=top_k, top_p=top_p)
+        return vocab_parallel_logprobs(tempered(output_tensor, logits_temperature), ids, shard=vocab, shift=True,
+                                       top_k=top_k, top_p=top_p)
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
         ids = next(data_iterator)["input_ids"]
@@ -214,16 +189,15 @@ def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, *, hidden_sta
         return model(input_ids, position_ids, attention_mask=causal_mask[None, None])
 
 
-def _linear_next_token_logprobs(model: torch.nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor,
-                                vocab: VocabShard, temperature: float, *, trained: torch.Tensor | None = None,
-                                with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`next_token_linear_logprobs` on `model`'s final hidden states `[b, s, h]` and its output weight shard at
-    `temperature`; the weight runs in the hidden states' dtype (bf16 under autocast, as the output layer would)."""
-    weight = output_weight(model)
-    return next_token_linear_logprobs(
-        hidden, weight.to(hidden.dtype), input_ids, trained=trained, vocab_start_index=vocab.start_index,
-        true_vocab_size=vocab.true_vocab_size, group=vocab.group, with_entropy=with_entropy,
-        logit_scale=1.0 / temperature,
+def _linear_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, vocab: VocabShard,
+                     temperature: float, *, with_entropy: bool = False, top_k: int | None = None,
+                     top_p: float | None = None):
+    """Next-token logprobs (and entropies) of `targets` (`[b, s]` token ids, -1 = not trained) from `model`'s
+    final hidden states `[b, s, h]` and its output weight shard at `temperature`, never materialising the
+    logits; the weight runs in the hidden states' dtype (bf16 under autocast, as the output layer would)."""
+    return vocab_parallel_linear_logprobs(
+        hidden, output_weight(model).to(hidden.dtype), targets, shard=vocab, shift=True, with_entropy=with_entropy,
+        logit_scale=1.0 / temperature, top_k=top_k, top_p=top_p,
     )
 
 
@@ -254,7 +228,7 @@ def train_step(
     micro_batch_size = cfg.policy.train_micro_batch_size
     temperature = cfg.generation.temperature  # train the policy the rollouts sampled from...
     sampling = {"top_k": cfg.generation.top_k, "top_p": cfg.generation.top_p}  # ...filtered as they were
-    fused = cfg.policy.fused_linear_logprobs  # no top-k / top-p then (the config rejects them)
+    fused = cfg.policy.fused_linear_logprobs
     step_rows = _rows_per_optimizer_step(cfg, batch["input_ids"].shape[0])
     batch = dict(batch)
     passes_run: dict[str, int] = {}
@@ -333,7 +307,7 @@ def _forward_backward(
     microbatches = _split(batch, micro_batch_size)
     tokens, seqs = _global_valid_counts(microbatches)
     forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches), global_valid_tokens=tokens,
-                                     global_valid_seqs=seqs, vocab=VocabShard.of(model),
+                                     global_valid_seqs=seqs, vocab=vocab_shard_of(model),
                                      logits_temperature=logits_temperature, top_k=top_k, top_p=top_p,
                                      fused_linear=fused_linear)
     optimizer.zero_grad()

@@ -13,6 +13,10 @@ entropy. Backward: per chunk, recompute the logits, run the existing backward ke
 buffer, then `dH = scale * dlogits @ W` and `dW += scale * dlogits.T @ h`. No collective runs in backward:
 `dH` is a partial sum over the vocab shards, which the caller reduces across TP where Megatron's output layer
 does (see `vocab_parallel_linear_logprobs`).
+
+With `top_k` / `top_p`, each chunk's filter threshold is found on its logits in forward (the collectives of
+`filtering`, per chunk, identical on every TP rank since the rows are replicated) and kept, `[rows]` fp32, for
+backward's recompute.
 """
 
 from __future__ import annotations
@@ -24,8 +28,11 @@ import torch
 import torch.distributed as dist
 
 from .backends import Implementation, Kernels, select_kernels
+from .filtering import SamplingFilter, kept_threshold
 from .partials import combine_partials, gather_partials
-from .vocab_parallel import LOGITS_DTYPES, ShardLayout, _check_target_ids, _row_gradient, entropy_term, outputs
+from .shift import check_shiftable, next_token_targets
+from .vocab_parallel import LOGITS_DTYPES, _row_gradient, check_target_ids, entropy_term, outputs, per_token
+from .vocab_shard import VocabShard
 
 # Default budget for one chunk of logits (in the hidden states' dtype): large enough that each GEMM is big,
 # small enough to be negligible next to the `[T, V_local]` logits the op avoids. See `chunk_rows_for`.
@@ -34,12 +41,16 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
-class LinearPlan:
-    """How the call is cut: the vocab layout, the logit scale and the rows per chunk."""
+class LinearCall:
+    """How the call is cut and what it computes: everything the autograd Function takes besides its tensors."""
 
-    layout: ShardLayout
+    shard: VocabShard  # resolved
+    valid_cols: int
     logit_scale: float
     chunk_rows: int
+    with_entropy: bool
+    sampling: SamplingFilter
+    kernels: Kernels
 
     def chunks(self, rows: int) -> list[slice]:
         return [slice(start, min(start + self.chunk_rows, rows)) for start in range(0, rows, self.chunk_rows)]
@@ -56,25 +67,29 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
     """Autograd wrapper: `hidden` holds only the trained rows; the functional API below gathers and checks."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, plan: LinearPlan, group, with_entropy, kernels: Kernels):
-        partials = VocabParallelLinearLogprobs.local_partials(hidden, weight, targets, plan, with_entropy, kernels)
-        stats = combine_partials(gather_partials(partials, group), targets, with_entropy)
-        ctx.save_for_backward(hidden, weight, targets, stats.lse, stats.mean_x)
-        ctx.plan, ctx.kernels = plan, kernels
+    def forward(ctx, hidden, weight, targets, call: LinearCall):
+        partials, threshold = VocabParallelLinearLogprobs.local_partials(hidden, weight, targets, call)
+        stats = combine_partials(gather_partials(partials, call.shard.group), targets, call.with_entropy)
+        # A target outside the top-k / top-p kept set has logprob -inf, a constant: it passes no gradient back.
+        filtered_target = None if threshold is None else stats.logprob == float("-inf")
+        ctx.save_for_backward(hidden, weight, targets, stats.lse, stats.mean_x, threshold, filtered_target)
+        ctx.call = call
         ctx.set_materialize_grads(False)  # an entropy that is only logged passes None, and its term is skipped
-        return outputs(stats, with_entropy)
+        return outputs(stats, call.with_entropy)
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy=None):
-        hidden, weight, targets, lse, mean_x = ctx.saved_tensors
+        hidden, weight, targets, lse, mean_x, threshold, filtered_target = ctx.saved_tensors
         rows = hidden.shape[0]
         grad_logprob = _row_gradient(grad_logprob, rows, lse)
+        if filtered_target is not None:
+            grad_logprob = grad_logprob.masked_fill(filtered_target, 0.0)
         mean_x, grad_entropy = entropy_term(mean_x, grad_entropy, rows, lse)
         grad_hidden, grad_weight = VocabParallelLinearLogprobs.chunked_backward(
-            hidden, weight, targets, lse, mean_x, grad_logprob, grad_entropy, ctx.plan, ctx.kernels,
+            hidden, weight, targets, lse, mean_x, grad_logprob, grad_entropy, threshold, ctx.call,
             need_hidden=ctx.needs_input_grad[0], need_weight=ctx.needs_input_grad[1],
         )
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None
 
     # ---- stages ----
 
@@ -85,32 +100,38 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         return _scaled_mm(hidden_chunk, weight_valid.t(), scale, out)
 
     @staticmethod
-    def local_partials(hidden, weight, targets, plan: LinearPlan, with_entropy, kernels: Kernels) -> torch.Tensor:
-        """This rank's `[rows, 3|4]` partials, one chunk of logits alive at a time."""
-        layout = plan.layout
-        weight_valid = weight[:layout.valid_cols]
-        rows = hidden.shape[0]
-        partials = []
-        buffer = hidden.new_empty(min(plan.chunk_rows, rows), layout.valid_cols)
-        for sl in plan.chunks(rows):
-            logits = VocabParallelLinearLogprobs.chunk_logits(hidden[sl], weight_valid, plan.logit_scale,
-                                                              buffer[:sl.stop - sl.start])
-            partials.append(kernels.logprob_partials(logits, targets[sl], layout.vocab_start, layout.valid_cols,
-                                                     with_entropy, None))
-        if not partials:  # no trained row: every rank still joins the one all-gather, with nothing
-            compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-            return hidden.new_empty((0, 4 if with_entropy else 3), dtype=compute)
-        return torch.cat(partials) if len(partials) > 1 else partials[0]
-
-    @staticmethod
-    def chunked_backward(hidden, weight, targets, lse, mean_x, grad_logprob, grad_entropy, plan: LinearPlan,
-                         kernels: Kernels, need_hidden: bool, need_weight: bool):
-        """`(dH, dW)` chunk by chunk; the padding rows of `dW` are exactly 0 (they never enter the GEMMs)."""
-        layout, scale = plan.layout, plan.logit_scale
-        valid = layout.valid_cols
+    def local_partials(hidden, weight, targets, call: LinearCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's `[rows, 3|4]` partials, one chunk of logits alive at a time, and the rows' top-k / top-p
+        thresholds (None without a filter)."""
+        shard, valid = call.shard, call.valid_cols
         weight_valid = weight[:valid]
         rows = hidden.shape[0]
-        chunks = plan.chunks(rows)
+        filtered = call.sampling.active(shard.true_vocab_size)
+        partials, thresholds = [], []
+        buffer = hidden.new_empty(min(call.chunk_rows, rows), valid)
+        for sl in call.chunks(rows):
+            logits = VocabParallelLinearLogprobs.chunk_logits(hidden[sl], weight_valid, call.logit_scale,
+                                                              buffer[:sl.stop - sl.start])
+            threshold = kept_threshold(logits, call.sampling, true_vocab_size=shard.true_vocab_size,
+                                       group=shard.group)
+            if filtered:
+                thresholds.append(threshold)
+            partials.append(call.kernels.logprob_partials(logits, targets[sl], shard.start_index, valid,
+                                                          call.with_entropy, threshold))
+        if not partials:  # no trained row: every rank still joins the one all-gather, with nothing
+            compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+            empty = hidden.new_empty((0, 4 if call.with_entropy else 3), dtype=compute)
+            return empty, (empty.new_empty(0) if filtered else None)
+        return torch.cat(partials), (torch.cat(thresholds) if filtered else None)
+
+    @staticmethod
+    def chunked_backward(hidden, weight, targets, lse, mean_x, grad_logprob, grad_entropy, threshold,
+                         call: LinearCall, need_hidden: bool, need_weight: bool):
+        """`(dH, dW)` chunk by chunk; the padding rows of `dW` are exactly 0 (they never enter the GEMMs)."""
+        scale, valid = call.logit_scale, call.valid_cols
+        weight_valid = weight[:valid]
+        rows = hidden.shape[0]
+        chunks = call.chunks(rows)
         grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else None
         # Several low-precision chunks: sum dW in fp32, so its rounding does not grow with the chunk count
         # (costs an fp32 [valid_cols, H] buffer; dW itself is allocated after the loop to keep the peak lower).
@@ -118,15 +139,16 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         weight_sum = torch.zeros(weight_valid.shape, dtype=torch.float32, device=weight.device) if accumulate_fp32 \
             else None
         grad_weight = torch.zeros_like(weight) if need_weight and not accumulate_fp32 else None
-        buffer = hidden.new_empty(min(plan.chunk_rows, rows), valid)
+        buffer = hidden.new_empty(min(call.chunk_rows, rows), valid)
         for sl in chunks:
             h = hidden[sl]
             grad_logits = VocabParallelLinearLogprobs.chunk_logits(h, weight_valid, scale,
                                                                    buffer[:sl.stop - sl.start])
-            kernels.logprob_backward(
-                grad_logits, targets[sl], layout.vocab_start, valid, lse[sl],
+            call.kernels.logprob_backward(
+                grad_logits, targets[sl], call.shard.start_index, valid, lse[sl],
                 None if mean_x is None else mean_x[sl], grad_logprob[sl],
-                None if grad_entropy is None else grad_entropy[sl], grad_logits, None,
+                None if grad_entropy is None else grad_entropy[sl], grad_logits,
+                None if threshold is None else threshold[sl],
             )  # in place: the chunk's logits become d(objective)/d(logits)
             if need_hidden:
                 _scaled_mm(grad_logits, weight_valid, scale, grad_hidden[sl])
@@ -145,12 +167,14 @@ def vocab_parallel_linear_logprobs(
     weight: torch.Tensor,
     targets: torch.Tensor,
     *,
-    vocab_start_index: int | None = None,
-    true_vocab_size: int | None = None,
-    group: dist.ProcessGroup | None = None,
+    shard: VocabShard | None = None,
+    shift: bool = False,
     with_entropy: bool = False,
     logit_scale: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
     chunk_rows: int | None = None,
+    check_inputs: bool = True,
     implementation: Implementation = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of `targets` under softmax(logit_scale * hidden @ weight.T) over the whole (sharded,
@@ -159,7 +183,8 @@ def vocab_parallel_linear_logprobs(
     Differentiable w.r.t. `hidden` and `weight`. The gradient of `hidden` is this rank's **partial sum** over
     its vocab shard: the caller reduces it across TP exactly where Megatron's output layer does (the
     all-reduce in backward of `copy_to_tensor_model_parallel_region` on the layer's input), so this op runs
-    no collective in backward. Forward runs one all-gather of `[trained rows, 3|4]` fp32 partials.
+    no collective in backward. Forward runs one all-gather of `[trained rows, 3|4]` fp32 partials (plus the
+    filter's small collectives per chunk with `top_k` / `top_p`).
 
     Args:
         hidden: `[..., H]` final hidden states (after the final norm), replicated over the TP group.
@@ -167,40 +192,74 @@ def vocab_parallel_linear_logprobs(
             and device as `hidden`.
         targets: `[...]` (`hidden.shape[:-1]`) integer global token ids; `< 0` means ignore: the row is
             never computed, and its logprob, entropy and `hidden` gradient are exactly 0.
-        vocab_start_index: global id of weight row 0; default `rank(group) * V_local`.
-        true_vocab_size: ids `>=` this are padding: they never enter the softmax, and their weight rows get
-            exactly 0 gradient; default: no padding.
-        group: tensor-parallel process group; None means the vocab is not sharded.
+        shard: where the weight's rows sit in the vocab, its padding (ids `>=` the true vocab size never enter
+            the softmax, and their weight rows get exactly 0 gradient) and the TP group (`VocabShard`); None
+            means an unsharded, unpadded vocab.
+        shift: next-token mode, as in `vocab_parallel_logprobs` (`megatron_grpo.ops.shift`).
         with_entropy: also return the exact entropy of each row's distribution.
         logit_scale: logits are `logit_scale * hidden @ weight.T`; `1 / temperature` for a sampling temperature.
+        top_k, top_p: the sampler's filtered distribution, as in `vocab_parallel_logprobs`.
         chunk_rows: trained rows per chunk; None fits a chunk of logits in `CHUNK_BYTES` (256 MiB).
+        check_inputs: check target ids against the vocab (a host sync); pass False in hot loops. Gathering
+            the trained rows is a host sync of its own whenever some rows are ignored.
         implementation: "auto" (fused kernels where available), "fused" or "reference".
 
     Returns:
         float32 logprobs `[...]` (float64 for float64 inputs), or `(logprobs, entropy)` with `with_entropy`.
     """
-    _check_inputs(hidden, weight, targets, logit_scale, chunk_rows)
-    layout = ShardLayout.resolve(weight.shape[0], vocab_start_index, true_vocab_size, group)
-    _check_target_ids(targets, layout)  # a host sync, like the row gather
-    kernels = select_kernels(weight, implementation)
-    plan = LinearPlan(layout=layout, logit_scale=float(logit_scale),
-                      chunk_rows=int(chunk_rows) if chunk_rows is not None
-                      else chunk_rows_for(layout.valid_cols, hidden.dtype))
-    batch_shape = targets.shape
-    rows_hidden = hidden.reshape(-1, hidden.shape[-1])
-    rows_targets = targets.reshape(-1).to(torch.int64)
-    trained = (rows_targets >= 0).nonzero().squeeze(1)
-    all_trained = trained.numel() == rows_targets.numel()
-    if not all_trained:  # ignored rows leave before any matmul; index_select's backward gives them exactly 0
-        rows_hidden = rows_hidden.index_select(0, trained)
-        rows_targets = rows_targets.index_select(0, trained)
-    out = VocabParallelLinearLogprobs.apply(rows_hidden.contiguous(), weight.contiguous(),
-                                            rows_targets.contiguous(), plan, group, with_entropy, kernels)
-    outputs = out if with_entropy else (out,)
-    if not all_trained:
-        outputs = tuple(_scatter_rows(o, trained, batch_shape.numel()) for o in outputs)
-    outputs = tuple(o.reshape(batch_shape) for o in outputs)
-    return outputs if with_entropy else outputs[0]
+    rows = TrainedRows.of(hidden, weight, targets, shard=shard, shift=shift, logit_scale=logit_scale,
+                          top_k=top_k, top_p=top_p, chunk_rows=chunk_rows, check_inputs=check_inputs,
+                          with_entropy=with_entropy, implementation=implementation)
+    out = VocabParallelLinearLogprobs.apply(rows.hidden, weight.contiguous(), rows.targets, rows.call)
+    return rows.scatter(out, with_entropy)
+
+
+@dataclass(frozen=True)
+class TrainedRows:
+    """A call's trained rows (target >= 0), gathered out of `[..., H]` before any matmul, and how to put per-row
+    results back in the targets' shape (ignored rows exactly 0, passing no gradient)."""
+
+    hidden: torch.Tensor  # [trained rows, H], contiguous
+    targets: torch.Tensor  # [trained rows] int64
+    index: torch.Tensor | None  # row index of each trained row among all rows; None when every row is trained
+    batch_shape: torch.Size
+    shift: bool
+    call: LinearCall
+
+    @staticmethod
+    def of(hidden, weight, targets, *, shard, shift, logit_scale, top_k, top_p, chunk_rows, check_inputs,
+           with_entropy, implementation) -> "TrainedRows":
+        _check_inputs(hidden, weight, targets, logit_scale, chunk_rows)
+        shard = (VocabShard() if shard is None else shard).resolve(weight.shape[0])
+        valid_cols = shard.valid_cols(weight.shape[0])
+        if check_inputs:
+            check_target_ids(targets, shard)
+        if shift:
+            check_shiftable(targets)
+            targets = next_token_targets(targets)
+        call = LinearCall(shard=shard, valid_cols=valid_cols, logit_scale=float(logit_scale),
+                          chunk_rows=int(chunk_rows) if chunk_rows is not None
+                          else chunk_rows_for(valid_cols, hidden.dtype),
+                          with_entropy=with_entropy, sampling=SamplingFilter(top_k=top_k, top_p=top_p),
+                          kernels=select_kernels(weight, implementation))
+        rows_hidden = hidden.reshape(-1, hidden.shape[-1])
+        rows_targets = targets.reshape(-1).to(torch.int64)
+        index = (rows_targets >= 0).nonzero().squeeze(1)
+        if index.numel() == rows_targets.numel():
+            index = None
+        else:  # index_select's backward gives the ignored rows exactly 0
+            rows_hidden = rows_hidden.index_select(0, index)
+            rows_targets = rows_targets.index_select(0, index)
+        return TrainedRows(hidden=rows_hidden.contiguous(), targets=rows_targets.contiguous(), index=index,
+                           batch_shape=targets.shape, shift=shift, call=call)
+
+    def scatter(self, out, with_entropy: bool):
+        """Per-trained-row outputs back among all rows, in the targets' shape (aligned with tokens with
+        `shift`)."""
+        values = out if with_entropy else (out,)
+        if self.index is not None:
+            values = tuple(_scatter_rows(v, self.index, self.batch_shape.numel()) for v in values)
+        return per_token(values if with_entropy else values[0], self.batch_shape, with_entropy, self.shift)
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:

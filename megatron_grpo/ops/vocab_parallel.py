@@ -19,74 +19,58 @@ import torch.distributed as dist
 from .backends import Implementation, Kernels, select_kernels
 from .filtering import SamplingFilter, kept_threshold
 from .partials import combine_partials, gather_partials
+from .shift import aligned_with_tokens, check_shiftable, next_token_targets
+from .vocab_shard import VocabShard
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @dataclass(frozen=True)
-class ShardLayout:
-    """Where this rank's columns sit in the global vocab, and how many of them are real (not padding)."""
+class LogprobCall:
+    """Everything a call hands the autograd Function besides the logits and targets."""
 
-    vocab_start: int
+    shard: VocabShard  # resolved
     valid_cols: int
-    true_vocab_size: int
-
-    @staticmethod
-    def resolve(
-        local_vocab: int, vocab_start_index: int | None, true_vocab_size: int | None, group: dist.ProcessGroup | None
-    ) -> "ShardLayout":
-        rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
-        vocab_start = rank * local_vocab if vocab_start_index is None else int(vocab_start_index)
-        if vocab_start < 0:
-            raise ValueError(f"vocab_start_index must be >= 0, got {vocab_start}")
-        padded_vocab = world * local_vocab
-        if true_vocab_size is None:
-            true_vocab_size = max(padded_vocab, vocab_start + local_vocab)
-        true_vocab_size = int(true_vocab_size)
-        if true_vocab_size <= 0:
-            raise ValueError(f"true_vocab_size must be > 0, got {true_vocab_size}")
-        if vocab_start_index is None and true_vocab_size > padded_vocab:
-            raise ValueError(
-                f"true_vocab_size={true_vocab_size} exceeds the sharded vocab of {world} rank(s) x {local_vocab} "
-                f"columns = {padded_vocab}: some token ids would belong to no rank"
-            )
-        valid_cols = min(max(true_vocab_size - vocab_start, 0), local_vocab)
-        return ShardLayout(vocab_start=vocab_start, valid_cols=valid_cols, true_vocab_size=true_vocab_size)
+    with_entropy: bool
+    inplace_backward: bool
+    kernels: Kernels
+    threshold: torch.Tensor | None  # fp32 [rows]: the top-k / top-p cut, or None
 
 
 class VocabParallelLogprobs(torch.autograd.Function):
     """Autograd wrapper around the kernels; the functional API below validates and reshapes."""
 
     @staticmethod
-    def forward(ctx, logits, targets, layout: ShardLayout, group, with_entropy, inplace_backward, kernels: Kernels,
-                threshold: torch.Tensor | None):
-        partials = kernels.logprob_partials(logits, targets, layout.vocab_start, layout.valid_cols, with_entropy,
-                                            threshold)
-        stats = combine_partials(gather_partials(partials, group), targets, with_entropy)
+    def forward(ctx, logits, targets, call: LogprobCall):
+        start = call.shard.start_index
+        partials = call.kernels.logprob_partials(logits, targets, start, call.valid_cols, call.with_entropy,
+                                                 call.threshold)
+        stats = combine_partials(gather_partials(partials, call.shard.group), targets, call.with_entropy)
         # A target outside the kept set has logprob -inf, a constant: it passes no gradient back.
-        filtered_target = None if threshold is None else stats.logprob == float("-inf")
-        ctx.save_for_backward(logits, targets, stats.lse, stats.mean_x, threshold, filtered_target)
-        ctx.layout, ctx.inplace_backward, ctx.kernels = layout, inplace_backward, kernels
+        filtered_target = None if call.threshold is None else stats.logprob == float("-inf")
+        ctx.save_for_backward(logits, targets, stats.lse, stats.mean_x, call.threshold, filtered_target)
+        ctx.call = call
         ctx.set_materialize_grads(False)  # an entropy that is only logged passes None, and its term is skipped
-        return outputs(stats, with_entropy)
+        return outputs(stats, call.with_entropy)
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy=None):
         logits, targets, lse, mean_x, threshold, filtered_target = ctx.saved_tensors
+        call: LogprobCall = ctx.call
         rows = logits.shape[0]
         grad_logprob = _row_gradient(grad_logprob, rows, lse)
         if filtered_target is not None:
             grad_logprob = grad_logprob.masked_fill(filtered_target, 0.0)
         mean_x, grad_entropy = entropy_term(mean_x, grad_entropy, rows, lse)
-        grad_logits = logits if ctx.inplace_backward else empty_with_alignment_of(logits)
-        ctx.kernels.logprob_backward(
-            logits, targets, ctx.layout.vocab_start, ctx.layout.valid_cols, lse, mean_x, grad_logprob,
-            grad_entropy, grad_logits, threshold,
+        grad_logits = logits if call.inplace_backward else empty_with_alignment_of(logits)
+        call.kernels.logprob_backward(
+            logits, targets, call.shard.start_index, call.valid_cols, lse, mean_x, grad_logprob, grad_entropy,
+            grad_logits, threshold,
         )
-        if ctx.inplace_backward:
+        if call.inplace_backward:
             # Anyone else who saved these logits now fails loudly at unpack instead of reading gradients.
             torch.autograd.graph.increment_version(logits)
-        return grad_logits, None, None, None, None, None, None, None
+        return grad_logits, None, None
 
 
 VECTOR_BYTES = 16  # the kernels' vector width: a row takes the vector path where grad and logits share it
@@ -137,9 +121,8 @@ def vocab_parallel_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
     *,
-    vocab_start_index: int | None = None,
-    true_vocab_size: int | None = None,
-    group: dist.ProcessGroup | None = None,
+    shard: VocabShard | None = None,
+    shift: bool = False,
     with_entropy: bool = False,
     inplace_backward: bool = False,
     check_inputs: bool = True,
@@ -157,9 +140,10 @@ def vocab_parallel_logprobs(
     Args:
         logits: `[..., V_local]` float32/bfloat16/float16 (float64 on the reference path): this rank's shard.
         targets: `[...]` integer global token ids; `< 0` means ignore (logprob, entropy and gradient are 0).
-        vocab_start_index: global id of column 0; default `rank(group) * V_local`.
-        true_vocab_size: ids `>=` this are padding and take no part; default: no padding.
-        group: tensor-parallel process group; None means the vocab is not sharded.
+        shard: where the logits' columns sit in the vocab, its padding and the TP group (`VocabShard`); None
+            means an unsharded, unpadded vocab.
+        shift: next-token mode (see `megatron_grpo.ops.shift`): `targets` are the sequence's tokens, the logits
+            at `t` score `targets[..., t + 1]`, and the outputs are aligned with `targets` (position 0 is 0).
         with_entropy: also return the exact entropy of each row's distribution.
         inplace_backward: write the gradient into the logits' buffer (saves a `[..., V_local]` allocation).
             The logits must not be needed afterwards; autograd's version counter enforces this loudly.
@@ -173,9 +157,13 @@ def vocab_parallel_logprobs(
     """
     _check_tensors(logits, targets)
     sampling = SamplingFilter(top_k=top_k, top_p=top_p)
-    layout = ShardLayout.resolve(logits.shape[-1], vocab_start_index, true_vocab_size, group)
+    shard = (VocabShard() if shard is None else shard).resolve(logits.shape[-1])
+    valid_cols = shard.valid_cols(logits.shape[-1])
     if check_inputs:
-        _check_target_ids(targets, layout)
+        check_target_ids(targets, shard)
+    if shift:
+        check_shiftable(targets)
+        targets = next_token_targets(targets)
     batch_shape = targets.shape
     rows_logits = logits.reshape(-1, logits.shape[-1])
     if rows_logits.stride(-1) != 1 or (rows_logits.shape[0] > 1 and rows_logits.stride(0) < rows_logits.shape[1]):
@@ -183,15 +171,21 @@ def vocab_parallel_logprobs(
     rows_targets = targets.reshape(-1).to(torch.int64).contiguous()
     kernels = select_kernels(rows_logits, implementation)
     with torch.no_grad():
-        threshold = kept_threshold(rows_logits[:, :layout.valid_cols], sampling,
-                                   true_vocab_size=layout.true_vocab_size, group=group)
-    out = VocabParallelLogprobs.apply(
-        rows_logits, rows_targets, layout, group, with_entropy, inplace_backward, kernels, threshold
-    )
-    if with_entropy:
-        logprob, entropy = out
-        return logprob.reshape(batch_shape), entropy.reshape(batch_shape)
-    return out.reshape(batch_shape)
+        threshold = kept_threshold(rows_logits[:, :valid_cols], sampling, true_vocab_size=shard.true_vocab_size,
+                                   group=shard.group)
+    call = LogprobCall(shard=shard, valid_cols=valid_cols, with_entropy=with_entropy,
+                       inplace_backward=inplace_backward, kernels=kernels, threshold=threshold)
+    out = VocabParallelLogprobs.apply(rows_logits, rows_targets, call)
+    return per_token(out, batch_shape, with_entropy, shift)
+
+
+def per_token(out, batch_shape: torch.Size, with_entropy: bool, shift: bool):
+    """The ops' per-row outputs in the targets' shape, moved to the tokens' positions with `shift`."""
+    values = out if with_entropy else (out,)
+    values = tuple(v.reshape(batch_shape) for v in values)
+    if shift:
+        values = tuple(aligned_with_tokens(v) for v in values)
+    return values if with_entropy else values[0]
 
 
 def _check_tensors(logits: torch.Tensor, targets: torch.Tensor) -> None:
@@ -213,13 +207,13 @@ def _check_tensors(logits: torch.Tensor, targets: torch.Tensor) -> None:
         raise ValueError(f"logits are on {logits.device} but targets on {targets.device}")
 
 
-def _check_target_ids(targets: torch.Tensor, layout: ShardLayout) -> None:
-    """Target ids beyond the true vocab are an error, never a silent -inf."""
+def check_target_ids(targets: torch.Tensor, shard: VocabShard) -> None:
+    """Target ids beyond the true vocab are an error, never a silent -inf (a host sync)."""
     if targets.numel() == 0:
         return
     largest = int(targets.max())
-    if largest >= layout.true_vocab_size:
+    if largest >= shard.true_vocab_size:
         raise ValueError(
-            f"targets contain token id {largest}, which is >= true_vocab_size={layout.true_vocab_size} "
+            f"targets contain token id {largest}, which is >= true_vocab_size={shard.true_vocab_size} "
             f"(ids at or beyond it are vocab padding and cannot be targets)"
         )
