@@ -193,6 +193,7 @@ class PolicyConfig:
     train_micro_batch_size: int  # sequences per microbatch per DP rank
     precision: Literal["fp32", "bf16"]  # no fp16: the train step does no loss scaling
     fused_linear_logprobs: bool  # logprobs from the final hidden states, no [tokens, vocab] logits
+    fused_linear_loss: bool  # with fused_linear_logprobs: the training loss's gradient in forward (3 GEMMs, not 4)
     model: ModelConfig
     optimizer: OptimizerConfig
 
@@ -382,6 +383,12 @@ def _range_problems(cfg: Config) -> list[str]:
         problems.append(f"generation.top_k: must be null or >= 1, got {cfg.generation.top_k!r}")
     if cfg.generation.top_p is not None and not 0.0 < cfg.generation.top_p <= 1.0:
         problems.append(f"generation.top_p: must be null or in (0, 1], got {cfg.generation.top_p!r}")
+    if policy.fused_linear_loss and not policy.fused_linear_logprobs:
+        problems.append("policy.fused_linear_loss: true needs policy.fused_linear_logprobs: true")
+    if policy.fused_linear_loss and (cfg.generation.top_k is not None or cfg.generation.top_p is not None):
+        problems.append(f"policy.fused_linear_loss: true does not support generation.top_k / generation.top_p (got "
+                        f"top_k {cfg.generation.top_k!r}, top_p {cfg.generation.top_p!r}): set "
+                        f"policy.fused_linear_loss: false (the fused op then applies the filter)")
     threshold = cfg.grpo.seq_logprob_error_threshold
     if threshold is not None and not threshold > 0:
         problems.append(f"grpo.seq_logprob_error_threshold: must be null or > 0, got {threshold!r}")

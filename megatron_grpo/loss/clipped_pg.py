@@ -32,6 +32,7 @@ from megatron_grpo.loss.batch import BatchRequirements, LossBatch, trained_token
 from megatron_grpo.loss.config import ClippedPGLossConfig
 from megatron_grpo.loss.importance import ImportanceWeights, finite_or_zero, importance_weights
 from megatron_grpo.loss.kl import kl_estimate
+from megatron_grpo.loss.linear_loss import loss_fused_linear
 from megatron_grpo.loss.metrics import METRIC_AGGREGATION, Aggregation
 from megatron_grpo.loss.reductions import (
     Count,
@@ -42,6 +43,7 @@ from megatron_grpo.loss.reductions import (
     token_min,
 )
 from megatron_grpo.ops import VocabShard, vocab_parallel_logprobs
+from megatron_grpo.ops.backends import Implementation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,11 +132,11 @@ class ClippedPGLoss:
         else:
             trained = inputs.mask.bool()
             zero = torch.zeros((), dtype=torch.float32, device=trained.device)
-            curr, entropy = (torch.where(trained, precomputed[key].to(torch.float32), zero)
+            curr, entropy = (torch.where(trained, _float32_or_64(precomputed[key]), zero)
                              for key in ("curr_logprobs", "curr_entropy"))
         curr_unfiltered = None  # the KL's current logprobs, where a sampling filter makes them differ
         if cfg.kl_in_loss and precomputed is not None and curr_unfiltered_logprobs is not None:
-            curr_unfiltered = torch.where(inputs.mask.bool(), curr_unfiltered_logprobs.to(torch.float32),
+            curr_unfiltered = torch.where(inputs.mask.bool(), _float32_or_64(curr_unfiltered_logprobs),
                                           torch.zeros((), dtype=torch.float32, device=inputs.mask.device))
         elif cfg.kl_in_loss and (top_k is not None or top_p is not None):
             curr_unfiltered, _ = self._current_logprobs(
@@ -174,6 +176,34 @@ class ClippedPGLoss:
         with torch.no_grad():
             metrics = self._metrics(loss, curr, prev, inputs, mask, policy, weights, kl, kl_mask, entropy, nll)
         return loss, metrics
+
+    def on_hidden_states(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        batch: Mapping[str, torch.Tensor],
+        *,
+        global_valid_tokens: Count,
+        global_valid_seqs: Count,
+        shard: VocabShard | None = None,
+        logit_scale: float = 1.0,
+        prev_logprobs_from_current: bool = False,
+        chunk_rows: int | None = None,
+        implementation: Implementation = "auto",
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The same loss and metrics from final hidden states `[B, S, H]` and this rank's `[V_local, H]` output
+        weight shard (logits `logit_scale * hidden @ weight.T`), its gradient computed chunk by chunk in forward:
+        the loss-fused linear path (`megatron_grpo.loss.linear_loss`), 3 GEMMs instead of the op's 4, exact for
+        every setting of this loss because it is sequence-additive. `hidden`'s gradient is this rank's partial
+        sum over its vocab shard (the caller reduces it over TP). No top-k / top-p (use `vocab_parallel_linear_
+        logprobs` and `curr_logprobs=` then)."""
+
+        def sequence_loss(sequences: Mapping[str, torch.Tensor], curr: torch.Tensor, entropy: torch.Tensor):
+            return self(None, sequences, global_valid_tokens=global_valid_tokens, global_valid_seqs=global_valid_seqs,
+                        prev_logprobs_from_current=prev_logprobs_from_current, curr_logprobs=curr, curr_entropy=entropy)
+
+        return loss_fused_linear(sequence_loss, hidden, weight, batch, shard=shard, logit_scale=logit_scale,
+                                 chunk_rows=chunk_rows, implementation=implementation)
 
     def _check_precomputed(
         self, logits: torch.Tensor | None, curr_logprobs: torch.Tensor | None, curr_entropy: torch.Tensor | None,
@@ -357,3 +387,8 @@ class ClippedPGLoss:
         else:
             metrics["is_oob_ratio"] = token_mean(oob.to(torch.float32), mask)
         return metrics
+
+
+def _float32_or_64(values: torch.Tensor) -> torch.Tensor:
+    """Precomputed logprobs in the loss's precision: float64 stays float64 (as from float64 logits), else float32."""
+    return values if values.dtype == torch.float64 else values.to(torch.float32)

@@ -73,6 +73,7 @@ def make_forward_step(
     top_k: int | None = None,
     top_p: float | None = None,
     fused_linear: bool = False,
+    fused_loss: bool = False,
 ) -> ForwardStep:
     """A `forward_step(data_iterator, model) -> (output_tensor, loss_func)` for one optimizer step.
 
@@ -85,6 +86,10 @@ def make_forward_step(
     `logit_scale = 1 / logits_temperature` and the sampling filter; no logits are materialised. `loss_fn` then
     gets `logits=None` and `curr_logprobs=` / `curr_entropy=` (as `ClippedPGLoss` takes them).
 
+    `fused_loss` (`policy.fused_linear_loss`, with `fused_linear`): the loss-fused path instead,
+    `loss_fn.on_hidden_states(hidden, weight, batch, ...)` (see `ClippedPGLoss.on_hidden_states`), which computes
+    the loss's gradient chunk by chunk in forward. No `top_k` / `top_p` then.
+
     `global_valid_*` count the whole optimizer step (all microbatches, all DP ranks); the loss is already
     normalised by them, so the per-microbatch losses sum to the step's loss. With pipeline parallelism the
     schedule calls `loss_func` on the last stage only. `loss_fn`'s metrics carry its loss as a detached
@@ -93,6 +98,10 @@ def make_forward_step(
 
     # Only a set filter is passed on, so a loss that knows no sampling filter still works without one.
     sampling_filter = {name: value for name, value in (("top_k", top_k), ("top_p", top_p)) if value is not None}
+    if fused_loss and not (fused_linear and hasattr(loss_fn, "on_hidden_states")):
+        raise ValueError("fused_loss: needs fused_linear=True and a loss with on_hidden_states (ClippedPGLoss)")
+    if fused_loss and sampling_filter:
+        raise ValueError("fused_loss: no top_k / top_p on the loss-fused path (use fused_linear alone)")
 
     def current(batch: Batch, model: torch.nn.Module, output_tensor: torch.Tensor) -> dict[str, torch.Tensor | None]:
         """What the loss reads of the model's output: the tempered logits, or the fused op's current tensors."""
@@ -107,8 +116,18 @@ def make_forward_step(
                                                                    logits_temperature)
         return current
 
+    def fused_loss_func(batch: Batch, model: torch.nn.Module, hidden: torch.Tensor):
+        return loss_fn.on_hidden_states(
+            hidden, output_weight(model).to(hidden.dtype), batch, global_valid_tokens=global_valid_tokens,
+            global_valid_seqs=global_valid_seqs, shard=vocab, logit_scale=1.0 / logits_temperature,
+            prev_logprobs_from_current=plan.prev_from_current,
+        )
+
     def loss_func(batch: Batch, model: torch.nn.Module,
                   output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if fused_loss:
+            loss, metrics = fused_loss_func(batch, model, output_tensor)
+            return loss * num_microbatches, metrics
         model_output = current(batch, model, output_tensor)
         loss, metrics = loss_fn(
             model_output.pop("logits"),
@@ -256,7 +275,7 @@ def train_step(
         step_batch = {key: value[start:start + step_rows] for key, value in batch.items()}
         with timer.section("forward_backward"):
             metrics = _forward_backward(model, optimizer, loss_fn, plan, step_batch, micro_batch_size, temperature,
-                                        fused_linear=fused, **sampling)
+                                        fused_linear=fused, fused_loss=cfg.policy.fused_linear_loss, **sampling)
         with timer.section("optimizer"):
             grad_norm = clip_grad_norm(model, clip)
             lr = learning_rate(optimizer)  # the rate this optimizer.step() uses
@@ -299,6 +318,7 @@ def _forward_backward(
     top_k: int | None = None,
     top_p: float | None = None,
     fused_linear: bool = False,
+    fused_loss: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Fresh gradients of one optimizer step: Megatron's schedule over the microbatches, then the DP sum.
 
@@ -309,7 +329,7 @@ def _forward_backward(
     forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches), global_valid_tokens=tokens,
                                      global_valid_seqs=seqs, vocab=vocab_shard_of(model),
                                      logits_temperature=logits_temperature, top_k=top_k, top_p=top_p,
-                                     fused_linear=fused_linear)
+                                     fused_linear=fused_linear, fused_loss=fused_loss)
     optimizer.zero_grad()
     model.train()
     metrics = _run_schedule(forward_step, model, microbatches, forward_only=False)
