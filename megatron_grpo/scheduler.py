@@ -18,25 +18,28 @@ NUM_OPTIONAL_PASSES = 2  # reference and prev
 
 @dataclass(frozen=True)
 class LogprobPlan:
-    """The extra forward passes of one training step.
+    """The extra forward passes of one training step, and the one decision of where the loss's prev comes from.
 
-    The reference model is built exactly when its pass runs, and prev comes from the training forward exactly
-    when its pass is skipped: both are derived, so a plan cannot contradict itself.
+    `prev_from_current`: the loss takes prev = curr.detach() (`prev_logprobs_from_current=True`), and the train
+    step reports curr as the prev logprobs. It holds whenever the prev pass is skipped, and also with
+    `force_on_policy_ratio` when the pass runs only for a reader before the loss. The plan is its single source:
+    `ClippedPGLoss` does not re-derive it from its own config. The reference model is built exactly when its
+    pass runs.
     """
 
     compute_reference_logprobs: bool
     compute_prev_logprobs: bool
+    prev_from_current: bool
     reasons: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.compute_prev_logprobs and not self.prev_from_current:
+            raise ValueError("LogprobPlan: the prev pass is skipped, so the loss must take prev from current "
+                             "(prev_from_current=True)")
 
     @property
     def build_reference_model(self) -> bool:
         return self.compute_reference_logprobs
-
-    @property
-    def prev_from_current(self) -> bool:
-        """The loss takes prev = curr.detach() (`prev_logprobs_from_current=True`), and the train step reports curr
-        as the prev logprobs."""
-        return not self.compute_prev_logprobs
 
     @property
     def passes_per_step(self) -> int:
@@ -142,6 +145,7 @@ def plan_logprob_passes(cfg: Config | PlanInputs) -> LogprobPlan:
     return LogprobPlan(
         compute_reference_logprobs=compute_reference,
         compute_prev_logprobs=compute_prev,
+        prev_from_current=not compute_prev or inputs.force_on_policy,
         reasons=(reference_reason, prev_reason),
     )
 
@@ -201,13 +205,15 @@ def _plan_prev(inputs: PlanInputs, problems: list[str]) -> tuple[bool, str]:
     keys, mode = inputs.keys, inputs.prev_mode
     off_policy = inputs.off_policy_causes()
     unsafe = inputs.prev_consumers_before_loss() + ([] if inputs.force_on_policy else off_policy)
+    forced = (f" The loss's ratio still uses curr.detach(): {keys.force_on_policy} = true."
+              if inputs.force_on_policy else "")
     if mode == "compute":
-        return True, f"prev logprobs computed: {keys.prev_mode} = compute."
+        return True, f"prev logprobs computed: {keys.prev_mode} = compute.{forced}"
     if mode == "skip":
         problems.extend(f"{keys.prev_mode} = skip is unsafe: {why}" for why in unsafe)
         return False, f"prev logprobs skipped, the loss uses curr.detach(): {keys.prev_mode} = skip."
     if unsafe:
-        return True, "prev logprobs computed: " + "; ".join(unsafe) + "."
+        return True, "prev logprobs computed: " + "; ".join(unsafe) + "." + forced
     if off_policy:
         return False, (f"prev logprobs skipped: {keys.force_on_policy} makes the loss use curr.detach() and nothing "
                        "reads them before the loss.")

@@ -348,9 +348,7 @@ def test_on_policy_ratio_is_exactly_one_with_the_gradient_of_explicit_detached_p
     on_policy = dict(inputs.batch)
     del on_policy["prev_logprobs"]
     on_policy_inputs = LossInputs(inputs.logits, on_policy, inputs.true_vocab_size)
-    loss, metrics, grad, ref_loss, ref_metrics, ref_grad = run_both(
-        on_policy_inputs, cfg, prev_from_current=mode == "prev_logprobs_from_current"
-    )
+    loss, metrics, grad, ref_loss, ref_metrics, ref_grad = run_both(on_policy_inputs, cfg, prev_from_current=True)
     assert float(metrics["probs_ratio_min"]) == 1.0 and float(metrics["probs_ratio_max"]) == 1.0
     assert ref_metrics["probs_ratio_min"] == ref_metrics["probs_ratio_max"] == 1.0
     torch.testing.assert_close(loss.double(), ref_loss.detach(), rtol=1e-5, atol=1e-6)

@@ -52,8 +52,11 @@ def test_plan_table(overrides, reference, prev, prev_words):
     plan = plan_logprob_passes(config_with(overrides))
     assert (plan.compute_reference_logprobs, plan.compute_prev_logprobs) == (reference, prev)
     assert plan.build_reference_model == reference
-    assert plan.prev_from_current == (not prev)
+    forced = overrides.get("loss_fn.force_on_policy_ratio", False)
+    assert plan.prev_from_current == (not prev or forced)
     reference_reason, prev_reason = plan.reasons
+    if prev and forced:
+        assert "The loss's ratio still uses curr.detach()" in prev_reason, prev_reason
     assert reference_reason.startswith("reference logprobs " + ("computed" if reference else "and reference model"))
     assert prev_reason.startswith("prev logprobs " + ("computed" if prev else "skipped"))
     for word in prev_words:
@@ -154,12 +157,27 @@ def test_auto_never_errors_and_skips_exactly_the_redundant_passes(setting):
     read_before_loss = setting["grpo.seq_logprob_error_threshold"] is not None or setting["loss_fn.use_kl_in_reward"]
     assert plan.compute_reference_logprobs == plan.build_reference_model == kl_on
     assert plan.compute_prev_logprobs == (not on_policy or read_before_loss)
+    assert plan.prev_from_current == (not plan.compute_prev_logprobs)
     assert len(plan.reasons) == 2
+
+
+def test_forced_on_policy_ratio_takes_prev_from_current_even_when_the_pass_runs_for_a_reader():
+    # The prev pass runs for the sequence mask before the loss; the loss's ratio still uses curr.detach(), and the
+    # plan alone says so (the loss does not re-derive it from its config).
+    plan = plan_logprob_passes(config_with({**FORCE, "grpo.seq_logprob_error_threshold": 1.5}))
+    assert plan.compute_prev_logprobs and plan.prev_from_current
+
+
+def test_a_plan_that_skips_prev_but_needs_it_is_rejected():
+    with pytest.raises(ValueError, match="prev_from_current=True"):
+        LogprobPlan(compute_reference_logprobs=False, compute_prev_logprobs=False, prev_from_current=False,
+                    reasons=())
 
 
 @pytest.mark.parametrize("reference, prev, saved", [(False, False, 2), (True, False, 1), (True, True, 0)])
 def test_passes_saved_per_step(reference, prev, saved):
-    plan = LogprobPlan(compute_reference_logprobs=reference, compute_prev_logprobs=prev, reasons=())
+    plan = LogprobPlan(compute_reference_logprobs=reference, compute_prev_logprobs=prev, prev_from_current=not prev,
+                       reasons=())
     assert plan.passes_per_step == 2 - saved
     assert plan.passes_saved_per_step == saved
 

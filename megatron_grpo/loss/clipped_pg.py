@@ -121,7 +121,10 @@ class ClippedPGLoss:
         `curr_unfiltered_logprobs` (required then, as the KL to the unfiltered reference needs them).
         """
         cfg = self.config
-        prev_from_current = prev_logprobs_from_current or cfg.force_on_policy_ratio
+        prev_from_current = prev_logprobs_from_current
+        if cfg.force_on_policy_ratio and not prev_from_current:
+            raise ValueError("loss_fn.force_on_policy_ratio is true but prev_logprobs_from_current=False: the plan "
+                             "decides where prev comes from; pass prev_logprobs_from_current=plan.prev_from_current")
         precomputed = self._check_precomputed(logits, curr_logprobs, curr_entropy, curr_unfiltered_logprobs,
                                               filtered=top_k is not None or top_p is not None)
         inputs = validate_batch(batch, logits, self._requirements(prev_from_current), current=precomputed)
@@ -237,7 +240,7 @@ class ClippedPGLoss:
             generation_users.append("loss_fn.use_importance_sampling_correction")
         if cfg.kl_in_loss and cfg.use_on_policy_kl_approximation:
             generation_users.append("loss_fn.use_on_policy_kl_approximation")
-        prev_reason = "unless prev_logprobs_from_current=True or loss_fn.force_on_policy_ratio is true"
+        prev_reason = "unless prev_logprobs_from_current=True"
         reference_reason = "because loss_fn.reference_policy_kl_penalty > 0 and loss_fn.use_kl_in_reward is false"
         return BatchRequirements(
             prev_logprobs=None if prev_from_current else prev_reason,

@@ -54,7 +54,8 @@ class TrainStepResult:
     """What one call of `train_step` did. Per-token tensors are `[B, S]` in the order of the batch given."""
 
     curr_logprobs: torch.Tensor  # from the training forward, detached
-    prev_logprobs: torch.Tensor  # from the prev pass, or curr_logprobs when the plan skipped it
+    prev_logprobs: torch.Tensor  # what the loss's ratio used: curr_logprobs when plan.prev_from_current, else the
+    #   prev pass's
     reference_policy_logprobs: torch.Tensor | None  # None when the plan skipped the reference pass
     step_metrics: list[dict[str, float]]  # per optimizer step: the loss's metrics aggregated over microbatches
     #   and DP ranks (on the last pipeline stage only), and `grad_norm` (before clipping) on every rank
@@ -289,7 +290,7 @@ def train_step(
         else torch.empty(batch["input_ids"].shape, dtype=torch.float32, device=batch["input_ids"].device))
     return TrainStepResult(
         curr_logprobs=curr_logprobs,
-        prev_logprobs=batch["prev_logprobs"] if plan.compute_prev_logprobs else curr_logprobs,
+        prev_logprobs=curr_logprobs if plan.prev_from_current else batch["prev_logprobs"],
         reference_policy_logprobs=batch.get("reference_policy_logprobs"),
         step_metrics=step_metrics,
         passes_run=passes_run,
