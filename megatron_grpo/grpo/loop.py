@@ -158,7 +158,7 @@ class Trainer:
         if PrevLogprobShaping.needed(self.cfg):  # reads prev logprobs after their pass, before the loss
             dp_group = parallel_state.get_data_parallel_group() if self.layout.dp_size > 1 else None
             shaping = PrevLogprobShaping(self.cfg, rewards, dp_group)
-        result = train_step(self.cfg, self.model, self.optimizer, self.loss_fn, self.plan, device_batch,
+        result = train_step(StepConfig.of(self.cfg), self.model, self.optimizer, self.loss_fn, self.plan, device_batch,
                             reference_model=self.reference_model, prepare_batch=shaping, timer=timer)
         finished = time.perf_counter()
         record = {

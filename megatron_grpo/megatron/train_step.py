@@ -28,7 +28,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megatron_grpo.config import Config, OptimizerConfig
+from megatron_grpo.config import Config, OptimizerConfig  # noqa: F401  (Config: StepConfig.of only)
 from megatron_grpo.loss import (
     METRIC_AGGREGATION,
     aggregate_metrics,
@@ -47,6 +47,35 @@ log = logging.getLogger(__name__)
 Batch = Mapping[str, torch.Tensor]
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 ForwardStep = Callable[[Iterator[Batch], torch.nn.Module], tuple[torch.Tensor, Callable]]
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """What `train_step` needs to know of the run, and nothing else: a Megatron training script builds one
+    directly; the runner takes it from its config (`StepConfig.of`)."""
+
+    global_batch_size: int  # sequences per optimizer step, over all DP ranks
+    micro_batch_size: int  # sequences per microbatch on one DP rank
+    clip_grad: float  # the gradient-norm clip of each optimizer step
+    temperature: float  # the sampling temperature the rollouts used: the trained policy is softmax(logits / it)...
+    top_k: int | None  # ...filtered as the sampler filtered (None: off)
+    top_p: float | None
+    fused_linear_logprobs: bool  # logprobs from final hidden states (`vocab_parallel_linear_logprobs`)
+    fused_linear_loss: bool  # the training loss's gradient in forward (`ClippedPGLoss.on_hidden_states`)
+
+    @classmethod
+    def of(cls, cfg: Config) -> StepConfig:
+        """The step settings of a runner config (`policy.*`, `generation.*`)."""
+        return cls(
+            global_batch_size=cfg.policy.train_global_batch_size,
+            micro_batch_size=cfg.policy.train_micro_batch_size,
+            clip_grad=cfg.policy.optimizer.clip_grad,
+            temperature=cfg.generation.temperature,
+            top_k=cfg.generation.top_k,
+            top_p=cfg.generation.top_p,
+            fused_linear_logprobs=cfg.policy.fused_linear_logprobs,
+            fused_linear_loss=cfg.policy.fused_linear_loss,
+        )
 
 
 @dataclass(frozen=True)
@@ -222,7 +251,7 @@ def _linear_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torc
 
 
 def train_step(
-    cfg: Config,
+    step: StepConfig,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     loss_fn: LossFn,
@@ -235,8 +264,8 @@ def train_step(
 ) -> TrainStepResult:
     """Trains on one rollout batch (this DP rank's share): the planned logprob passes, then the optimizer steps.
 
-    The rollout holds rollout / train_global_batch_size optimizer steps, each of
-    train_global_batch_size / DP sequences on this rank, in microbatches of train_micro_batch_size.
+    The rollout holds rollout / `step.global_batch_size` optimizer steps, each of `step.global_batch_size` / DP
+    sequences on this rank, in microbatches of `step.micro_batch_size`.
     `reference_model` is needed only when `plan.compute_reference_logprobs`. `prepare_batch`, when given, maps
     the batch once the logprob passes are in it and before any optimizer step: the readers of prev logprobs
     before the loss (sequence masking by logprob error, the KL in the reward) work there.
@@ -244,12 +273,12 @@ def train_step(
     if plan.compute_reference_logprobs and reference_model is None:
         raise ValueError("reference_model: the plan computes reference logprobs, but none was given")
     timer = timer if timer is not None else StepTimer()
-    clip = cfg.policy.optimizer.clip_grad
-    micro_batch_size = cfg.policy.train_micro_batch_size
-    temperature = cfg.generation.temperature  # train the policy the rollouts sampled from...
-    sampling = {"top_k": cfg.generation.top_k, "top_p": cfg.generation.top_p}  # ...filtered as they were
-    fused = cfg.policy.fused_linear_logprobs
-    step_rows = _rows_per_optimizer_step(cfg, batch["input_ids"].shape[0])
+    clip = step.clip_grad
+    micro_batch_size = step.micro_batch_size
+    temperature = step.temperature  # train the policy the rollouts sampled from...
+    sampling = {"top_k": step.top_k, "top_p": step.top_p}  # ...filtered as they were
+    fused = step.fused_linear_logprobs
+    step_rows = _rows_per_optimizer_step(step, batch["input_ids"].shape[0])
     batch = dict(batch)
     passes_run: dict[str, int] = {}
     if plan.compute_reference_logprobs:
@@ -276,7 +305,7 @@ def train_step(
         step_batch = {key: value[start:start + step_rows] for key, value in batch.items()}
         with timer.section("forward_backward"):
             metrics = _forward_backward(model, optimizer, loss_fn, plan, step_batch, micro_batch_size, temperature,
-                                        fused_linear=fused, fused_loss=cfg.policy.fused_linear_loss, **sampling)
+                                        fused_linear=fused, fused_loss=step.fused_linear_loss, **sampling)
         with timer.section("optimizer"):
             grad_norm = clip_grad_norm(model, clip)
             lr = learning_rate(optimizer)  # the rate this optimizer.step() uses
@@ -412,17 +441,17 @@ def _split(batch: Batch, micro_batch_size: int) -> list[Batch]:
             for start in range(0, rows, micro_batch_size)]
 
 
-def _rows_per_optimizer_step(cfg: Config, rollout_rows: int) -> int:
+def _rows_per_optimizer_step(step: StepConfig, rollout_rows: int) -> int:
     """This DP rank's sequences per optimizer step; the rollout must hold a whole number of steps."""
     dp_size = parallel_state.get_data_parallel_world_size()
-    global_batch = cfg.policy.train_global_batch_size
-    if global_batch % (dp_size * cfg.policy.train_micro_batch_size):
-        raise ValueError(f"policy.train_global_batch_size ({global_batch}) is not a multiple of the data-parallel "
-                         f"size ({dp_size}) × policy.train_micro_batch_size ({cfg.policy.train_micro_batch_size})")
+    global_batch = step.global_batch_size
+    if global_batch % (dp_size * step.micro_batch_size):
+        raise ValueError(f"global_batch_size ({global_batch}) is not a multiple of the data-parallel size "
+                         f"({dp_size}) × micro_batch_size ({step.micro_batch_size})")
     step_rows = global_batch // dp_size
     if rollout_rows % step_rows:
         raise ValueError(f"batch['input_ids']: {rollout_rows} sequences on this rank are not a multiple of "
-                         f"policy.train_global_batch_size / DP = {step_rows}")
+                         f"global_batch_size / DP = {step_rows}")
     return step_rows
 
 
