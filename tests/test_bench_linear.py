@@ -10,8 +10,9 @@ import re
 import pytest
 import torch
 
+import megatron_grpo.bench.linear as linear
 from megatron_grpo.bench.linear import (CANDIDATES, MATERIALISED, MEGATRON, Candidate, Case, Step, benchmark_case,
-                                        main, report)
+                                        fused_accuracy, main, make_inputs, report)
 
 CASES = [(tp, dtype, response) for tp in (1, 2) for dtype in ("fp32", "bf16") for response in (100, 25)]
 ROW = re.compile(r"^\| (?P<name>[\w+-]+) \| (?P<rest>.*)\|$")
@@ -56,9 +57,23 @@ def test_tiny_benchmark_reports_every_candidate_for_every_case(tmp_path):
     for result in saved["results"]:
         accuracy = result["accuracy"]
         tolerance = 1e-4 if result["case"]["dtype"] == "fp32" else 0.1  # bf16 rounds the logits themselves
-        assert accuracy["rows"] == 9
+        assert accuracy["rows"] == 9 and accuracy["chunks"] == 1
         assert accuracy["logprob_max_abs"] < tolerance and accuracy["grad_hidden_max_rel"] < tolerance
         assert accuracy["grad_weight_max_rel"] < tolerance
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("fp32", 1e-5), ("bf16", 0.05)])
+def test_accuracy_subsample_is_cut_into_as_many_chunks_as_the_whole_case(monkeypatch, dtype, tolerance):
+    seen = []
+    op = linear.vocab_parallel_linear_logprobs
+    monkeypatch.setattr(linear, "chunk_rows_for", lambda valid_cols, dtype: 40)  # 75 trained rows: 2 chunks
+    monkeypatch.setattr(linear, "vocab_parallel_linear_logprobs",
+                        lambda *args, **kwargs: seen.append(kwargs["chunk_rows"]) or op(*args, **kwargs))
+    case = Case(tp=1, dtype=dtype, tokens=300, hidden=24, v_local=333, response=0.25)
+    accuracy = fused_accuracy(case, make_inputs(case, torch.device("cpu"), None), rows=64)
+    assert accuracy["rows"] == 64 and accuracy["chunks"] == 2 and seen == [8]  # 16 trained of 64: 2 x 8
+    assert 0 < accuracy["logprob_max_abs"] < tolerance
+    assert 0 < accuracy["grad_hidden_max_rel"] < tolerance and 0 < accuracy["grad_weight_max_rel"] < tolerance
 
 
 def _build_broken(case, inputs):

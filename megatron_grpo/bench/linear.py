@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.ops import vocab_parallel_linear_logprobs, vocab_parallel_logprobs
+from megatron_grpo.ops.linear_logprobs import chunk_rows_for
 
 from .measure import PeakMemory, grouped_bar_plot, machine_description, median_seconds, run_ranks, write_results
 
@@ -206,7 +207,8 @@ CANDIDATES: dict[str, Candidate] = {
     FUSED: Candidate(build_fused, "`vocab_parallel_linear_logprobs`, default chunk_rows"),
     "fused+entropy": Candidate(build_fused_entropy, "the same with `with_entropy=True`, both outputs trained"),
     MEGATRON: Candidate(build_megatron, "the linear in `[s, b, h]`, then Megatron-Core's "
-                                        "`vocab_parallel_cross_entropy`"),
+                                        "`vocab_parallel_cross_entropy` (it overwrites fp32 logits in place: here "
+                                        "they are the linear's fresh output, so nothing is cloned)"),
     "cce": Candidate(build_cce, "Cut-Cross-Entropy `linear_cross_entropy(..., reduction='none')`, its Triton "
                                 "`cce` kernel (Triton runs on GPUs only)"),
     "cce-torch-compile": Candidate(build_cce_torch_compile, "the same with `impl='torch_compile'` (compiled "
@@ -259,13 +261,18 @@ def time_candidate(step: Step, inputs: CaseInputs, device: torch.device, repeats
 def fused_accuracy(case: Case, inputs: CaseInputs, rows: int) -> dict[str, float]:
     """The fused op against a float64 reference on `rows` evenly spaced rows: max |logprob error| over response
     rows, and max |error| / max |reference| of the TP-summed hidden gradient and of this shard's weight
-    gradient (the worst over ranks). The reference is plain float64 torch over the gathered full-vocab logits."""
+    gradient (the worst over ranks). The reference is plain float64 torch over the gathered full-vocab logits.
+    The subsample is cut into as many chunks as the whole case is by default, so that the chunked weight
+    gradient sums as many partial products as it does at full size."""
     group, tp = inputs.group, case.tp
     index = torch.linspace(0, case.tokens - 1, min(rows, case.tokens)).round().long().unique()
     hidden, targets, upstream = inputs.hidden[index], inputs.targets[index], inputs.upstream[index]
     weight = inputs.weight
+    full_chunks = math.ceil(int((inputs.targets >= 0).sum()) / chunk_rows_for(case.v_local, weight.dtype))
+    chunk_rows = max(1, math.ceil(int((targets >= 0).sum()) / max(full_chunks, 1)))
     leaves = (hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True))
-    logprob = vocab_parallel_linear_logprobs(*leaves, targets, group=group if tp > 1 else None)
+    logprob = vocab_parallel_linear_logprobs(*leaves, targets, group=group if tp > 1 else None,
+                                             chunk_rows=chunk_rows)
     grad_hidden, grad_weight = torch.autograd.grad(logprob, leaves, upstream)
     if tp > 1:
         dist.all_reduce(grad_hidden, group=group)  # the op's hidden gradient is this rank's partial sum
@@ -297,7 +304,7 @@ def fused_accuracy(case: Case, inputs: CaseInputs, rows: int) -> dict[str, float
         relative(grad_hidden, ref_hidden), relative(grad_weight, ref_weight)], dtype=torch.float64)
     if tp > 1:
         dist.all_reduce(errors, op=dist.ReduceOp.MAX, group=group)
-    return {"rows": int(index.numel()), "logprob_max_abs": errors[0].item(),
+    return {"rows": int(index.numel()), "chunks": max(full_chunks, 1), "logprob_max_abs": errors[0].item(),
             "grad_hidden_max_rel": errors[1].item(), "grad_weight_max_rel": errors[2].item()}
 
 
@@ -428,7 +435,8 @@ def case_section(result: dict) -> list[str]:
     lines += [f"| {name} | skipped: {why} | | | | |" for name, why in result["skipped"].items()]
     accuracy = result.get("accuracy")
     if accuracy:
-        lines += ["", f"Fused op against float64 on {accuracy['rows']} evenly spaced rows: max |logprob error| "
+        lines += ["", f"Fused op against float64 on {accuracy['rows']} evenly spaced rows, in "
+                      f"{accuracy['chunks']} chunk(s) as the whole case: max |logprob error| "
                       f"{accuracy['logprob_max_abs']:.2e}; max relative error of the hidden gradient "
                       f"{accuracy['grad_hidden_max_rel']:.2e}, of the weight gradient "
                       f"{accuracy['grad_weight_max_rel']:.2e} (max |error| / max |reference|)."]
