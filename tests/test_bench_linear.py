@@ -30,14 +30,14 @@ def _ratio(cell: str) -> float:
 
 def test_tiny_benchmark_reports_every_candidate_for_every_case(tmp_path):
     assert main(["--quick", "--tp", "1", "2", "--tokens", "50", "--hidden", "12", "--v-local", "97",
-                 "--warmup", "0", "--accuracy-rows", "9", "--out", str(tmp_path)]) == 0
+                 "--chunk-rows", "7", "--warmup", "0", "--accuracy-rows", "9", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "linear_cpu_quick.md").read_text()
     sections = _sections(text)
     assert (tmp_path / "linear_cpu_quick.png").stat().st_size > 0
     saved = json.loads((tmp_path / "linear_cpu_quick.json").read_text())
     assert len(saved["results"]) == len(CASES)
     for tp, dtype, response in CASES:
-        title = f"TP={tp}, {dtype}, T=50 x H=12 x V_local=97, {response}% response rows"
+        title = f"TP={tp}, {dtype}, T=50 x H=12 x V_local=97, {response}% response rows, fused chunk_rows=7"
         assert f"| {title} | " in sections["Targets"], title
         rows = {m["name"]: m["rest"].split(" | ") for m in map(ROW.match, sections[title].splitlines()) if m}
         for name in CANDIDATES:  # measured, or skipped with a reason
@@ -57,7 +57,7 @@ def test_tiny_benchmark_reports_every_candidate_for_every_case(tmp_path):
     for result in saved["results"]:
         accuracy = result["accuracy"]
         tolerance = 1e-4 if result["case"]["dtype"] == "fp32" else 0.1  # bf16 rounds the logits themselves
-        assert accuracy["rows"] == 9 and accuracy["chunks"] == 1
+        assert accuracy["rows"] == 9 and accuracy["chunks"] == (8 if result["case"]["response"] == 1.0 else 2)
         assert accuracy["logprob_max_abs"] < tolerance and accuracy["grad_hidden_max_rel"] < tolerance
         assert accuracy["grad_weight_max_rel"] < tolerance
 
@@ -127,6 +127,7 @@ def test_report_ratios_and_target_verdicts():
 @pytest.mark.parametrize("argv, message", [
     (["--response", "0"], "--response fractions must be in (0, 1], got 0.0"),
     (["--candidates", "nonexistent"], "invalid choice: 'nonexistent'"),
+    (["--chunk-rows", "0"], "--chunk-rows must be >= 1, got 0"),
 ])
 def test_bad_options_exit_2_with_a_named_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:

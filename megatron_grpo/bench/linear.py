@@ -50,10 +50,12 @@ class Case:
     hidden: int
     v_local: int
     response: float  # fraction of rows that have a target
+    chunk_rows: int | None = None  # the fused op's rows per chunk; None: its default budget (CHUNK_BYTES)
 
     def label(self) -> str:
+        chunks = "" if self.chunk_rows is None else f", fused chunk_rows={self.chunk_rows}"
         return (f"TP={self.tp}, {self.dtype}, T={self.tokens} x H={self.hidden} x V_local={self.v_local}, "
-                f"{100 * self.response:.0f}% response rows")
+                f"{100 * self.response:.0f}% response rows{chunks}")
 
 
 @dataclass
@@ -98,7 +100,8 @@ def build_materialised(case: Case, inputs: CaseInputs) -> Step:
 
 def build_fused(case: Case, inputs: CaseInputs) -> Step:
     def forward(hidden, weight):
-        return vocab_parallel_linear_logprobs(hidden, weight, inputs.targets, group=inputs.group)
+        return vocab_parallel_linear_logprobs(hidden, weight, inputs.targets, group=inputs.group,
+                                              chunk_rows=case.chunk_rows)
 
     return Step(forward, inputs.upstream)
 
@@ -106,7 +109,7 @@ def build_fused(case: Case, inputs: CaseInputs) -> Step:
 def build_fused_entropy(case: Case, inputs: CaseInputs) -> Step:
     def forward(hidden, weight):
         logprob, entropy = vocab_parallel_linear_logprobs(hidden, weight, inputs.targets, group=inputs.group,
-                                                          with_entropy=True)
+                                                          with_entropy=True, chunk_rows=case.chunk_rows)
         return logprob + entropy  # both outputs take the upstream gradient
 
     return Step(forward, inputs.upstream)
@@ -204,7 +207,7 @@ MATERIALISED, FUSED, MEGATRON = "materialised", "fused", "megatron"
 # `Step(lambda hidden, weight: loss(...), None)`: a scalar loss needs no upstream gradient.
 CANDIDATES: dict[str, Candidate] = {
     MATERIALISED: Candidate(build_materialised, "`logits = hidden @ weight.T`, then `vocab_parallel_logprobs`"),
-    FUSED: Candidate(build_fused, "`vocab_parallel_linear_logprobs`, default chunk_rows"),
+    FUSED: Candidate(build_fused, "`vocab_parallel_linear_logprobs`, default chunk_rows (unless --chunk-rows)"),
     "fused+entropy": Candidate(build_fused_entropy, "the same with `with_entropy=True`, both outputs trained"),
     MEGATRON: Candidate(build_megatron, "the linear in `[s, b, h]`, then Megatron-Core's "
                                         "`vocab_parallel_cross_entropy` (it overwrites fp32 logits in place: here "
@@ -268,7 +271,8 @@ def fused_accuracy(case: Case, inputs: CaseInputs, rows: int) -> dict[str, float
     index = torch.linspace(0, case.tokens - 1, min(rows, case.tokens)).round().long().unique()
     hidden, targets, upstream = inputs.hidden[index], inputs.targets[index], inputs.upstream[index]
     weight = inputs.weight
-    full_chunks = math.ceil(int((inputs.targets >= 0).sum()) / chunk_rows_for(case.v_local, weight.dtype))
+    full_chunk_rows = case.chunk_rows or chunk_rows_for(case.v_local, weight.dtype)
+    full_chunks = math.ceil(int((inputs.targets >= 0).sum()) / full_chunk_rows)
     chunk_rows = max(1, math.ceil(int((targets >= 0).sum()) / max(full_chunks, 1)))
     leaves = (hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True))
     logprob = vocab_parallel_linear_logprobs(*leaves, targets, group=group if tp > 1 else None,
@@ -470,6 +474,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokens", type=int, default=None, help="rows T; default 4096 (256 quick)")
     parser.add_argument("--hidden", type=int, default=None, help="hidden size H; default 512 (64 quick)")
     parser.add_argument("--v-local", type=int, default=None, help="vocab columns per rank; default 32768 (1024 quick)")
+    parser.add_argument("--chunk-rows", type=int, default=None,
+                        help="rows per chunk of the fused candidates; default: the op's own (a 256 MiB budget)")
     parser.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), default=list(CANDIDATES),
                         help="the candidates to run (default: all)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per candidate; default 5 (1 quick)")
@@ -486,6 +492,8 @@ def main(argv: list[str]) -> int:
     for fraction in args.response:
         if not 0.0 < fraction <= 1.0:
             parser.error(f"--response fractions must be in (0, 1], got {fraction}")
+    if args.chunk_rows is not None and args.chunk_rows < 1:
+        parser.error(f"--chunk-rows must be >= 1, got {args.chunk_rows}")
     shape = (256, 64, 1024) if args.quick else (4096, 512, 32768)
     tokens, hidden, v_local = (given if given is not None else default
                                for given, default in zip((args.tokens, args.hidden, args.v_local), shape))
@@ -495,15 +503,16 @@ def main(argv: list[str]) -> int:
     tp_sizes = args.tp or ([1, 2] if args.device == "cpu" or torch.cuda.device_count() >= 2 else [1])
     results = []
     for tp in tp_sizes:
-        cases = [Case(tp=tp, dtype=d, tokens=tokens, hidden=hidden, v_local=v_local, response=f)
+        cases = [Case(tp=tp, dtype=d, tokens=tokens, hidden=hidden, v_local=v_local, response=f,
+                      chunk_rows=args.chunk_rows)
                  for d in args.dtypes for f in args.response]
         work = functools.partial(_run_cases, cases=cases, names=args.candidates, repeats=repeats,
                                  warmup=args.warmup, accuracy_rows=accuracy_rows)
         tp_results, _ = run_ranks(tp, work, args.device, args.timeout, name="bench linear")
         results += tp_results
-    for result in results:
-        for name, why in result["skipped"].items():
-            print(f"bench linear: {name} skipped ({Case(**result['case']).label()}): {why}", file=sys.stderr)
+    skipped = {(name, why) for result in results for name, why in result["skipped"].items()}
+    for name, why in sorted(skipped):
+        print(f"bench linear: {name} skipped in some cases: {why}", file=sys.stderr)
     command = "python -m megatron_grpo bench linear" + ("" if not argv else " " + " ".join(argv))
     text = report(results, torch.device(args.device), repeats, args.warmup, command)
     stem = f"linear_{args.device}{'_quick' if args.quick else ''}"
