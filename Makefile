@@ -20,7 +20,7 @@ MEGATRON_TESTS := tests/test_megatron_hooks.py tests/test_megatron_fused_linear.
 	tests/test_benchmarks.py tests/test_bench_logprob.py tests/test_loss_runner_options.py \
 	$(filter-out %_learning.py,$(wildcard tests/test_grpo_*.py))
 
-.PHONY: install demo test test-mcore-new bench cuda-check clean
+.PHONY: install demo test test-mcore-new bench bench-linear cuda-check clean
 
 $(STAMP): $(SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,13 @@ test-mcore-new: install
 bench: install
 	$(BIN)/python -m megatron_grpo bench logprob
 	$(BIN)/torchrun --nproc-per-node $(NPROC) -m megatron_grpo bench scheduler --config configs/grpo_tiny_cpu.yaml
+
+# The fused linear + logprob op against its peers (TP 1 and 2, fp32 and bf16, 100% and 25% response rows).
+# Cut-Cross-Entropy and Liger-Kernel, when installed outside the venv with `pip install --no-deps --target DIR`,
+# are found through PEER_PATH (directories, space-separated); a peer that is missing or cannot run is skipped.
+PEER_PATH ?=
+bench-linear: install
+	$(BIN)/python -m megatron_grpo bench linear $(foreach dir,$(PEER_PATH),--peer-path $(dir))
 
 # Compile-check the CUDA kernels with plain nvcc (no torch headers needed); runs nothing.
 cuda-check:

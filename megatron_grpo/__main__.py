@@ -12,7 +12,7 @@ import sys
 COMMANDS = {
     "train": ("megatron_grpo.grpo.runner", "train a policy with GRPO (run under torchrun)"),
     "plan": ("megatron_grpo.scheduler_cli", "print the logprob-pass plan of a config and why"),
-    "bench": ("megatron_grpo.bench", "run a benchmark: `bench logprob` or `bench scheduler`"),
+    "bench": ("megatron_grpo.bench", "run a benchmark: `bench logprob`, `bench scheduler` or `bench linear`"),
     "report": ("megatron_grpo.grpo.report_cli", "plot runs' reward, entropy, ratio, clip fraction, step time"),
 }
 

@@ -1,4 +1,4 @@
-"""Benchmarks: `python -m megatron_grpo bench logprob|scheduler ...` (results under benchmarks/results/)."""
+"""Benchmarks: `python -m megatron_grpo bench logprob|scheduler|linear ...` (results under benchmarks/results/)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 BENCHMARKS = {
     "logprob": ("megatron_grpo.bench.logprob", "the logprob kernels against their peers, per TP size and dtype"),
     "scheduler": ("megatron_grpo.bench.scheduler", "the auto logprob plan against computing every pass (torchrun)"),
+    "linear": ("megatron_grpo.bench.linear", "the fused linear + logprob op against its peers, per TP, dtype, rows"),
 }
 
 

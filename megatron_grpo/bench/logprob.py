@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import queue as queue_module
+import functools
 import sys
-import time
-import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -27,7 +24,9 @@ import torch.distributed as dist
 
 from megatron_grpo.ops import vocab_parallel_logprobs
 
-from .measure import copy_bandwidth_bytes_per_s, machine_description, median_seconds, peak_extra_bytes
+from .measure import collect  # noqa: F401 - re-exported: tests drive the launcher's collector from here
+from .measure import (copy_bandwidth_bytes_per_s, grouped_bar_plot, machine_description, median_seconds,
+                      peak_extra_bytes, run_ranks, write_results)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -172,112 +171,21 @@ def benchmark_setup(setup: Setup, device: torch.device, group, repeats: int) -> 
     return results, missing
 
 
-def _tp_group(world: int):
-    """Megatron's TP group where megatron-core imports (its cross entropy reads parallel_state), else WORLD."""
-    try:
-        from megatron.core import parallel_state
-    except Exception:  # noqa: BLE001 - the Megatron peer is then reported missing
-        return dist.group.WORLD, None
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    return parallel_state.get_tensor_model_parallel_group(), parallel_state
-
-
-def _rank_main(rank: int, world: int, port: int, setups: list[Setup], device_type: str, repeats: int,
-               threads: int, queue) -> None:
-    """One TP rank: joins the group, runs the setups of this TP size; rank 0 reports (or any rank its error)."""
-    try:
-        torch.set_num_threads(threads)
-        backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        group, parallel_state = _tp_group(world)
-        results, missing = [], {}
-        for setup in setups:
-            setup_results, setup_missing = benchmark_setup(setup, device, group, repeats)
-            results += [asdict(r) for r in setup_results]
-            missing.update(setup_missing)
-        if rank == 0:
-            queue.put(("ok", results, missing))
-        if parallel_state is not None:
-            parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-    except BaseException:
-        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}", None))
-        raise
-
-
-def _stop(procs) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    for p in procs:
-        p.join(timeout=10)
-
-
-def collect(queue, procs, timeout_s: float, poll_s: float = 1.0):
-    """Rank 0's results, waiting at most `timeout_s`; fails at once, naming the rank, when a rank errs or dies.
-
-    Never blocks on the queue without a timeout: a child that dies before reporting must not hang the parent.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        # Read before the wait: whatever a rank sent before it exited is in the queue by the end of the wait.
-        exit_codes = [p.exitcode for p in procs]
-        try:
-            status, payload, missing = queue.get(timeout=poll_s)
-        except queue_module.Empty:
-            dead = [(i, code) for i, code in enumerate(exit_codes) if code not in (None, 0)]
-            if dead:
-                _stop(procs)
-                raise RuntimeError("benchmark rank(s) died before reporting: " + ", ".join(
-                    f"rank {i} exit code {code}" for i, code in dead))
-            if all(code == 0 for code in exit_codes):
-                raise RuntimeError("benchmark ranks exited without reporting results")
-            if time.monotonic() > deadline:
-                _stop(procs)
-                raise TimeoutError(f"benchmark ranks gave no result within {timeout_s:.0f} s")
-            continue
-        if status == "error":
-            _stop(procs)
-            raise RuntimeError(f"benchmark failed on {payload}")
-        return payload, missing
+def _run_setups(device: torch.device, group, setups: list[Setup], repeats: int) -> tuple[list[dict], dict[str, str]]:
+    """The body of one TP rank: every setup of its TP size, in order."""
+    results, missing = [], {}
+    for setup in setups:
+        setup_results, setup_missing = benchmark_setup(setup, device, group, repeats)
+        results += [asdict(r) for r in setup_results]
+        missing.update(setup_missing)
+    return results, missing
 
 
 def run_tp(tp: int, setups: list[Setup], device_type: str, repeats: int,
            timeout_s: float = 3600.0) -> tuple[list[dict], dict[str, str]]:
     """Runs the setups on `tp` fresh processes (a gloo or NCCL group, even for TP=1): results and missing peers."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    threads = max(1, torch.get_num_threads() // tp) if device_type == "cpu" else 1
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, tp, port, setups, device_type, repeats, threads, queue))
-             for r in range(tp)]
-    for p in procs:
-        p.start()
-    try:
-        results, missing = collect(queue, procs, timeout_s)
-    except BaseException:
-        _stop(procs)
-        raise
-    for p in procs:
-        p.join(timeout=60)
-    failed = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (0, None)]
-    stuck = [i for i, p in enumerate(procs) if p.exitcode is None]
-    _stop(procs)
-    if failed:
-        raise RuntimeError("benchmark rank(s) failed after reporting: " + ", ".join(
-            f"rank {i} exit code {code}" for i, code in failed))
-    if stuck:
-        print(f"bench logprob: rank(s) {stuck} still running 60 s after reporting; stopped", file=sys.stderr)
-    return results, missing
+    work = functools.partial(_run_setups, setups=setups, repeats=repeats)
+    return run_ranks(tp, work, device_type, timeout_s, name="bench logprob")
 
 
 def speedup(peer_ms: float | None, ms: float) -> str:
@@ -336,30 +244,12 @@ def report(results: list[dict], device: torch.device, bandwidth: float, repeats:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     setups = sorted({tuple(r["setup"].values()) for r in results})
     methods = list(dict.fromkeys(r["method"] for r in results))
-    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(setups)), 4))
-    width = 0.8 / len(methods)
-    for i, method in enumerate(methods):
-        xs, ys = [], []
-        for j, setup in enumerate(setups):
-            match = [r for r in results if r["method"] == method and tuple(r["setup"].values()) == setup]
-            if match:
-                xs.append(j + i * width)
-                ys.append(match[0]["forward_backward_ms"])
-        ax.bar(xs, ys, width, label=method)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(setups))])
-    ax.set_xticklabels([f"TP={s[0]} {s[1]}\n{s[2]}x{s[3]}" for s in setups])
-    ax.set_ylabel("forward+backward, ms (median)")
-    ax.set_yscale("log")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    times = {(r["method"], tuple(r["setup"].values())): r["forward_backward_ms"] for r in results}
+    series = {method: [times.get((method, setup)) for setup in setups] for method in methods}
+    grouped_bar_plot([f"TP={s[0]} {s[1]}\n{s[2]}x{s[3]}" for s in setups], series,
+                     "forward+backward, ms (median)", path)
 
 
 def main(argv: list[str]) -> int:
@@ -391,11 +281,9 @@ def main(argv: list[str]) -> int:
     bandwidth = copy_bandwidth_bytes_per_s(device, 2**30 if not args.quick else 2**27, repeats)
     command = "python -m megatron_grpo bench logprob " + " ".join(argv) if argv else None
     text = report(results, device, bandwidth, repeats, args.quick, missing, command)
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = f"logprob_{args.device}{'_quick' if args.quick else ''}"
-    (args.out / f"{stem}.md").write_text(text + f"\n![forward+backward time]({stem}.png)\n")
-    (args.out / f"{stem}.json").write_text(json.dumps({"missing_peers": missing, "results": results}, indent=1))
-    plot(results, args.out / f"{stem}.png")
+    write_results(args.out, stem, text, {"missing_peers": missing, "results": results},
+                  lambda path: plot(results, path))
     print(text)
     print(f"wrote {args.out / (stem + '.md')}")
     return 0

@@ -1,4 +1,5 @@
-"""Measurement primitives for the benchmarks: median wall time, peak memory of one call, memory bandwidth.
+"""Measurement primitives for the benchmarks: median wall time, peak memory of one call, memory bandwidth, the
+machine's description, and `run_ranks`, which runs one benchmark body on N fresh TP ranks and never hangs.
 
 Peak memory on the CPU is the process's resident high-water mark (VmHWM), reset before each call through
 /proc/self/clear_refs; large tensors are mmapped by glibc, so they leave RSS as soon as they are freed. On CUDA
@@ -7,13 +8,19 @@ it is torch's allocator peak.
 
 from __future__ import annotations
 
+import os
 import platform
+import queue as queue_module
+import socket
 import statistics
+import sys
 import time
+import traceback
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 
 def synchronize(device: torch.device) -> None:
@@ -87,6 +94,17 @@ def copy_bandwidth_bytes_per_s(device: torch.device, nbytes: int, repeats: int) 
     return 2 * nbytes / seconds
 
 
+def cpu_kernel_isa() -> str:
+    """The instruction set the CPU kernels run with: `megatron_grpo.ops.backends.cpu_kernel_isa()` where this
+    build has it, else torch's CPU capability (what the kernels' x86-64-v3 check reads)."""
+    from megatron_grpo.ops import backends
+
+    isa = getattr(backends, "cpu_kernel_isa", None)
+    if callable(isa):
+        return f"{isa()} (megatron_grpo kernels)"
+    return f"{torch.backends.cpu.get_cpu_capability()} (torch CPU capability)"
+
+
 def machine_description(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
@@ -95,5 +113,147 @@ def machine_description(device: torch.device) -> str:
         if line.startswith("model name"):
             cpu = line.split(":", 1)[1].strip()
             break
-    return (f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-            f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    return (f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+            f"CPU ISA {cpu_kernel_isa()}")
+
+
+def write_results(out: Path, stem: str, markdown: str, payload: dict, plot: Callable[[Path], None]) -> Path:
+    """Writes `<stem>.md` (linking the plot), `<stem>.json` and `<stem>.png` under `out`; returns the .md path."""
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text(markdown + f"\n![forward+backward time]({stem}.png)\n")
+    (out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
+    plot(out / f"{stem}.png")
+    return out / f"{stem}.md"
+
+
+def grouped_bar_plot(groups: list[str], series: dict[str, list[float | None]], ylabel: str, path: Path) -> None:
+    """One bar per series in each group (log scale; a None value leaves a gap), saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(groups)), 4))
+    width = 0.8 / max(len(series), 1)
+    for i, (name, values) in enumerate(series.items()):
+        points = [(j + i * width, v) for j, v in enumerate(values) if v is not None]
+        ax.bar([x for x, _ in points], [v for _, v in points], width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
+    ax.set_xticklabels(groups)
+    ax.set_ylabel(ylabel)
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- TP ranks in child processes ----
+# A benchmark body `work(device, group) -> (results, missing)` runs on every rank of a fresh gloo (CPU) or NCCL
+# (CUDA) group; rank 0 sends its results back, any rank its traceback. The parent never waits without a timeout.
+
+RankWork = Callable[[torch.device, Any], tuple[list, dict]]
+
+
+def megatron_tp_group(world: int):
+    """Megatron's TP group where megatron-core imports (its cross entropy reads parallel_state), else WORLD."""
+    try:
+        from megatron.core import parallel_state
+    except Exception:  # noqa: BLE001 - the Megatron peer is then reported missing
+        return dist.group.WORLD, None
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    return parallel_state.get_tensor_model_parallel_group(), parallel_state
+
+
+def _rank_main(rank: int, world: int, port: int, device_type: str, threads: int, work: RankWork, queue) -> None:
+    """One TP rank: joins the group, runs `work`; rank 0 reports (or any rank its error)."""
+    try:
+        torch.set_num_threads(threads)
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        group, parallel_state = megatron_tp_group(world)
+        results, missing = work(device, group)
+        if rank == 0:
+            queue.put(("ok", results, missing))
+        if parallel_state is not None:
+            parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    except BaseException:
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}", None))
+        raise
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
+
+
+def collect(queue, procs, timeout_s: float, poll_s: float = 1.0):
+    """Rank 0's results, waiting at most `timeout_s`; fails at once, naming the rank, when a rank errs or dies.
+
+    Never blocks on the queue without a timeout: a child that dies before reporting must not hang the parent.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # Read before the wait: whatever a rank sent before it exited is in the queue by the end of the wait.
+        exit_codes = [p.exitcode for p in procs]
+        try:
+            status, payload, missing = queue.get(timeout=poll_s)
+        except queue_module.Empty:
+            dead = [(i, code) for i, code in enumerate(exit_codes) if code not in (None, 0)]
+            if dead:
+                _stop(procs)
+                raise RuntimeError("benchmark rank(s) died before reporting: " + ", ".join(
+                    f"rank {i} exit code {code}" for i, code in dead))
+            if all(code == 0 for code in exit_codes):
+                raise RuntimeError("benchmark ranks exited without reporting results")
+            if time.monotonic() > deadline:
+                _stop(procs)
+                raise TimeoutError(f"benchmark ranks gave no result within {timeout_s:.0f} s")
+            continue
+        if status == "error":
+            _stop(procs)
+            raise RuntimeError(f"benchmark failed on {payload}")
+        return payload, missing
+
+
+def run_ranks(world: int, work: RankWork, device_type: str, timeout_s: float = 3600.0,
+              name: str = "benchmark") -> tuple[list, dict]:
+    """Runs `work` (picklable: a module-level function or a functools.partial of one) on `world` fresh processes,
+    a gloo or NCCL group even for world 1, each with its share of the CPU threads; returns rank 0's results."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    threads = max(1, torch.get_num_threads() // world) if device_type == "cpu" else 1
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, device_type, threads, work, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        results, missing = collect(queue, procs, timeout_s)
+    except BaseException:
+        _stop(procs)
+        raise
+    for p in procs:
+        p.join(timeout=60)
+    failed = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (0, None)]
+    stuck = [i for i, p in enumerate(procs) if p.exitcode is None]
+    _stop(procs)
+    if failed:
+        raise RuntimeError("benchmark rank(s) failed after reporting: " + ", ".join(
+            f"rank {i} exit code {code}" for i, code in failed))
+    if stuck:
+        print(f"{name}: rank(s) {stuck} still running 60 s after reporting; stopped", file=sys.stderr)
+    return results, missing

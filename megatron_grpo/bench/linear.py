@@ -1,0 +1,522 @@
+"""Fused linear + logprob benchmark: `python -m megatron_grpo bench linear [--quick] [--tp ..] [--dtypes ..] ...`.
+
+`vocab_parallel_linear_logprobs(hidden, weight, targets)` against its peers, forward + backward w.r.t. the hidden
+states and this rank's shard of the output weight, for each case (TP size, dtype, T x H x V_local per rank, the
+fraction of response rows: the others are prompt rows with target -1). Per case: the median step time, the ratio
+against the materialised path and against Megatron-Core measured in the same run, the peak memory beyond the
+inputs and their gradients, and the fused op's error against a float64 reference.
+
+The candidates are a registry (`CANDIDATES`) of named builders: each takes the case and its inputs and returns a
+`Step` (a forward on `(hidden, weight)` and its upstream gradient), or raises with the reason it cannot run here,
+which the report prints; no candidate can fail the run. Peers installed outside the venv (Cut-Cross-Entropy,
+Liger-Kernel) are found through `--peer-path DIR`, appended to sys.path (after the venv, so its torch is kept).
+The ranks run in child processes (`measure.run_ranks`), as in `bench logprob`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.ops import vocab_parallel_linear_logprobs, vocab_parallel_logprobs
+from megatron_grpo.ops.linear_logprobs import chunk_rows_for
+
+from .measure import PeakMemory, grouped_bar_plot, machine_description, median_seconds, run_ranks, write_results
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SEQUENCE_ROWS = 1024  # rows per "sequence": its prompt rows come first, then its response rows
+LOGIT_STD = 3.0
+
+# The issue's targets, printed next to the results.
+TARGET_SPEED_ALL_ROWS = 0.75      # materialised ms / fused ms at 100% response rows
+TARGET_SPEED_QUARTER_ROWS = 2.5   # ... at 25% response rows
+TARGET_PEAK_FRACTION = 0.10       # fused extra peak / materialised extra peak
+
+
+@dataclass(frozen=True)
+class Case:
+    tp: int
+    dtype: str
+    tokens: int
+    hidden: int
+    v_local: int
+    response: float  # fraction of rows that have a target
+    chunk_rows: int | None = None  # the fused op's rows per chunk; None: its default budget (CHUNK_BYTES)
+
+    def label(self) -> str:
+        chunks = "" if self.chunk_rows is None else f", fused chunk_rows={self.chunk_rows}"
+        return (f"TP={self.tp}, {self.dtype}, T={self.tokens} x H={self.hidden} x V_local={self.v_local}, "
+                f"{100 * self.response:.0f}% response rows{chunks}")
+
+
+@dataclass
+class CaseInputs:
+    """One rank's inputs: `hidden` is replicated over the TP group, `weight` is this rank's vocab shard."""
+
+    hidden: torch.Tensor        # [T, H]
+    weight: torch.Tensor        # [V_local, H]
+    targets: torch.Tensor       # [T] global ids, -1 on prompt rows
+    upstream: torch.Tensor      # [T] float32: 1 on response rows, 0 on prompt rows (the loss mask)
+    group: dist.ProcessGroup | None
+    seed: int                   # for a candidate that needs more inputs (advantages, old logprobs, ...)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one candidate times: `forward(hidden, weight)` -> a tensor, differentiated with `grad_out` as the
+    upstream gradient (None for a scalar loss)."""
+
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    grad_out: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A named benchmark entry: `build(case, inputs)` returns its `Step` or raises with the reason it is skipped.
+    `baseline` names the candidate its "vs materialised" ratio is taken against."""
+
+    build: Callable[[Case, CaseInputs], Step]
+    description: str
+    baseline: str = "materialised"
+
+
+# ---- candidates ----
+
+def build_materialised(case: Case, inputs: CaseInputs) -> Step:
+    def forward(hidden, weight):
+        return vocab_parallel_logprobs(hidden @ weight.t(), inputs.targets, group=inputs.group, check_inputs=False)
+
+    return Step(forward, inputs.upstream)
+
+
+def build_fused(case: Case, inputs: CaseInputs) -> Step:
+    def forward(hidden, weight):
+        return vocab_parallel_linear_logprobs(hidden, weight, inputs.targets, group=inputs.group,
+                                              chunk_rows=case.chunk_rows)
+
+    return Step(forward, inputs.upstream)
+
+
+def build_fused_entropy(case: Case, inputs: CaseInputs) -> Step:
+    def forward(hidden, weight):
+        logprob, entropy = vocab_parallel_linear_logprobs(hidden, weight, inputs.targets, group=inputs.group,
+                                                          with_entropy=True, chunk_rows=case.chunk_rows)
+        return logprob + entropy  # both outputs take the upstream gradient
+
+    return Step(forward, inputs.upstream)
+
+
+def build_megatron(case: Case, inputs: CaseInputs) -> Step:
+    """Megatron's output layer then `vocab_parallel_cross_entropy`, in the `[s, b, ...]` layout it documents
+    (batch 1). It overwrites its fp32 input logits in place; here they are the linear's fresh output, which the
+    linear's backward does not need, so no clone is due. A target of -1 belongs to no rank: its row gets loss
+    lse, and the upstream mask gives it no gradient, as a masked loss would."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    targets = inputs.targets.view(case.tokens, 1)
+
+    def forward(hidden, weight):
+        logits = hidden.view(case.tokens, 1, case.hidden) @ weight.t()
+        return -vocab_parallel_cross_entropy(logits, targets)  # TP group: parallel_state, set by run_ranks
+
+    return Step(forward, inputs.upstream.view(case.tokens, 1))
+
+
+def _one_rank_only(case: Case, name: str) -> None:
+    if case.tp != 1:
+        raise RuntimeError(f"{name} has no vocab-parallel mode: it needs the whole vocab on one rank")
+
+
+_PROBED: dict[str, Exception | None] = {}
+
+
+def _probe(key: str, call: Callable[[], None]) -> None:
+    """Runs a peer once per process on tiny tensors and re-raises its error on every later case, so that a peer
+    that cannot run here is skipped with its own error, at the cost of one tiny call."""
+    if key not in _PROBED:
+        try:
+            call()
+            _PROBED[key] = None
+        except Exception as exc:  # noqa: BLE001 - kept, and raised for each case the peer is asked for
+            _PROBED[key] = exc
+    if _PROBED[key] is not None:
+        raise _PROBED[key]
+
+
+def _tiny(dtype: torch.dtype):
+    hidden = torch.randn(8, 16, dtype=dtype, requires_grad=True)
+    weight = torch.randn(32, 16, dtype=dtype, requires_grad=True)
+    targets = torch.tensor([3, -1, 5, 0, 31, 7, -1, 2])
+    return hidden, weight, targets
+
+
+def _build_cce(case: Case, inputs: CaseInputs, impl: str) -> Step:
+    _one_rank_only(case, "Cut-Cross-Entropy's linear_cross_entropy")
+    from cut_cross_entropy import linear_cross_entropy
+
+    def loss(hidden, weight, targets):
+        return linear_cross_entropy(hidden, weight, targets, ignore_index=-1, reduction="none", impl=impl)
+
+    def probe():
+        h, w, t = _tiny(inputs.hidden.dtype)
+        loss(h, w, t).sum().backward()
+
+    _probe(f"cce-{impl}-{inputs.hidden.dtype}", probe)
+    return Step(lambda hidden, weight: -loss(hidden, weight, inputs.targets), inputs.upstream)
+
+
+def build_cce(case: Case, inputs: CaseInputs) -> Step:
+    return _build_cce(case, inputs, "cce")
+
+
+def build_cce_torch_compile(case: Case, inputs: CaseInputs) -> Step:
+    return _build_cce(case, inputs, "torch_compile")
+
+
+def build_liger(case: Case, inputs: CaseInputs) -> Step:
+    _one_rank_only(case, "Liger-Kernel's fused linear cross entropy")
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    def loss(hidden, weight, targets):
+        return liger_fused_linear_cross_entropy(hidden, weight, targets, ignore_index=-1, reduction="none")
+
+    def probe():
+        h, w, t = _tiny(inputs.hidden.dtype)
+        loss(h, w, t).sum().backward()
+
+    _probe(f"liger-{inputs.hidden.dtype}", probe)
+    return Step(lambda hidden, weight: -loss(hidden, weight, inputs.targets), inputs.upstream)
+
+
+MATERIALISED, FUSED, MEGATRON = "materialised", "fused", "megatron"
+
+# The benchmark's entries, in report order. A new one is a builder and one line here; e.g. the loss-fused
+# ClippedPGLoss step on hidden states against the materialised loss step:
+#   "materialised loss": Candidate(build_materialised_loss, "..."),
+#   "loss-fused": Candidate(build_loss_fused, "...", baseline="materialised loss"),
+# where each builder makes its extra inputs (advantages, old logprobs, ...) from `inputs.seed` and returns
+# `Step(lambda hidden, weight: loss(...), None)`: a scalar loss needs no upstream gradient.
+CANDIDATES: dict[str, Candidate] = {
+    MATERIALISED: Candidate(build_materialised, "`logits = hidden @ weight.T`, then `vocab_parallel_logprobs`"),
+    FUSED: Candidate(build_fused, "`vocab_parallel_linear_logprobs`, default chunk_rows (unless --chunk-rows)"),
+    "fused+entropy": Candidate(build_fused_entropy, "the same with `with_entropy=True`, both outputs trained"),
+    MEGATRON: Candidate(build_megatron, "the linear in `[s, b, h]`, then Megatron-Core's "
+                                        "`vocab_parallel_cross_entropy` (it overwrites fp32 logits in place: here "
+                                        "they are the linear's fresh output, so nothing is cloned)"),
+    "cce": Candidate(build_cce, "Cut-Cross-Entropy `linear_cross_entropy(..., reduction='none')`, its Triton "
+                                "`cce` kernel (Triton runs on GPUs only)"),
+    "cce-torch-compile": Candidate(build_cce_torch_compile, "the same with `impl='torch_compile'` (compiled "
+                                                            "plain torch: the logits are materialised)"),
+    "liger": Candidate(build_liger, "Liger-Kernel `liger_fused_linear_cross_entropy(..., reduction='none')` "
+                                    "(Triton kernels: GPUs only)"),
+}
+
+
+# ---- one case on one rank ----
+
+def make_inputs(case: Case, device: torch.device, group) -> CaseInputs:
+    """Hidden states replicated over the ranks, a weight shard per rank, logits of std ~3, prompt rows first
+    in each sequence."""
+    rank = 0 if group is None else dist.get_rank(group)
+    dtype = DTYPES[case.dtype]
+    hidden = torch.randn(case.tokens, case.hidden, generator=torch.Generator().manual_seed(11))
+    weight = torch.randn(case.v_local, case.hidden, generator=torch.Generator().manual_seed(100 + rank))
+    weight *= LOGIT_STD / math.sqrt(case.hidden)
+    full_vocab = case.v_local * case.tp
+    targets = torch.randint(0, full_vocab, (case.tokens,), generator=torch.Generator().manual_seed(7))
+    sequence = min(case.tokens, SEQUENCE_ROWS)
+    response = torch.arange(case.tokens) % sequence >= round((1 - case.response) * sequence)
+    targets[~response] = -1
+    return CaseInputs(hidden=hidden.to(device, dtype), weight=weight.to(device, dtype), targets=targets.to(device),
+                      upstream=response.to(device, torch.float32), group=group, seed=13)
+
+
+def _fresh_leaves(inputs: CaseInputs):
+    return inputs.hidden.clone().requires_grad_(True), inputs.weight.clone().requires_grad_(True)
+
+
+def _forward_backward(step: Step, leaves) -> None:
+    hidden, weight = leaves
+    torch.autograd.grad(step.forward(hidden, weight), (hidden, weight), step.grad_out)
+
+
+def time_candidate(step: Step, inputs: CaseInputs, device: torch.device, repeats: int,
+                   warmup: int) -> tuple[float, float]:
+    """(median forward+backward ms, peak MiB beyond the inputs and their gradients) of one step."""
+    run = functools.partial(_forward_backward, step)
+    seconds = median_seconds(run, lambda: _fresh_leaves(inputs), device, repeats, warmup)
+    leaves = _fresh_leaves(inputs)
+    with PeakMemory(device) as peak:
+        run(leaves)
+    gradients = inputs.hidden.nbytes + inputs.weight.nbytes
+    return 1e3 * seconds, (peak.extra_bytes - gradients) / 2**20
+
+
+def fused_accuracy(case: Case, inputs: CaseInputs, rows: int) -> dict[str, float]:
+    """The fused op against a float64 reference on `rows` evenly spaced rows: max |logprob error| over response
+    rows, and max |error| / max |reference| of the TP-summed hidden gradient and of this shard's weight
+    gradient (the worst over ranks). The reference is plain float64 torch over the gathered full-vocab logits.
+    The subsample is cut into as many chunks as the whole case is by default, so that the chunked weight
+    gradient sums as many partial products as it does at full size."""
+    group, tp = inputs.group, case.tp
+    index = torch.linspace(0, case.tokens - 1, min(rows, case.tokens)).round().long().unique()
+    hidden, targets, upstream = inputs.hidden[index], inputs.targets[index], inputs.upstream[index]
+    weight = inputs.weight
+    full_chunk_rows = case.chunk_rows or chunk_rows_for(case.v_local, weight.dtype)
+    full_chunks = math.ceil(int((inputs.targets >= 0).sum()) / full_chunk_rows)
+    chunk_rows = max(1, math.ceil(int((targets >= 0).sum()) / max(full_chunks, 1)))
+    leaves = (hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True))
+    logprob = vocab_parallel_linear_logprobs(*leaves, targets, group=group if tp > 1 else None,
+                                             chunk_rows=chunk_rows)
+    grad_hidden, grad_weight = torch.autograd.grad(logprob, leaves, upstream)
+    if tp > 1:
+        dist.all_reduce(grad_hidden, group=group)  # the op's hidden gradient is this rank's partial sum
+    # float64 reference: full-vocab logits, log_softmax, and d(sum upstream * logprob)/d(logits) by formula.
+    h64, w64 = hidden.double(), weight.double()
+    shard = h64 @ w64.t()
+    shards = [torch.empty_like(shard) for _ in range(tp)] if tp > 1 else [shard]
+    if tp > 1:
+        dist.all_gather(shards, shard, group=group)
+    logits = torch.cat(shards, dim=1)
+    log_softmax = torch.log_softmax(logits, dim=1)
+    valid = targets >= 0
+    safe = targets.clamp(min=0)
+    reference = torch.where(valid, log_softmax.gather(1, safe[:, None]).squeeze(1), 0.0)
+    onehot = torch.zeros_like(logits).scatter_(1, safe[:, None], 1.0)
+    grad_logits = (upstream.double() * valid)[:, None] * (onehot - log_softmax.exp())
+    rank = 0 if tp == 1 else dist.get_rank(group)
+    mine = grad_logits[:, rank * case.v_local:(rank + 1) * case.v_local]
+    ref_weight = mine.t() @ h64
+    ref_hidden = mine @ w64
+    if tp > 1:
+        dist.all_reduce(ref_hidden, group=group)
+
+    def relative(got, want):
+        return ((got.double() - want).abs().max() / want.abs().max().clamp(min=1e-300)).item()
+
+    errors = torch.tensor([
+        (logprob.double() - reference)[valid].abs().max().item() if valid.any() else 0.0,
+        relative(grad_hidden, ref_hidden), relative(grad_weight, ref_weight)], dtype=torch.float64)
+    if tp > 1:
+        dist.all_reduce(errors, op=dist.ReduceOp.MAX, group=group)
+    return {"rows": int(index.numel()), "chunks": max(full_chunks, 1), "logprob_max_abs": errors[0].item(),
+            "grad_hidden_max_rel": errors[1].item(), "grad_weight_max_rel": errors[2].item()}
+
+
+def _reason(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def benchmark_case(case: Case, device: torch.device, group, names: list[str], repeats: int, warmup: int,
+                   accuracy_rows: int) -> dict:
+    """Times every selected candidate on one case; a candidate that cannot build or run is skipped, with why."""
+    inputs = make_inputs(case, device, group if case.tp > 1 else None)
+    rows, skipped = [], {}
+    for name in names:
+        try:
+            step = CANDIDATES[name].build(case, inputs)
+            ms, extra_mib = time_candidate(step, inputs, device, repeats, warmup)
+        except Exception as exc:  # noqa: BLE001 - any failure means "cannot run here", reported, never fatal
+            skipped[name] = _reason(exc)
+            continue
+        rows.append({"candidate": name, "forward_backward_ms": ms, "extra_peak_mib": extra_mib})
+    accuracy = fused_accuracy(case, inputs, accuracy_rows) if accuracy_rows > 0 else None
+    return {"case": asdict(case), "trained_rows": int((inputs.targets >= 0).sum()), "rows": rows,
+            "skipped": skipped, "accuracy": accuracy}
+
+
+def _run_cases(device: torch.device, group, cases: list[Case], names: list[str], repeats: int, warmup: int,
+               accuracy_rows: int) -> tuple[list[dict], dict]:
+    """The body of one TP rank (see `measure.run_ranks`)."""
+    return [benchmark_case(case, device, group, names, repeats, warmup, accuracy_rows) for case in cases], {}
+
+
+# ---- report ----
+
+def ratio(baseline_ms: float | None, ms: float) -> float | None:
+    """How many times faster than the baseline (> 1: faster); None without a baseline."""
+    return None if baseline_ms is None else baseline_ms / ms
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def case_summary(result: dict) -> dict:
+    """The issue's figures for one case: fused speed and extra peak memory relative to the materialised path."""
+    by_name = {r["candidate"]: r for r in result["rows"]}
+    fused, materialised = by_name.get(FUSED), by_name.get(MATERIALISED)
+    if fused is None or materialised is None:
+        return {}
+    speed = materialised["forward_backward_ms"] / fused["forward_backward_ms"]
+    peak = max(fused["extra_peak_mib"], 0.0) / materialised["extra_peak_mib"] \
+        if materialised["extra_peak_mib"] >= 1.0 else None  # below 1 MiB the measure is noise
+    target = TARGET_SPEED_ALL_ROWS if result["case"]["response"] >= 1.0 else TARGET_SPEED_QUARTER_ROWS
+    return {"speed": speed, "speed_target": target, "peak_fraction": peak}
+
+
+def report(results: list[dict], device: torch.device, repeats: int, warmup: int, command: str) -> str:
+    """The Markdown report: machine and method, the targets per case, then one table per case."""
+    lines = [
+        f"# Fused linear + logprob benchmark ({device.type})",
+        "",
+        f"- date: {datetime.date.today().isoformat()}",
+        f"- machine: {machine_description(device)}",
+        f"- command: `{command}`",
+        f"- median of {repeats} forward+backward steps after {warmup} warm-up(s); each step gets fresh leaf "
+        "copies of the same hidden states and weight shard (made outside the timed region) and takes both "
+        "gradients with torch.autograd.grad, the upstream gradient being 1 on response rows and 0 on prompt "
+        "rows (target -1).",
+        "- ratios: the materialised path's (or Megatron's) time divided by the candidate's, both measured in "
+        "this run (> 1: the candidate is faster).",
+        "- extra peak: the process's resident high-water mark during the step (rank 0) above what was live "
+        "before it (the inputs), less the size of the hidden and weight gradients the step must return.",
+        "- TP > 1: every candidate's hidden gradient is this rank's partial sum over its vocab shard (Megatron's "
+        "output layer all-reduces it afterwards, for all of them alike, so no candidate's time includes it).",
+        f"- targets (issue 11): fused extra peak <= {100 * TARGET_PEAK_FRACTION:.0f}% of the materialised "
+        f"path's; materialised/fused time >= {TARGET_SPEED_ALL_ROWS}x at 100% response rows, >= "
+        f"{TARGET_SPEED_QUARTER_ROWS}x at 25%.",
+        "",
+        "Candidates:",
+        "",
+    ]
+    lines += [f"- `{name}`: {c.description}" for name, c in CANDIDATES.items()]
+    lines += ["", "## Targets", "",
+              "| case | materialised/fused | speed target | fused extra peak / materialised | peak target |",
+              "|---|---:|---|---:|---|"]
+    for result in results:
+        summary = case_summary(result)
+        if summary:
+            fraction = summary["peak_fraction"]
+            peak = ("- | below 1 MiB: not measurable" if fraction is None else
+                    f"{100 * fraction:.1f}% | <= {100 * TARGET_PEAK_FRACTION:.0f}% "
+                    f"{_verdict(fraction <= TARGET_PEAK_FRACTION)}")
+            lines.append(
+                f"| {Case(**result['case']).label()} | {summary['speed']:.2f}x | >= {summary['speed_target']}x "
+                f"{_verdict(summary['speed'] >= summary['speed_target'])} | {peak} |")
+        else:
+            lines.append(f"| {Case(**result['case']).label()} | - | fused or materialised not measured | - | - |")
+    lines.append("")
+    for result in results:
+        lines += case_section(result)
+    return "\n".join(lines)
+
+
+def case_section(result: dict) -> list[str]:
+    case = Case(**result["case"])
+    by_name = {r["candidate"]: r for r in result["rows"]}
+    megatron = by_name.get(MEGATRON, {}).get("forward_backward_ms")
+    logits_mib = case.tokens * case.v_local * (4 if case.dtype == "fp32" else 2) / 2**20
+    lines = [f"## {case.label()}", "",
+             f"{result['trained_rows']} of {case.tokens} rows have a target; the logits would take "
+             f"{logits_mib:.0f} MiB per rank.", "",
+             "| candidate | fwd+bwd ms | vs materialised | vs megatron | extra peak MiB | extra peak vs materialised |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for row in result["rows"]:
+        baseline = by_name.get(CANDIDATES[row["candidate"]].baseline)
+        base_ms = None if baseline is None else baseline["forward_backward_ms"]
+        # Below 1 MiB the resident high-water mark is noise (page granularity, allocator caches): no percentage.
+        base_peak = None if baseline is None or baseline["extra_peak_mib"] < 1.0 else baseline["extra_peak_mib"]
+        peak = max(row["extra_peak_mib"], 0.0)
+        lines.append(
+            f"| {row['candidate']} | {row['forward_backward_ms']:.1f} | "
+            f"{_x(ratio(base_ms, row['forward_backward_ms']))} | {_x(ratio(megatron, row['forward_backward_ms']))} | "
+            f"{peak:.0f} | {'-' if base_peak is None else f'{100 * peak / base_peak:.0f}%'} |")
+    lines += [f"| {name} | skipped: {why} | | | | |" for name, why in result["skipped"].items()]
+    accuracy = result.get("accuracy")
+    if accuracy:
+        lines += ["", f"Fused op against float64 on {accuracy['rows']} evenly spaced rows, in "
+                      f"{accuracy['chunks']} chunk(s) as the whole case: max |logprob error| "
+                      f"{accuracy['logprob_max_abs']:.2e}; max relative error of the hidden gradient "
+                      f"{accuracy['grad_hidden_max_rel']:.2e}, of the weight gradient "
+                      f"{accuracy['grad_weight_max_rel']:.2e} (max |error| / max |reference|)."]
+    lines.append("")
+    return lines
+
+
+def plot(results: list[dict], path: Path) -> None:
+    cases = [Case(**r["case"]) for r in results]
+    names = list(dict.fromkeys(row["candidate"] for r in results for row in r["rows"]))
+    series = {name: [next((row["forward_backward_ms"] for row in r["rows"] if row["candidate"] == name), None)
+                     for r in results] for name in names}
+    labels = [f"TP={c.tp} {c.dtype}\n{100 * c.response:.0f}% rows" for c in cases]
+    grouped_bar_plot(labels, series, "forward+backward, ms (median)", path)
+
+
+# ---- command line ----
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_grpo bench linear", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--quick", action="store_true",
+                        help="small shapes (T=256, H=64, V_local=1024 unless given), 1 run, 32 accuracy rows; "
+                             "writes linear_<device>_quick.*")
+    parser.add_argument("--tp", type=int, nargs="+", default=None,
+                        help="TP sizes; default 1 and 2 (on CUDA, 2 only with two GPUs)")
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+    parser.add_argument("--response", type=float, nargs="+", default=[1.0, 0.25],
+                        help="fractions of response rows (the others have target -1); default 1.0 0.25")
+    parser.add_argument("--tokens", type=int, default=None, help="rows T; default 4096 (256 quick)")
+    parser.add_argument("--hidden", type=int, default=None, help="hidden size H; default 512 (64 quick)")
+    parser.add_argument("--v-local", type=int, default=None, help="vocab columns per rank; default 32768 (1024 quick)")
+    parser.add_argument("--chunk-rows", type=int, default=None,
+                        help="rows per chunk of the fused candidates; default: the op's own (a 256 MiB budget)")
+    parser.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), default=list(CANDIDATES),
+                        help="the candidates to run (default: all)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per candidate; default 5 (1 quick)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--accuracy-rows", type=int, default=None,
+                        help="rows of the float64 accuracy check (0: skip); default 256 (32 quick)")
+    parser.add_argument("--peer-path", type=Path, action="append", default=[],
+                        help="a directory holding optional peers installed with pip --target (appended to "
+                             "sys.path; repeatable)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--timeout", type=float, default=3600.0,
+                        help="seconds to wait for each TP size's ranks before giving up (default 3600)")
+    args = parser.parse_args(argv)
+    for fraction in args.response:
+        if not 0.0 < fraction <= 1.0:
+            parser.error(f"--response fractions must be in (0, 1], got {fraction}")
+    if args.chunk_rows is not None and args.chunk_rows < 1:
+        parser.error(f"--chunk-rows must be >= 1, got {args.chunk_rows}")
+    shape = (256, 64, 1024) if args.quick else (4096, 512, 32768)
+    tokens, hidden, v_local = (given if given is not None else default
+                               for given, default in zip((args.tokens, args.hidden, args.v_local), shape))
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 5)
+    accuracy_rows = args.accuracy_rows if args.accuracy_rows is not None else (32 if args.quick else 256)
+    sys.path.extend(str(path) for path in args.peer_path)  # spawned ranks inherit sys.path
+    tp_sizes = args.tp or ([1, 2] if args.device == "cpu" or torch.cuda.device_count() >= 2 else [1])
+    results = []
+    for tp in tp_sizes:
+        cases = [Case(tp=tp, dtype=d, tokens=tokens, hidden=hidden, v_local=v_local, response=f,
+                      chunk_rows=args.chunk_rows)
+                 for d in args.dtypes for f in args.response]
+        work = functools.partial(_run_cases, cases=cases, names=args.candidates, repeats=repeats,
+                                 warmup=args.warmup, accuracy_rows=accuracy_rows)
+        tp_results, _ = run_ranks(tp, work, args.device, args.timeout, name="bench linear")
+        results += tp_results
+    skipped = {(name, why) for result in results for name, why in result["skipped"].items()}
+    for name, why in sorted(skipped):
+        print(f"bench linear: {name} skipped in some cases: {why}", file=sys.stderr)
+    command = "python -m megatron_grpo bench linear" + ("" if not argv else " " + " ".join(argv))
+    text = report(results, torch.device(args.device), repeats, args.warmup, command)
+    stem = f"linear_{args.device}{'_quick' if args.quick else ''}"
+    path = write_results(args.out, stem, text, {"results": results}, lambda png: plot(results, png))
+    print(text)
+    print(f"wrote {path}")
+    return 0
