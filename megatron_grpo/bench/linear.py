@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.ops import vocab_parallel_linear_logprobs, vocab_parallel_logprobs
+from megatron_grpo.ops import VocabShard, vocab_parallel_linear_logprobs, vocab_parallel_logprobs
 from megatron_grpo.ops.linear_logprobs import chunk_rows_for
 
 from .measure import PeakMemory, grouped_bar_plot, machine_description, median_seconds, run_ranks, write_results
@@ -40,6 +40,7 @@ LOGIT_STD = 3.0
 TARGET_SPEED_ALL_ROWS = 0.75      # materialised ms / fused ms at 100% response rows
 TARGET_SPEED_QUARTER_ROWS = 2.5   # ... at 25% response rows
 TARGET_PEAK_FRACTION = 0.10       # fused extra peak / materialised extra peak
+TARGET_LOSS_FUSED = 1.0           # materialised loss step ms / loss-fused ms at 100% response rows
 
 
 @dataclass(frozen=True)
@@ -93,23 +94,25 @@ class Candidate:
 
 def build_materialised(case: Case, inputs: CaseInputs) -> Step:
     def forward(hidden, weight):
-        return vocab_parallel_logprobs(hidden @ weight.t(), inputs.targets, group=inputs.group, check_inputs=False)
+        return vocab_parallel_logprobs(hidden @ weight.t(), inputs.targets, shard=VocabShard(group=inputs.group),
+                                       check_inputs=False)
 
     return Step(forward, inputs.upstream)
 
 
 def build_fused(case: Case, inputs: CaseInputs) -> Step:
     def forward(hidden, weight):
-        return vocab_parallel_linear_logprobs(hidden, weight, inputs.targets, group=inputs.group,
-                                              chunk_rows=case.chunk_rows)
+        return vocab_parallel_linear_logprobs(hidden, weight, inputs.targets, shard=VocabShard(group=inputs.group),
+                                              chunk_rows=case.chunk_rows, check_inputs=False)
 
     return Step(forward, inputs.upstream)
 
 
 def build_fused_entropy(case: Case, inputs: CaseInputs) -> Step:
     def forward(hidden, weight):
-        logprob, entropy = vocab_parallel_linear_logprobs(hidden, weight, inputs.targets, group=inputs.group,
-                                                          with_entropy=True, chunk_rows=case.chunk_rows)
+        logprob, entropy = vocab_parallel_linear_logprobs(hidden, weight, inputs.targets,
+                                                          shard=VocabShard(group=inputs.group), with_entropy=True,
+                                                          chunk_rows=case.chunk_rows, check_inputs=False)
         return logprob + entropy  # both outputs take the upstream gradient
 
     return Step(forward, inputs.upstream)
@@ -197,14 +200,102 @@ def build_liger(case: Case, inputs: CaseInputs) -> Step:
     return Step(lambda hidden, weight: -loss(hidden, weight, inputs.targets), inputs.upstream)
 
 
-MATERIALISED, FUSED, MEGATRON = "materialised", "fused", "megatron"
+# ---- the GRPO loss step: ClippedPGLoss on logits, and its loss-fused form on hidden states ----
 
-# The benchmark's entries, in report order. A new one is a builder and one line here; e.g. the loss-fused
-# ClippedPGLoss step on hidden states against the materialised loss step:
-#   "materialised loss": Candidate(build_materialised_loss, "..."),
-#   "loss-fused": Candidate(build_loss_fused, "...", baseline="materialised loss"),
-# where each builder makes its extra inputs (advantages, old logprobs, ...) from `inputs.seed` and returns
-# `Step(lambda hidden, weight: loss(...), None)`: a scalar loss needs no upstream gradient.
+# A GRPO loss with every key explicit: the clipped ratio against prev logprobs, token-mean, no KL, no entropy bonus.
+LOSS_CONFIG = dict(
+    ratio_clip_min=0.2, ratio_clip_max=0.28, ratio_clip_c=None, disable_ppo_ratio=False, loss_agg_mode="token-mean",
+    max_response_length=None, sequence_level_importance_ratio=False, sequence_level_importance_weight="product",
+    reference_policy_kl_penalty=0.0, reference_policy_kl_type="k3", kl_input_clamp_value=None,
+    kl_output_clamp_value=None, use_kl_in_reward=False, use_on_policy_kl_approximation=False,
+    use_importance_sampling_correction=False,
+    truncated_importance_sampling={"type": None, "ratio_min": None, "ratio_max": None},
+    force_on_policy_ratio=False, use_cispo=False, positive_example_nll_weight=0.0, entropy_coef=0.0,
+)
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    loss_fn: object  # ClippedPGLoss
+    batch: dict[str, torch.Tensor]  # [B, S] with B * S = T; the same response rows as the op's cases
+    tokens: torch.Tensor
+    seqs: torch.Tensor
+
+
+def _loss_inputs(case: Case, inputs: CaseInputs) -> LossInputs:
+    """A GRPO batch over the case's rows as sequences of SEQUENCE_ROWS tokens (prompt first), with prev logprobs
+    near a uniform policy's, so that ratios spread around 1."""
+    from megatron_grpo.loss import ClippedPGLoss, ClippedPGLossConfig, count_valid
+
+    sequence = min(case.tokens, SEQUENCE_ROWS)
+    if case.tokens % sequence:
+        raise ValueError(f"the loss candidates need T ({case.tokens}) to be a multiple of {sequence}")
+    batch_size, vocab = case.tokens // sequence, case.v_local * case.tp
+    gen = torch.Generator().manual_seed(inputs.seed)
+    device = inputs.hidden.device
+    ids = torch.randint(0, vocab, (batch_size, sequence), generator=gen)
+    # Token t + 1 is trained where row t has a target in the op's cases: the same number of trained rows.
+    trained_row = inputs.targets.view(batch_size, sequence).cpu() >= 0
+    token_mask = torch.zeros(batch_size, sequence, dtype=torch.int64)
+    token_mask[:, 1:] = trained_row[:, :-1]
+    batch = {
+        "input_ids": ids, "token_mask": token_mask, "sample_mask": torch.ones(batch_size),
+        "advantages": torch.randn(batch_size, sequence, generator=gen),
+        "prev_logprobs": -math.log(vocab) + 0.3 * torch.randn(batch_size, sequence, generator=gen),
+    }
+    batch = {key: value.to(device) for key, value in batch.items()}
+    tokens, seqs = count_valid(batch)  # this rank's batch is the whole step's here (TP ranks hold the same)
+    return LossInputs(ClippedPGLoss(ClippedPGLossConfig(**LOSS_CONFIG)), batch, tokens, seqs)
+
+
+def build_materialised_loss(case: Case, inputs: CaseInputs) -> Step:
+    loss = _loss_inputs(case, inputs)
+    shape = (*loss.batch["input_ids"].shape, case.hidden)
+
+    def forward(hidden, weight):
+        value, _ = loss.loss_fn(hidden.view(shape) @ weight.t(), loss.batch, global_valid_tokens=loss.tokens,
+                                global_valid_seqs=loss.seqs, shard=VocabShard(group=inputs.group))
+        return value
+
+    return Step(forward, None)
+
+
+def build_recompute_loss(case: Case, inputs: CaseInputs) -> Step:
+    from megatron_grpo.loss import trained_token_mask, trained_token_targets
+
+    loss = _loss_inputs(case, inputs)
+    shape = (*loss.batch["input_ids"].shape, case.hidden)
+    targets = trained_token_targets(loss.batch["input_ids"], trained_token_mask(loss.batch))
+
+    def forward(hidden, weight):
+        logprobs, entropy = vocab_parallel_linear_logprobs(
+            hidden.view(shape), weight, targets, shard=VocabShard(group=inputs.group), shift=True, with_entropy=True,
+            chunk_rows=case.chunk_rows, check_inputs=False)
+        value, _ = loss.loss_fn(None, loss.batch, global_valid_tokens=loss.tokens, global_valid_seqs=loss.seqs,
+                                curr_logprobs=logprobs, curr_entropy=entropy)
+        return value
+
+    return Step(forward, None)
+
+
+def build_loss_fused(case: Case, inputs: CaseInputs) -> Step:
+    loss = _loss_inputs(case, inputs)
+    shape = (*loss.batch["input_ids"].shape, case.hidden)
+
+    def forward(hidden, weight):
+        value, _ = loss.loss_fn.on_hidden_states(hidden.view(shape), weight, loss.batch,
+                                                 global_valid_tokens=loss.tokens, global_valid_seqs=loss.seqs,
+                                                 shard=VocabShard(group=inputs.group), chunk_rows=case.chunk_rows)
+        return value
+
+    return Step(forward, None)
+
+
+MATERIALISED, FUSED, MEGATRON = "materialised", "fused", "megatron"
+MATERIALISED_LOSS = "materialised loss"
+
+# The benchmark's entries, in report order. A new one is a builder and one line here; a scalar loss returns
+# `Step(forward, None)` (no upstream gradient) and names its own baseline.
 CANDIDATES: dict[str, Candidate] = {
     MATERIALISED: Candidate(build_materialised, "`logits = hidden @ weight.T`, then `vocab_parallel_logprobs`"),
     FUSED: Candidate(build_fused, "`vocab_parallel_linear_logprobs`, default chunk_rows (unless --chunk-rows)"),
@@ -218,6 +309,14 @@ CANDIDATES: dict[str, Candidate] = {
                                                             "plain torch: the logits are materialised)"),
     "liger": Candidate(build_liger, "Liger-Kernel `liger_fused_linear_cross_entropy(..., reduction='none')` "
                                     "(Triton kernels: GPUs only)"),
+    MATERIALISED_LOSS: Candidate(build_materialised_loss, "the GRPO loss step: `logits = hidden @ weight.T`, then "
+                                                          "`ClippedPGLoss` (with entropy, as the train step)",
+                                 baseline=MATERIALISED_LOSS),
+    "recompute loss": Candidate(build_recompute_loss, "`vocab_parallel_linear_logprobs(..., with_entropy=True)`, "
+                                                      "then `ClippedPGLoss(None, curr_logprobs=...)` (4 GEMMs)",
+                                baseline=MATERIALISED_LOSS),
+    "loss-fused": Candidate(build_loss_fused, "`ClippedPGLoss.on_hidden_states`: the loss gradient in forward, "
+                                              "chunks of whole sequences (3 GEMMs)", baseline=MATERIALISED_LOSS),
 }
 
 
@@ -275,7 +374,7 @@ def fused_accuracy(case: Case, inputs: CaseInputs, rows: int) -> dict[str, float
     full_chunks = math.ceil(int((inputs.targets >= 0).sum()) / full_chunk_rows)
     chunk_rows = max(1, math.ceil(int((targets >= 0).sum()) / max(full_chunks, 1)))
     leaves = (hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True))
-    logprob = vocab_parallel_linear_logprobs(*leaves, targets, group=group if tp > 1 else None,
+    logprob = vocab_parallel_linear_logprobs(*leaves, targets, shard=VocabShard(group=group if tp > 1 else None),
                                              chunk_rows=chunk_rows)
     grad_hidden, grad_weight = torch.autograd.grad(logprob, leaves, upstream)
     if tp > 1:
@@ -366,7 +465,10 @@ def case_summary(result: dict) -> dict:
     peak = max(fused["extra_peak_mib"], 0.0) / materialised["extra_peak_mib"] \
         if materialised["extra_peak_mib"] >= 1.0 else None  # below 1 MiB the measure is noise
     target = TARGET_SPEED_ALL_ROWS if result["case"]["response"] >= 1.0 else TARGET_SPEED_QUARTER_ROWS
-    return {"speed": speed, "speed_target": target, "peak_fraction": peak}
+    loss_fused, materialised_loss = by_name.get("loss-fused"), by_name.get(MATERIALISED_LOSS)
+    loss_speed = None if loss_fused is None or materialised_loss is None \
+        else materialised_loss["forward_backward_ms"] / loss_fused["forward_backward_ms"]
+    return {"speed": speed, "speed_target": target, "peak_fraction": peak, "loss_speed": loss_speed}
 
 
 def report(results: list[dict], device: torch.device, repeats: int, warmup: int, command: str) -> str:
@@ -389,15 +491,17 @@ def report(results: list[dict], device: torch.device, repeats: int, warmup: int,
         "output layer all-reduces it afterwards, for all of them alike, so no candidate's time includes it).",
         f"- targets (issue 11): fused extra peak <= {100 * TARGET_PEAK_FRACTION:.0f}% of the materialised "
         f"path's; materialised/fused time >= {TARGET_SPEED_ALL_ROWS}x at 100% response rows, >= "
-        f"{TARGET_SPEED_QUARTER_ROWS}x at 25%.",
+        f"{TARGET_SPEED_QUARTER_ROWS}x at 25%; materialised loss step / loss-fused >= {TARGET_LOSS_FUSED}x at "
+        "100% response rows.",
         "",
         "Candidates:",
         "",
     ]
     lines += [f"- `{name}`: {c.description}" for name, c in CANDIDATES.items()]
     lines += ["", "## Targets", "",
-              "| case | materialised/fused | speed target | fused extra peak / materialised | peak target |",
-              "|---|---:|---|---:|---|"]
+              "| case | materialised/fused | speed target | fused extra peak / materialised | peak target "
+              "| materialised loss / loss-fused |",
+              "|---|---:|---|---:|---|---:|"]
     for result in results:
         summary = case_summary(result)
         if summary:
@@ -405,11 +509,15 @@ def report(results: list[dict], device: torch.device, repeats: int, warmup: int,
             peak = ("- | below 1 MiB: not measurable" if fraction is None else
                     f"{100 * fraction:.1f}% | <= {100 * TARGET_PEAK_FRACTION:.0f}% "
                     f"{_verdict(fraction <= TARGET_PEAK_FRACTION)}")
+            loss_speed = summary["loss_speed"]
+            loss = "-" if loss_speed is None else f"{loss_speed:.2f}x" + (
+                f" (>= {TARGET_LOSS_FUSED}x {_verdict(loss_speed >= TARGET_LOSS_FUSED)})"
+                if result["case"]["response"] >= 1.0 else "")
             lines.append(
                 f"| {Case(**result['case']).label()} | {summary['speed']:.2f}x | >= {summary['speed_target']}x "
-                f"{_verdict(summary['speed'] >= summary['speed_target'])} | {peak} |")
+                f"{_verdict(summary['speed'] >= summary['speed_target'])} | {peak} | {loss} |")
         else:
-            lines.append(f"| {Case(**result['case']).label()} | - | fused or materialised not measured | - | - |")
+            lines.append(f"| {Case(**result['case']).label()} | - | fused or materialised not measured | - | - | - |")
     lines.append("")
     for result in results:
         lines += case_section(result)
