@@ -26,9 +26,10 @@ CASES = {
     "tempered_kl_entropy": {"generation.temperature": 0.7, "loss_fn.reference_policy_kl_penalty": 0.1,
                             "logprob_passes.prev": "compute", "loss_fn.entropy_coef": 0.01},
 }
-CASES["tied_embeddings"] = CASES["tempered_kl_entropy"]  # the same, on models built with tied embeddings
+# Output layer tied to the input embedding: temperature != 1 and an entropy bonus, so that both gradient terms of
+# the fused op reach the embedding (no reference model or prev pass: those are forward-only, checked above).
+CASES["tied_embeddings"] = {"generation.temperature": 0.7, "loss_fn.entropy_coef": 0.01}
 TIED = {"tied_embeddings"}
-ALL_PASSES = ("tempered_kl_entropy", "tied_embeddings")
 EMBEDDING = "embedding.word_embeddings.weight"
 
 
@@ -156,10 +157,9 @@ def test_fused_train_step_equals_materialised(ranks, case):
 
 def test_all_three_passes_run_fused_and_agree(ranks):
     for rank in ranks:
-        for case in ALL_PASSES:
-            result = rank[case]
-            assert result["passes_run"] == ({"reference": 1, "prev": 1}, {"reference": 1, "prev": 1})
-            assert result["reference_error"] < TOL and result["kl_in_metrics"]
+        result = rank["tempered_kl_entropy"]
+        assert result["passes_run"] == ({"reference": 1, "prev": 1}, {"reference": 1, "prev": 1})
+        assert result["reference_error"] < TOL and result["kl_in_metrics"]
 
 
 def test_tied_embeddings_fused_weight_is_the_embedding_and_its_gradient_matches(ranks):
