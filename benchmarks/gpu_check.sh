@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the CUDA logprob kernels, in one go: report the kernels' registers and spills (nvcc), build
-# megatron_grpo._C with CUDA, run the GPU tests, measure the kernels against the memory roof, run the benchmark.
+# megatron_grpo._C with CUDA, run the GPU tests, then the fused linear op's GPU tests, measure the kernels against
+# the memory roof, run the benchmark.
 #
 # What it needs: bash, coreutils (`timeout`), a Python with a CUDA build of torch, and nvcc (CUDA_HOME or PATH),
 # on any machine with an NVIDIA GPU. Nothing is downloaded: the package is installed editable with --no-deps and
@@ -22,8 +23,9 @@
 #     roofline.txt     each kernel's bytes per second as a fraction of a device-to-device copy's
 #     bench.tgz        the benchmark's Markdown table, JSON and plot (benchmarks/results/ format)
 # The dry run (no CUDA): the register report runs (it needs nvcc only), the build, GPU tests and roofline are
-# skipped with a line saying so, the CPU op tests run instead of the GPU tests, and the benchmark runs in its
-# quick CPU mode with megatron-core hidden (benchmarks/hide_megatron), as on a bare GPU image.
+# skipped with a line saying so, the CPU op tests run instead of the GPU tests, the fused linear op's GPU tests
+# are collected and skip (no CUDA), and the benchmark runs in its quick CPU mode with megatron-core hidden
+# (benchmarks/hide_megatron), as on a bare GPU image.
 #
 # With the device tool (one run is one bash command from the repo root, $OUT is its output folder and comes
 # back, at most 10 minutes a command and about 15 minutes of device time in all, machine start included):
@@ -45,10 +47,12 @@ export WORK WHEELS=.whl SITE="$WORK/site"  # WORK: this run's scratch folder (wh
 # The CUDA and CPU test files (the GPU tests are their `gpu`-marked cases); the dry run runs CPU_TESTS.
 export GPU_TESTS="${GPU_TESTS:-tests/test_gpu.py tests/test_logprob_op.py tests/test_logprob_errors.py}"
 export CPU_TESTS="${CPU_TESTS:-tests/test_logprob_op.py tests/test_logprob_errors.py}"
+# The fused linear op's GPU tests (test_gpu.py's `test_fused_linear_*`): their own step and budget, not in `tests`.
+export LINEAR_TESTS="${LINEAR_TESTS:-tests/test_gpu.py}" LINEAR_SELECT=fused_linear
 
 # Step budgets in seconds (sum 470). Each step is killed, with its child processes, at its budget.
-BUDGET_MACHINE=30 BUDGET_WHEELS=20 BUDGET_REGISTERS=40 BUDGET_BUILD=170 BUDGET_TESTS=110 BUDGET_ROOFLINE=30
-BUDGET_BENCH=70
+BUDGET_MACHINE=20 BUDGET_WHEELS=15 BUDGET_REGISTERS=35 BUDGET_BUILD=170 BUDGET_TESTS=95 BUDGET_LINEAR=40
+BUDGET_ROOFLINE=25 BUDGET_BENCH=70
 export BUDGET_BENCH
 SKIPPED=77  # a step's exit status for "skipped"; it prints why
 
@@ -122,7 +126,8 @@ step_tests() {
     "$PYTHON" -m pytest -q -ra -p no:cacheprovider --continue-on-collection-errors $CPU_TESTS 2>&1 | tee "$log"
   else
     # shellcheck disable=SC2086  # GPU_TESTS is a list of paths
-    "$PYTHON" -m pytest -q -ra -p no:cacheprovider --continue-on-collection-errors -m gpu --junitxml="$OUT/pytest.xml" $GPU_TESTS 2>&1 | tee "$log"
+    "$PYTHON" -m pytest -q -ra -p no:cacheprovider --continue-on-collection-errors -m gpu -k "not $LINEAR_SELECT" \
+      --junitxml="$OUT/pytest.xml" $GPU_TESTS 2>&1 | tee "$log"
   fi
   rc=${PIPESTATUS[0]}
   case $rc in
@@ -131,6 +136,24 @@ step_tests() {
     *) echo "pytest exit $rc; collection and other errors (whole, above), then the summary:"
        sed -n '/^=* ERRORS =*$/,/^=* short test summary/p' "$log" | head -n 80
        sed -n '/short test summary info/,$p' "$log" | grep -v '^SKIPPED' | head -n 60 ;;
+  esac
+  return "$rc"
+}
+
+# vocab_parallel_linear_logprobs on CUDA: against a float64 anchor (fp32, bf16, padding, ignored rows, entropy,
+# logit_scale, uneven chunks), a T=8192 H=4096 V_local=32768 bf16 case with gradients, and its peak memory
+# against the materialised logits'. The dry run runs the same selection: collected, every test skipped (no CUDA).
+step_linear() {
+  local log="$WORK/pytest_linear.log" rc
+  [ "$DRY_RUN" = 0 ] || echo "dry run: collected only, each test skips without CUDA"
+  # shellcheck disable=SC2086  # LINEAR_TESTS is a list of paths
+  "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider -m gpu -k "$LINEAR_SELECT" $LINEAR_TESTS 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  case $rc in
+    0) ;;
+    5) echo "pytest: no tests collected (exit 5): check LINEAR_TESTS and the test_fused_linear_ names" ;;
+    *) echo "pytest exit $rc; the summary:"
+       sed -n '/short test summary info/,$p' "$log" | head -n 40 ;;
   esac
   return "$rc"
 }
@@ -160,7 +183,7 @@ step_bench() {
   tar czf "$OUT/bench.tgz" -C "$dir" bench && echo "bench.tgz: $(tar tzf "$OUT/bench.tgz" | tr '\n' ' ')"
 }
 
-export -f section step_machine step_wheels step_registers step_build step_tests step_roofline step_bench
+export -f section step_machine step_wheels step_registers step_build step_tests step_linear step_roofline step_bench
 export SKIPPED
 
 first_failure=0
@@ -194,6 +217,7 @@ main() {
   run_step registers "$BUDGET_REGISTERS" step_registers
   run_step build "$BUDGET_BUILD" step_build
   run_step tests "$BUDGET_TESTS" step_tests
+  run_step linear "$BUDGET_LINEAR" step_linear
   run_step roofline "$BUDGET_ROOFLINE" step_roofline
   run_step bench "$BUDGET_BENCH" step_bench
   section "done in $((SECONDS - total_start)) s (exit $first_failure)"

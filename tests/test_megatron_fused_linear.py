@@ -1,5 +1,9 @@
 """`policy.fused_linear_logprobs` on the real tiny GPTModel: the train step from hidden states equals the train
-step from materialised logits (logprobs, entropy, loss, gradients) at TP = 1 and TP = 2 over gloo.
+step from materialised logits (logprobs, entropy, loss, gradients) at TP = 1 and TP = 2 over gloo, with a separate
+output layer and with the output layer tied to the input embedding (`share_embeddings_and_output_weights`).
+
+The vocab is Megatron-padded in every case: 13 real tokens padded to 16 (`VOCAB` of test_megatron_hooks), so at
+TP = 2 rank 1's shard holds 3 real and 5 padding columns.
 
 Each world size is one spawn that runs every case; the tests assert on what the ranks report.
 """
@@ -10,7 +14,7 @@ import pytest
 import torch
 from _configs import config_with, drop_key, tiny
 from _dist import run_on_ranks
-from test_megatron_hooks import ROWS, SEQ, TINY_MODEL, build, make_batch
+from test_megatron_hooks import ROWS, SEQ, TINY_MODEL, VOCAB, make_batch
 
 from megatron_grpo.config import ConfigError, load_config
 
@@ -22,20 +26,44 @@ CASES = {
     "tempered_kl_entropy": {"generation.temperature": 0.7, "loss_fn.reference_policy_kl_penalty": 0.1,
                             "logprob_passes.prev": "compute", "loss_fn.entropy_coef": 0.01},
 }
+# Output layer tied to the input embedding: temperature != 1 and an entropy bonus, so that both gradient terms of
+# the fused op reach the embedding (no reference model or prev pass: those are forward-only, checked above).
+CASES["tied_embeddings"] = {"generation.temperature": 0.7, "loss_fn.entropy_coef": 0.01}
+TIED = {"tied_embeddings"}
+EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
-def _run_train_step(cfg, batch) -> dict:
+def build(cfg, tied: bool = False):
+    """The tiny GPTModel with identical initial weights for every build with this config (and `tied`)."""
+    from megatron_grpo.megatron import build_gpt_model
+
+    torch.manual_seed(cfg.seed)
+    return build_gpt_model(cfg, VOCAB, share_embeddings_and_output_weights=tied)
+
+
+def _tying(model) -> dict:
+    """Where the fused path takes its weight from, and which parameters the model has."""
+    from megatron_grpo.megatron.hidden_states import output_weight
+
+    return {"weight_is_embedding": output_weight(model) is model.embedding.word_embeddings.weight,
+            "weight_is_output_layer": output_weight(model) is model.output_layer.weight,
+            "parameter_names": [name for name, _ in model.named_parameters()],
+            "vocab_sizes": (model.true_vocab_size, model.padded_vocab_size)}
+
+
+def _run_train_step(cfg, batch, tied: bool) -> dict:
     from megatron_grpo.loss import ClippedPGLoss
     from megatron_grpo.megatron import build_optimizer, train_step
     from megatron_grpo.scheduler import plan_logprob_passes
 
     plan = plan_logprob_passes(cfg)
-    model = build(cfg)
-    reference = build(cfg) if plan.build_reference_model else None
+    model = build(cfg, tied)
+    reference = build(cfg, tied) if plan.build_reference_model else None
+    tying = _tying(model)
     output_layer = model.output_layer
     output_layer_calls = [0]
     output_layer.register_forward_hook(lambda *_: output_layer_calls.__setitem__(0, output_layer_calls[0] + 1))
@@ -46,16 +74,17 @@ def _run_train_step(cfg, batch) -> dict:
         "grads": {name: p.grad.detach().clone() for name, p in model.named_parameters()},
         "output_layer_calls": output_layer_calls[0],
         "output_layer_restored": model.output_layer is output_layer,
+        "tying": tying,
     }
 
 
-def _per_token(cfg, batch) -> dict:
+def _per_token(cfg, batch, tied: bool) -> dict:
     """Per-token logprobs and entropies of the trained tokens, both ways, at the config's temperature."""
     from megatron_grpo.loss import next_token_logprobs, trained_token_mask
     from megatron_grpo.megatron import model_forward
     from megatron_grpo.megatron.train_step import VocabShard, _linear_next_token_logprobs, tempered
 
-    model, temperature = build(cfg), cfg.generation.temperature
+    model, temperature = build(cfg, tied), cfg.generation.temperature
     vocab = VocabShard.of(model)
     trained = trained_token_mask(batch)
     with torch.no_grad():
@@ -78,8 +107,9 @@ def run_cases(rank: int, world_size: int) -> dict:
     try:
         outcome = {}
         for name, overrides in CASES.items():
+            tied = name in TIED
             runs = {fused: _run_train_step(config_with({**base, **overrides, "policy.fused_linear_logprobs": fused}),
-                                           make_batch(seed=21))
+                                           make_batch(seed=21), tied)
                     for fused in (False, True)}
             plain, fused = runs[False], runs[True]
             a, b = plain["result"], fused["result"]
@@ -97,7 +127,10 @@ def run_cases(rank: int, world_size: int) -> dict:
                 "grad_scale": max(g.abs().max().item() for g in plain["grads"].values()),
                 "output_layer_calls": (plain["output_layer_calls"], fused["output_layer_calls"]),
                 "output_layer_restored": fused["output_layer_restored"],
-                "per_token": _per_token(config_with({**base, **overrides}), make_batch(seed=22)),
+                "tying": fused["tying"],
+                "embedding_grad_error": _max_diff(plain["grads"][EMBEDDING], fused["grads"][EMBEDDING]),
+                "embedding_grad_scale": plain["grads"][EMBEDDING].abs().max().item(),
+                "per_token": _per_token(config_with({**base, **overrides}), make_batch(seed=22), tied),
             }
         return outcome
     finally:
@@ -127,6 +160,32 @@ def test_all_three_passes_run_fused_and_agree(ranks):
         result = rank["tempered_kl_entropy"]
         assert result["passes_run"] == ({"reference": 1, "prev": 1}, {"reference": 1, "prev": 1})
         assert result["reference_error"] < TOL and result["kl_in_metrics"]
+
+
+def test_tied_embeddings_fused_weight_is_the_embedding_and_its_gradient_matches(ranks):
+    """Tied: the fused op reads the embedding shard, and the embedding's gradient (input lookup + output layer)
+    equals the materialised path's, where Megatron's output layer is handed the embedding weight."""
+    for rank in ranks:
+        result = rank["tied_embeddings"]
+        tying = result["tying"]
+        assert tying["weight_is_embedding"] and "output_layer.weight" not in tying["parameter_names"]
+        assert EMBEDDING in tying["parameter_names"]
+        assert result["embedding_grad_scale"] > 1e-3
+        assert result["embedding_grad_error"] < TOL
+
+
+def test_untied_fused_weight_is_the_output_layer(ranks):
+    for rank in ranks:
+        tying = rank["plain"]["tying"]
+        assert tying["weight_is_output_layer"] and not tying["weight_is_embedding"]
+        assert {"output_layer.weight", EMBEDDING} <= set(tying["parameter_names"])
+
+
+def test_every_case_runs_on_a_padded_vocab(ranks):
+    for rank in ranks:
+        for case in CASES:
+            true_size, padded_size = rank[case]["tying"]["vocab_sizes"]
+            assert (true_size, padded_size) == (VOCAB, 16) and padded_size % len(ranks) == 0
 
 
 def test_fused_per_token_logprobs_and_entropy(ranks):

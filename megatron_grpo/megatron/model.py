@@ -69,8 +69,12 @@ def transformer_config(cfg: Config) -> TransformerConfig:
     )
 
 
-def build_gpt_model(cfg: Config, vocab_size: int) -> GPTModel:
-    """A GPTModel for this rank's pipeline stage, with `true_vocab_size` and `padded_vocab_size` attributes."""
+def build_gpt_model(cfg: Config, vocab_size: int, *, share_embeddings_and_output_weights: bool = False) -> GPTModel:
+    """A GPTModel for this rank's pipeline stage, with `true_vocab_size` and `padded_vocab_size` attributes.
+
+    `share_embeddings_and_output_weights`: tie the output layer to the input embedding (Megatron's option; the
+    output layer then has no weight of its own). No config key sets it yet; the tests build tied models with it.
+    """
     policy, model_cfg = cfg.policy, cfg.policy.model
     padded = padded_vocab_size(vocab_size, model_cfg.make_vocab_size_divisible_by, policy.tensor_model_parallel_size)
     model = GPTModel(
@@ -81,7 +85,7 @@ def build_gpt_model(cfg: Config, vocab_size: int) -> GPTModel:
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=model_cfg.position_embedding_type,
     )
     model.true_vocab_size = vocab_size
