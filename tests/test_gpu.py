@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from logprob_reference import assert_grad_close, assert_matches_anchor, expected_logprobs, make_case
-from megatron_grpo.ops import fused_supports, vocab_parallel_logprobs
+from megatron_grpo.ops import VocabShard, fused_supports, vocab_parallel_linear_logprobs, vocab_parallel_logprobs
+from test_linear_logprobs import Anchor, assert_matches  # its fp32 / bf16 tolerance model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -358,9 +359,6 @@ def test_random_layouts_match_the_reference_on_the_gpu(seed):
 # production-like shape with its gradients, and the memory the op exists to save. Every test name starts with
 # `test_fused_linear_`: benchmarks/gpu_check.sh runs them as their own step (`-k fused_linear`).
 
-from megatron_grpo.ops import vocab_parallel_linear_logprobs  # noqa: E402
-from test_linear_logprobs import Anchor, assert_matches  # noqa: E402  (its fp32 / bf16 tolerance model)
-
 
 def linear_case_on(device, rows: int, hidden_size: int, local_vocab: int, vocab_start: int, true_vocab: int,
                    dtype: torch.dtype, seed: int, ignore_every: int = 4):
@@ -460,8 +458,9 @@ def check_linear_case(rows, hidden_size, local_vocab, vocab_start, true_vocab, s
     hidden, weight, targets, g_lp, g_h = linear_case_on(device, rows, hidden_size, local_vocab, vocab_start,
                                                         true_vocab, dtype, seed)
     g_h = g_h if with_entropy else None
-    result = run_linear(hidden, weight, targets, g_lp, g_h, vocab_start_index=vocab_start,
-                        true_vocab_size=true_vocab, logit_scale=scale, chunk_rows=chunk_rows)
+    result = run_linear(hidden, weight, targets, g_lp, g_h,
+                        shard=VocabShard(start_index=vocab_start, true_vocab_size=true_vocab), logit_scale=scale,
+                        chunk_rows=chunk_rows)
     expected = linear_anchor64(hidden, weight, targets, vocab_start, true_vocab, scale, g_lp, g_h)
     baseline = materialised_fp32(hidden, weight, targets, vocab_start, true_vocab, scale, g_lp, g_h) \
         if dtype == torch.float32 else None
@@ -530,14 +529,14 @@ def test_fused_linear_peak_memory_stays_far_below_the_logits(ignore_every):
 
     def fused():
         h.grad = w.grad = None
-        logprob, entropy = vocab_parallel_linear_logprobs(h, w, targets, true_vocab_size=true_vocab,
+        logprob, entropy = vocab_parallel_linear_logprobs(h, w, targets, shard=VocabShard(true_vocab_size=true_vocab),
                                                           with_entropy=True, implementation="fused")
         ((logprob * g_lp).sum() + (entropy * g_h).sum()).backward()
         return logprob.detach(), entropy.detach()
 
     def materialised():
         h.grad = w.grad = None
-        logprob, entropy = vocab_parallel_logprobs(h @ w.t(), targets, true_vocab_size=true_vocab,
+        logprob, entropy = vocab_parallel_logprobs(h @ w.t(), targets, shard=VocabShard(true_vocab_size=true_vocab),
                                                    with_entropy=True, implementation="fused")
         ((logprob * g_lp).sum() + (entropy * g_h).sum()).backward()
         return logprob.detach(), entropy.detach()
@@ -552,3 +551,19 @@ def test_fused_linear_peak_memory_stays_far_below_the_logits(ignore_every):
     assert bound < logits_bytes, mib  # the bound leaves no room for a [T, V_local] tensor
     assert fused_extra <= bound, mib
     assert fused_extra <= materialised_extra / 3, mib
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_linear_loss_fused_path_matches_the_materialised_loss(dtype):
+    """`ClippedPGLoss.on_hidden_states` with the CUDA kernels against the materialised loss in float64."""
+    from _loss_inputs import loss_config
+    from test_linear_loss import SETTINGS, VOCAB, assert_same, fused, make_problem, materialised
+
+    cfg = loss_config(**SETTINGS["entropy, KL, VAPO"])
+    hidden, weight, batch = make_problem(seed=9, dtype=torch.float64)
+    shard = VocabShard(true_vocab_size=VOCAB)
+    want = materialised(cfg, hidden, weight, batch, shard)
+    on_gpu = {key: value.to(DEVICE) for key, value in batch.items()}
+    got = fused(cfg, hidden.to(DEVICE, dtype), weight.to(DEVICE, dtype), on_gpu, shard, chunk_rows=7)
+    assert_same(tuple(t.cpu() if isinstance(t, torch.Tensor) else {k: v.cpu() for k, v in t.items()} for t in got),
+                want, 1e-4 if dtype == torch.float32 else 3e-2, f"loss-fused on CUDA {dtype}")

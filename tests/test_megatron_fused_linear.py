@@ -1,6 +1,7 @@
-"""`policy.fused_linear_logprobs` on the real tiny GPTModel: the train step from hidden states equals the train
-step from materialised logits (logprobs, entropy, loss, gradients) at TP = 1 and TP = 2 over gloo, with a separate
-output layer and with the output layer tied to the input embedding (`share_embeddings_and_output_weights`).
+"""`policy.fused_linear_logprobs` (and `policy.fused_linear_loss`) on the real tiny GPTModel: the train step from
+hidden states, by the fused op or by the loss-fused path, equals the train step from materialised logits
+(logprobs, entropy, loss, gradients) at TP = 1 and TP = 2 over gloo, with a separate output layer, with the output
+layer tied to the input embedding (`share_embeddings_and_output_weights`), and with a top-k sampling filter.
 
 The vocab is Megatron-padded in every case: 13 real tokens padded to 16 (`VOCAB` of test_megatron_hooks), so at
 TP = 2 rank 1's shard holds 3 real and 5 padding columns.
@@ -29,7 +30,16 @@ CASES = {
 # Output layer tied to the input embedding: temperature != 1 and an entropy bonus, so that both gradient terms of
 # the fused op reach the embedding (no reference model or prev pass: those are forward-only, checked above).
 CASES["tied_embeddings"] = {"generation.temperature": 0.7, "loss_fn.entropy_coef": 0.01}
+# A sampling filter with a KL in the loss: the fused op filters, and the KL reads unfiltered current logprobs.
+CASES["top_k_kl"] = {"generation.top_k": 5, "loss_fn.reference_policy_kl_penalty": 0.1}
 TIED = {"tied_embeddings"}
+FILTERED = {"top_k_kl"}
+# (fused_linear_logprobs, fused_linear_loss): the fused op, and the loss-fused path (no sampling filter there).
+MODES = {"fused": (True, False), "loss_fused": (True, True)}
+
+
+def modes_of(case: str) -> list[str]:
+    return [mode for mode in MODES if not (case in FILTERED and MODES[mode][1])]
 EMBEDDING = "embedding.word_embeddings.weight"
 
 
@@ -58,6 +68,7 @@ def _tying(model) -> dict:
 def _run_train_step(cfg, batch, tied: bool) -> dict:
     from megatron_grpo.loss import ClippedPGLoss
     from megatron_grpo.megatron import build_optimizer, train_step
+    from megatron_grpo.megatron.train_step import StepConfig
     from megatron_grpo.scheduler import plan_logprob_passes
 
     plan = plan_logprob_passes(cfg)
@@ -67,8 +78,8 @@ def _run_train_step(cfg, batch, tied: bool) -> dict:
     output_layer = model.output_layer
     output_layer_calls = [0]
     output_layer.register_forward_hook(lambda *_: output_layer_calls.__setitem__(0, output_layer_calls[0] + 1))
-    result = train_step(cfg, model, build_optimizer(model, cfg.policy.optimizer), ClippedPGLoss(cfg.loss_fn), plan,
-                        batch, reference_model=reference)
+    result = train_step(StepConfig.of(cfg), model, build_optimizer(model, cfg.policy.optimizer),
+                        ClippedPGLoss(cfg.loss_fn), plan, batch, reference_model=reference)
     return {
         "result": result,
         "grads": {name: p.grad.detach().clone() for name, p in model.named_parameters()},
@@ -79,24 +90,51 @@ def _run_train_step(cfg, batch, tied: bool) -> dict:
 
 
 def _per_token(cfg, batch, tied: bool) -> dict:
-    """Per-token logprobs and entropies of the trained tokens, both ways, at the config's temperature."""
-    from megatron_grpo.loss import next_token_logprobs, trained_token_mask
+    """Per-token logprobs and entropies of the trained tokens, both ways, at the config's temperature and filter."""
+    from megatron_grpo.loss import trained_token_mask, trained_token_targets
     from megatron_grpo.megatron import model_forward
-    from megatron_grpo.megatron.train_step import VocabShard, _linear_next_token_logprobs, tempered
+    from megatron_grpo.megatron.train_step import _linear_logprobs
+    from megatron_grpo.megatron.vocab import vocab_shard_of
+    from megatron_grpo.ops import vocab_parallel_logprobs
 
     model, temperature = build(cfg, tied), cfg.generation.temperature
-    vocab = VocabShard.of(model)
-    trained = trained_token_mask(batch)
+    sampling = {"top_k": cfg.generation.top_k, "top_p": cfg.generation.top_p}
+    vocab = vocab_shard_of(model)
+    targets = trained_token_targets(batch["input_ids"], trained_token_mask(batch))
     with torch.no_grad():
         logits = model_forward(model, batch["input_ids"])
         hidden = model_forward(model, batch["input_ids"], hidden_states=True)
-        materialised = next_token_logprobs(tempered(logits, temperature), batch["input_ids"], trained=trained,
-                                           vocab_start_index=vocab.start_index, true_vocab_size=vocab.true_vocab_size,
-                                           group=vocab.group, with_entropy=True)
-        fused = _linear_next_token_logprobs(model, hidden, batch["input_ids"], vocab, temperature, trained=trained,
-                                            with_entropy=True)
-    return {"hidden_shape": tuple(hidden.shape), "logprob_error": _max_diff(materialised[0], fused[0]),
+        materialised = vocab_parallel_logprobs(logits / temperature, targets, shard=vocab, shift=True,
+                                               with_entropy=True, **sampling)
+        fused = _linear_logprobs(model, hidden, targets, vocab, temperature, with_entropy=True, **sampling)
+    finite = torch.isfinite(materialised[0])
+    assert torch.equal(finite, torch.isfinite(fused[0])), "filtered tokens differ"
+    return {"hidden_shape": tuple(hidden.shape),
+            "logprob_error": _max_diff(materialised[0][finite], fused[0][finite]),
             "entropy_error": _max_diff(materialised[1], fused[1]), "entropy_scale": materialised[1].abs().max().item()}
+
+
+def _compare(plain: dict, fused: dict) -> dict:
+    """How one hidden-states run differs from the materialised run."""
+    a, b = plain["result"], fused["result"]
+    step_a, step_b = a.step_metrics[0], b.step_metrics[0]
+    return {
+        "curr_error": _max_diff(a.curr_logprobs, b.curr_logprobs),
+        "prev_error": _max_diff(a.prev_logprobs, b.prev_logprobs),
+        "reference_error": None if a.reference_policy_logprobs is None
+        else _max_diff(a.reference_policy_logprobs, b.reference_policy_logprobs),
+        "passes_run": (a.passes_run, b.passes_run),
+        "metric_errors": {key: abs(step_a[key] - step_b[key]) for key in ("loss", "entropy", "grad_norm")
+                          if key in step_a},
+        "kl_in_metrics": "kl_penalty" in step_a and "kl_penalty" in step_b,
+        "grad_error": max(_max_diff(plain["grads"][n], fused["grads"][n]) for n in plain["grads"]),
+        "grad_scale": max(g.abs().max().item() for g in plain["grads"].values()),
+        "output_layer_calls": (plain["output_layer_calls"], fused["output_layer_calls"]),
+        "output_layer_restored": fused["output_layer_restored"],
+        "tying": fused["tying"],
+        "embedding_grad_error": _max_diff(plain["grads"][EMBEDDING], fused["grads"][EMBEDDING]),
+        "embedding_grad_scale": plain["grads"][EMBEDDING].abs().max().item(),
+    }
 
 
 def run_cases(rank: int, world_size: int) -> dict:
@@ -108,30 +146,13 @@ def run_cases(rank: int, world_size: int) -> dict:
         outcome = {}
         for name, overrides in CASES.items():
             tied = name in TIED
-            runs = {fused: _run_train_step(config_with({**base, **overrides, "policy.fused_linear_logprobs": fused}),
-                                           make_batch(seed=21), tied)
-                    for fused in (False, True)}
-            plain, fused = runs[False], runs[True]
-            a, b = plain["result"], fused["result"]
-            step_a, step_b = a.step_metrics[0], b.step_metrics[0]
-            outcome[name] = {
-                "curr_error": _max_diff(a.curr_logprobs, b.curr_logprobs),
-                "prev_error": _max_diff(a.prev_logprobs, b.prev_logprobs),
-                "reference_error": None if a.reference_policy_logprobs is None
-                else _max_diff(a.reference_policy_logprobs, b.reference_policy_logprobs),
-                "passes_run": (a.passes_run, b.passes_run),
-                "metric_errors": {key: abs(step_a[key] - step_b[key]) for key in ("loss", "entropy", "grad_norm")
-                                  if key in step_a},
-                "kl_in_metrics": "kl_penalty" in step_a and "kl_penalty" in step_b,
-                "grad_error": max(_max_diff(plain["grads"][n], fused["grads"][n]) for n in plain["grads"]),
-                "grad_scale": max(g.abs().max().item() for g in plain["grads"].values()),
-                "output_layer_calls": (plain["output_layer_calls"], fused["output_layer_calls"]),
-                "output_layer_restored": fused["output_layer_restored"],
-                "tying": fused["tying"],
-                "embedding_grad_error": _max_diff(plain["grads"][EMBEDDING], fused["grads"][EMBEDDING]),
-                "embedding_grad_scale": plain["grads"][EMBEDDING].abs().max().item(),
-                "per_token": _per_token(config_with({**base, **overrides}), make_batch(seed=22), tied),
-            }
+            plain = _run_train_step(config_with({**base, **overrides, "policy.fused_linear_logprobs": False}),
+                                    make_batch(seed=21), tied)
+            outcome[name] = {mode: _compare(plain, _run_train_step(
+                config_with({**base, **overrides, "policy.fused_linear_logprobs": MODES[mode][0],
+                             "policy.fused_linear_loss": MODES[mode][1]}), make_batch(seed=21), tied))
+                for mode in modes_of(name)}
+            outcome[name]["per_token"] = _per_token(config_with({**base, **overrides}), make_batch(seed=22), tied)
         return outcome
     finally:
         destroy_parallel()
@@ -142,10 +163,13 @@ def ranks(request) -> list[dict]:
     return run_on_ranks(request.param, run_cases)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_fused_train_step_equals_materialised(ranks, case):
+CASE_MODES = [(case, mode) for case in CASES for mode in modes_of(case)]
+
+
+@pytest.mark.parametrize("case, mode", CASE_MODES, ids=[f"{c}-{m}" for c, m in CASE_MODES])
+def test_fused_train_step_equals_materialised(ranks, case, mode):
     for rank in ranks:
-        result = rank[case]
+        result = rank[case][mode]
         assert result["grad_scale"] > 1e-3  # a real gradient
         assert result["curr_error"] < TOL and result["prev_error"] < TOL
         # Gradients, not the updated weights: Adam's first step is nearly lr * sign(grad), so a 1e-9 rounding
@@ -155,28 +179,32 @@ def test_fused_train_step_equals_materialised(ranks, case):
         assert {"loss", "entropy"} <= set(result["metric_errors"])
 
 
-def test_all_three_passes_run_fused_and_agree(ranks):
+@pytest.mark.parametrize("case", ["tempered_kl_entropy", "top_k_kl"])
+def test_all_three_passes_run_fused_and_agree(ranks, case):
     for rank in ranks:
-        result = rank["tempered_kl_entropy"]
-        assert result["passes_run"] == ({"reference": 1, "prev": 1}, {"reference": 1, "prev": 1})
-        assert result["reference_error"] < TOL and result["kl_in_metrics"]
+        for mode in modes_of(case):
+            result = rank[case][mode]
+            passes = {"reference": 1, "prev": 1} if case == "tempered_kl_entropy" else {"reference": 1}
+            assert result["passes_run"] == (passes, passes)
+            assert result["reference_error"] < TOL and result["kl_in_metrics"]
 
 
 def test_tied_embeddings_fused_weight_is_the_embedding_and_its_gradient_matches(ranks):
     """Tied: the fused op reads the embedding shard, and the embedding's gradient (input lookup + output layer)
     equals the materialised path's, where Megatron's output layer is handed the embedding weight."""
     for rank in ranks:
-        result = rank["tied_embeddings"]
-        tying = result["tying"]
-        assert tying["weight_is_embedding"] and "output_layer.weight" not in tying["parameter_names"]
-        assert EMBEDDING in tying["parameter_names"]
-        assert result["embedding_grad_scale"] > 1e-3
-        assert result["embedding_grad_error"] < TOL
+        for mode in modes_of("tied_embeddings"):
+            result = rank["tied_embeddings"][mode]
+            tying = result["tying"]
+            assert tying["weight_is_embedding"] and "output_layer.weight" not in tying["parameter_names"]
+            assert EMBEDDING in tying["parameter_names"]
+            assert result["embedding_grad_scale"] > 1e-3
+            assert result["embedding_grad_error"] < TOL
 
 
 def test_untied_fused_weight_is_the_output_layer(ranks):
     for rank in ranks:
-        tying = rank["plain"]["tying"]
+        tying = rank["plain"]["fused"]["tying"]
         assert tying["weight_is_output_layer"] and not tying["weight_is_embedding"]
         assert {"output_layer.weight", EMBEDDING} <= set(tying["parameter_names"])
 
@@ -184,7 +212,7 @@ def test_untied_fused_weight_is_the_output_layer(ranks):
 def test_every_case_runs_on_a_padded_vocab(ranks):
     for rank in ranks:
         for case in CASES:
-            true_size, padded_size = rank[case]["tying"]["vocab_sizes"]
+            true_size, padded_size = rank[case]["fused"]["tying"]["vocab_sizes"]
             assert (true_size, padded_size) == (VOCAB, 16) and padded_size % len(ranks) == 0
 
 
@@ -199,25 +227,31 @@ def test_fused_per_token_logprobs_and_entropy(ranks):
 
 def test_fused_never_runs_the_output_layer_and_restores_it(ranks):
     for rank in ranks:
-        for case in CASES:
-            materialised_calls, fused_calls = rank[case]["output_layer_calls"]
+        for case, mode in CASE_MODES:
+            materialised_calls, fused_calls = rank[case][mode]["output_layer_calls"]
             assert materialised_calls > 0 and fused_calls == 0
-            assert rank[case]["output_layer_restored"]
+            assert rank[case][mode]["output_layer_restored"]
 
 
 @pytest.mark.parametrize("key, value", [("generation.top_k", 5), ("generation.top_p", 0.9)])
-def test_fused_with_a_sampling_filter_is_a_config_error(key, value):
+def test_loss_fused_with_a_sampling_filter_is_a_config_error(key, value):
     with pytest.raises(ConfigError) as err:
-        config_with({"policy.fused_linear_logprobs": True, key: value})
+        config_with({"policy.fused_linear_logprobs": True, "policy.fused_linear_loss": True, key: value})
     message = str(err.value)
-    assert "policy.fused_linear_logprobs" in message and "generation.top_k" in message \
+    assert "policy.fused_linear_loss" in message and "generation.top_k" in message \
         and "generation.top_p" in message
-    assert config_with({"policy.fused_linear_logprobs": False, key: value}).generation is not None
+    assert config_with({"policy.fused_linear_logprobs": True, key: value}).generation is not None
 
 
-def test_fused_linear_logprobs_key_is_required():
-    with pytest.raises(ConfigError, match="policy.fused_linear_logprobs"):
-        load_config(drop_key(tiny(), "policy.fused_linear_logprobs"))
+def test_loss_fused_needs_the_fused_linear_path():
+    with pytest.raises(ConfigError, match="policy.fused_linear_loss: true needs policy.fused_linear_logprobs: true"):
+        config_with({"policy.fused_linear_loss": True})
+
+
+@pytest.mark.parametrize("key", ["policy.fused_linear_logprobs", "policy.fused_linear_loss"])
+def test_fused_linear_keys_are_required(key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(drop_key(tiny(), key))
 
 
 def test_loss_takes_either_logits_or_precomputed_logprobs():
@@ -232,7 +266,10 @@ def test_loss_takes_either_logits_or_precomputed_logprobs():
         loss(None, batch, curr_logprobs=logprobs, **counts)
     with pytest.raises(ValueError, match="not both"):
         loss(torch.zeros(ROWS, SEQ, 16), batch, curr_logprobs=logprobs, curr_entropy=logprobs, **counts)
-    with pytest.raises(ValueError, match="top_k"):
-        loss(None, batch, curr_logprobs=logprobs, curr_entropy=logprobs, top_k=3, **counts)
+    with pytest.raises(ValueError, match="curr_unfiltered_logprobs: only with top_k / top_p"):
+        loss(None, batch, curr_logprobs=logprobs, curr_entropy=logprobs, curr_unfiltered_logprobs=logprobs, **counts)
+    kl = ClippedPGLoss(config_with({"loss_fn.reference_policy_kl_penalty": 0.1}).loss_fn)
+    with pytest.raises(ValueError, match="curr_unfiltered_logprobs: required with top_k / top_p and a KL"):
+        kl(None, batch, curr_logprobs=logprobs, curr_entropy=logprobs, top_k=3, **counts)
     value, metrics = loss(None, batch, curr_logprobs=logprobs, curr_entropy=logprobs, **counts)
     assert torch.isfinite(value) and metrics["entropy"] == 0
