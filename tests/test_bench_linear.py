@@ -66,7 +66,7 @@ def test_tiny_benchmark_reports_every_candidate_for_every_case(tmp_path):
 def test_accuracy_subsample_is_cut_into_as_many_chunks_as_the_whole_case(monkeypatch, dtype, tolerance):
     seen = []
     op = linear.vocab_parallel_linear_logprobs
-    monkeypatch.setattr(linear, "chunk_rows_for", lambda valid_cols, dtype: 40)  # 75 trained rows: 2 chunks
+    monkeypatch.setattr(linear, "chunk_rows_for", lambda rows, valid_cols, dtype: 40)  # 75 trained rows: 2 chunks
     monkeypatch.setattr(linear, "vocab_parallel_linear_logprobs",
                         lambda *args, **kwargs: seen.append(kwargs["chunk_rows"]) or op(*args, **kwargs))
     case = Case(tp=1, dtype=dtype, tokens=300, hidden=24, v_local=333, response=0.25)

@@ -519,7 +519,8 @@ def test_fused_linear_peak_memory_stays_far_below_the_logits(ignore_every):
                                                         dtype, seed=5, ignore_every=ignore_every)
     size = hidden.element_size()
     logits_bytes = rows * local_vocab * size
-    trained, chunk_rows = int((targets >= 0).sum()), chunk_rows_for(true_vocab, dtype)
+    trained = int((targets >= 0).sum())
+    chunk_rows = chunk_rows_for(trained, true_vocab, dtype)
     chunk_bytes = min(chunk_rows, trained) * true_vocab * size
     accumulator_bytes = true_vocab * hidden_size * 4 if trained > chunk_rows else 0
     trained_row_copies = 2 * trained * hidden_size * size if ignore_every else 0  # hidden rows and their dH

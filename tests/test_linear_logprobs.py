@@ -278,9 +278,13 @@ def test_all_rows_ignored_runs_no_kernel_and_gives_zeros(counting):
 
 
 def test_default_chunk_rows_fit_the_memory_budget():
-    assert chunk_rows_for(65536, torch.bfloat16) == 2048
-    assert chunk_rows_for(152064, torch.float32) == 441
-    assert chunk_rows_for(10**12, torch.float32) == 1 and chunk_rows_for(0, torch.float32) >= 1
+    many = 10**6  # rows enough that only the 256 MiB budget binds
+    assert chunk_rows_for(many, 65536, torch.bfloat16) == 2048
+    assert chunk_rows_for(many, 152064, torch.float32) == 441
+    assert chunk_rows_for(many, 10**12, torch.float32) == 1 and chunk_rows_for(many, 0, torch.float32) >= 1
+    assert chunk_rows_for(4096, 32768, torch.float32) == 512  # 8 chunks: one chunk's logits are 1/8 of the call's
+    assert chunk_rows_for(1000, 32768, torch.float32) == 256  # but at least 256 rows per GEMM
+    assert chunk_rows_for(10, 32768, torch.float32) == 256
 
 
 def test_top_level_export():

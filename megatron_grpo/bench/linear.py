@@ -51,7 +51,7 @@ class Case:
     hidden: int
     v_local: int
     response: float  # fraction of rows that have a target
-    chunk_rows: int | None = None  # the fused op's rows per chunk; None: its default budget (CHUNK_BYTES)
+    chunk_rows: int | None = None  # the fused op's rows per chunk; None: the op's default (`chunk_rows_for`)
 
     def label(self) -> str:
         chunks = "" if self.chunk_rows is None else f", fused chunk_rows={self.chunk_rows}"
@@ -292,7 +292,7 @@ def build_loss_fused(case: Case, inputs: CaseInputs) -> Step:
 
 
 MATERIALISED, FUSED, MEGATRON = "materialised", "fused", "megatron"
-MATERIALISED_LOSS = "materialised loss"
+MATERIALISED_LOSS = "materialised-loss"
 
 # The benchmark's entries, in report order. A new one is a builder and one line here; a scalar loss returns
 # `Step(forward, None)` (no upstream gradient) and names its own baseline.
@@ -312,7 +312,7 @@ CANDIDATES: dict[str, Candidate] = {
     MATERIALISED_LOSS: Candidate(build_materialised_loss, "the GRPO loss step: `logits = hidden @ weight.T`, then "
                                                           "`ClippedPGLoss` (with entropy, as the train step)",
                                  baseline=MATERIALISED_LOSS),
-    "recompute loss": Candidate(build_recompute_loss, "`vocab_parallel_linear_logprobs(..., with_entropy=True)`, "
+    "recompute-loss": Candidate(build_recompute_loss, "`vocab_parallel_linear_logprobs(..., with_entropy=True)`, "
                                                       "then `ClippedPGLoss(None, curr_logprobs=...)` (4 GEMMs)",
                                 baseline=MATERIALISED_LOSS),
     "loss-fused": Candidate(build_loss_fused, "`ClippedPGLoss.on_hidden_states`: the loss gradient in forward, "
@@ -370,8 +370,9 @@ def fused_accuracy(case: Case, inputs: CaseInputs, rows: int) -> dict[str, float
     index = torch.linspace(0, case.tokens - 1, min(rows, case.tokens)).round().long().unique()
     hidden, targets, upstream = inputs.hidden[index], inputs.targets[index], inputs.upstream[index]
     weight = inputs.weight
-    full_chunk_rows = case.chunk_rows or chunk_rows_for(case.v_local, weight.dtype)
-    full_chunks = math.ceil(int((inputs.targets >= 0).sum()) / full_chunk_rows)
+    full_trained = int((inputs.targets >= 0).sum())
+    full_chunk_rows = case.chunk_rows or chunk_rows_for(full_trained, case.v_local, weight.dtype)
+    full_chunks = math.ceil(full_trained / full_chunk_rows)
     chunk_rows = max(1, math.ceil(int((targets >= 0).sum()) / max(full_chunks, 1)))
     leaves = (hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True))
     logprob = vocab_parallel_linear_logprobs(*leaves, targets, shard=VocabShard(group=group if tp > 1 else None),

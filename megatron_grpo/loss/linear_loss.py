@@ -174,7 +174,7 @@ def loss_fused_linear(
 
     `loss_fn(batch, curr_logprobs, curr_entropy)` must be sequence-additive: its value on a subset of the
     sequences is their share of the whole (e.g. `ClippedPGLoss` with the global counts bound).
-    `chunk_rows`: trained rows per chunk (whole sequences); None fits a chunk of logits in 256 MiB.
+    `chunk_rows`: trained rows per chunk (whole sequences); None picks one as the op does (`chunk_rows_for`).
     """
     input_ids = batch["input_ids"]
     if hidden.dim() != 3 or hidden.shape[:2] != input_ids.shape:
@@ -186,8 +186,8 @@ def loss_fused_linear(
     if check_inputs:
         check_target_ids(targets, shard)
     valid_cols = shard.valid_cols(weight.shape[0])
-    budget = int(chunk_rows) if chunk_rows is not None else chunk_rows_for(valid_cols, hidden.dtype)
     per_sequence = (targets >= 0).sum(dim=1).tolist()  # a host sync, as the op's row gather
+    budget = int(chunk_rows) if chunk_rows is not None else chunk_rows_for(sum(per_sequence), valid_cols, hidden.dtype)
     call = LossFusedCall(loss_fn=loss_fn, batch=batch, targets=targets, shard=shard, valid_cols=valid_cols,
                          logit_scale=float(logit_scale), sequences_per_chunk=sequence_chunks(per_sequence, budget),
                          implementation=implementation)

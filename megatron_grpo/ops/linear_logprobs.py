@@ -37,6 +37,8 @@ from .vocab_shard import VocabShard
 # Default budget for one chunk of logits (in the hidden states' dtype): large enough that each GEMM is big,
 # small enough to be negligible next to the `[T, V_local]` logits the op avoids. See `chunk_rows_for`.
 CHUNK_BYTES = 256 * 2**20
+MIN_CHUNKS = 8
+MIN_CHUNK_ROWS = 256
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -56,11 +58,16 @@ class LinearCall:
         return [slice(start, min(start + self.chunk_rows, rows)) for start in range(0, rows, self.chunk_rows)]
 
 
-def chunk_rows_for(valid_cols: int, dtype: torch.dtype, budget_bytes: int = CHUNK_BYTES) -> int:
-    """Rows per chunk when the caller gives none: as many as fit `budget_bytes` of `[rows, valid_cols]` logits
-    (256 MiB by default: 2048 rows of a 65536-column bf16 shard, 441 rows of a 152064-column fp32 one)."""
+def chunk_rows_for(rows: int, valid_cols: int, dtype: torch.dtype, budget_bytes: int = CHUNK_BYTES) -> int:
+    """Rows per chunk when the caller gives none: a call of `rows` trained rows is cut into at least
+    `MIN_CHUNKS` chunks (so one chunk's logits are at most 1/8 of the whole call's, the op's extra memory),
+    each of at least `MIN_CHUNK_ROWS` rows (so each GEMM stays large) and at most `budget_bytes` of
+    `[rows, valid_cols]` logits (256 MiB: 2048 rows of a 65536-column bf16 shard, 441 of a 152064-column fp32
+    one)."""
     row_bytes = max(valid_cols, 1) * torch.empty((), dtype=dtype).element_size()
-    return max(1, budget_bytes // row_bytes)
+    by_budget = max(1, budget_bytes // row_bytes)
+    by_share = max(MIN_CHUNK_ROWS, -(-rows // MIN_CHUNKS))
+    return max(1, min(by_budget, by_share))
 
 
 class VocabParallelLinearLogprobs(torch.autograd.Function):
@@ -199,7 +206,8 @@ def vocab_parallel_linear_logprobs(
         with_entropy: also return the exact entropy of each row's distribution.
         logit_scale: logits are `logit_scale * hidden @ weight.T`; `1 / temperature` for a sampling temperature.
         top_k, top_p: the sampler's filtered distribution, as in `vocab_parallel_logprobs`.
-        chunk_rows: trained rows per chunk; None fits a chunk of logits in `CHUNK_BYTES` (256 MiB).
+        chunk_rows: trained rows per chunk; None picks one (`chunk_rows_for`): at least 8 chunks of at least 256
+            rows, each at most 256 MiB of logits.
         check_inputs: check target ids against the vocab (a host sync); pass False in hot loops. Gathering
             the trained rows is a host sync of its own whenever some rows are ignored.
         implementation: "auto" (fused kernels where available), "fused" or "reference".
@@ -237,11 +245,6 @@ class TrainedRows:
         if shift:
             check_shiftable(targets)
             targets = next_token_targets(targets)
-        call = LinearCall(shard=shard, valid_cols=valid_cols, logit_scale=float(logit_scale),
-                          chunk_rows=int(chunk_rows) if chunk_rows is not None
-                          else chunk_rows_for(valid_cols, hidden.dtype),
-                          with_entropy=with_entropy, sampling=SamplingFilter(top_k=top_k, top_p=top_p),
-                          kernels=select_kernels(weight, implementation))
         rows_hidden = hidden.reshape(-1, hidden.shape[-1])
         rows_targets = targets.reshape(-1).to(torch.int64)
         index = (rows_targets >= 0).nonzero().squeeze(1)
@@ -250,6 +253,11 @@ class TrainedRows:
         else:  # index_select's backward gives the ignored rows exactly 0
             rows_hidden = rows_hidden.index_select(0, index)
             rows_targets = rows_targets.index_select(0, index)
+        call = LinearCall(shard=shard, valid_cols=valid_cols, logit_scale=float(logit_scale),
+                          chunk_rows=int(chunk_rows) if chunk_rows is not None
+                          else chunk_rows_for(rows_targets.numel(), valid_cols, hidden.dtype),
+                          with_entropy=with_entropy, sampling=SamplingFilter(top_k=top_k, top_p=top_p),
+                          kernels=select_kernels(weight, implementation))
         return TrainedRows(hidden=rows_hidden.contiguous(), targets=rows_targets.contiguous(), index=index,
                            batch_shape=targets.shape, shift=shift, call=call)
 
