@@ -19,7 +19,7 @@ DP_MODEL = {**TINY_MODEL, "policy.tensor_model_parallel_size": 1}
 def one_train_step(rank: int, world_size: int) -> dict:
     """One train_step on this rank's contiguous share of the batch; what it did to the weights and gradients."""
     from megatron_grpo.loss import ClippedPGLoss
-    from megatron_grpo.megatron import build_optimizer, destroy_parallel, init_parallel, train_step
+    from megatron_grpo.megatron import StepConfig, build_optimizer, destroy_parallel, init_parallel, train_step
     from megatron_grpo.scheduler import plan_logprob_passes
 
     cfg = config_with(DP_MODEL)
@@ -39,7 +39,7 @@ def one_train_step(rank: int, world_size: int) -> dict:
 
         dist.all_reduce = counted_all_reduce
         try:
-            result = train_step(cfg, model, build_optimizer(model, cfg.policy.optimizer), ClippedPGLoss(cfg.loss_fn),
+            result = train_step(StepConfig.of(cfg), model, build_optimizer(model, cfg.policy.optimizer), ClippedPGLoss(cfg.loss_fn),
                                 plan_logprob_passes(cfg), batch)
         finally:
             dist.all_reduce = all_reduce

@@ -132,7 +132,7 @@ def scenario_microbatches(cfg) -> dict:
 def scenario_skipped_prev(cfg) -> dict:
     """The same step with the prev pass skipped and computed: identical update, and prev reported both ways."""
     from megatron_grpo.loss import ClippedPGLoss
-    from megatron_grpo.megatron import build_optimizer, train_step
+    from megatron_grpo.megatron import StepConfig, build_optimizer, train_step
     from megatron_grpo.scheduler import plan_logprob_passes
 
     computed_cfg = dataclasses.replace(cfg, logprob_passes=dataclasses.replace(cfg.logprob_passes, prev="compute"))
@@ -142,7 +142,7 @@ def scenario_skipped_prev(cfg) -> dict:
         model = build(run_cfg)
         forwards = count_forwards(model)
         plan = plan_logprob_passes(run_cfg)
-        result = train_step(run_cfg, model, build_optimizer(model, run_cfg.policy.optimizer),
+        result = train_step(StepConfig.of(run_cfg), model, build_optimizer(model, run_cfg.policy.optimizer),
                             ClippedPGLoss(run_cfg.loss_fn), plan, batch)
         outcome[name] = {"params": [p.detach().clone() for p in model.parameters()], "result": result,
                          "forwards": forwards[0], "plan": plan}
@@ -165,7 +165,7 @@ def scenario_skipped_prev(cfg) -> dict:
 def scenario_reference(cfg) -> dict:
     """KL 0: no reference model is asked for and none runs; KL > 0: the reference runs one logprob pass."""
     from megatron_grpo.loss import ClippedPGLoss
-    from megatron_grpo.megatron import build_optimizer, train_step
+    from megatron_grpo.megatron import StepConfig, build_optimizer, train_step
     from megatron_grpo.scheduler import plan_logprob_passes
 
     kl_cfg = dataclasses.replace(cfg, loss_fn=dataclasses.replace(cfg.loss_fn, reference_policy_kl_penalty=0.1))
@@ -177,7 +177,7 @@ def scenario_reference(cfg) -> dict:
         reference = build(run_cfg) if plan.build_reference_model else None
         policy_forwards = count_forwards(policy)
         reference_forwards = count_forwards(reference) if reference is not None else None
-        result = train_step(run_cfg, policy, build_optimizer(policy, run_cfg.policy.optimizer),
+        result = train_step(StepConfig.of(run_cfg), policy, build_optimizer(policy, run_cfg.policy.optimizer),
                             ClippedPGLoss(run_cfg.loss_fn), plan, batch, reference_model=reference)
         outcome[name] = {"plan": plan, "policy_forwards": policy_forwards[0],
                          "reference_forwards": None if reference_forwards is None else reference_forwards[0],
@@ -367,27 +367,27 @@ def test_init_parallel_rejects_a_world_that_tp_times_pp_does_not_divide(monkeypa
 
 
 def test_train_step_without_the_planned_reference_model_names_it():
-    from megatron_grpo.megatron import train_step
+    from megatron_grpo.megatron import StepConfig, train_step
     from megatron_grpo.scheduler import plan_logprob_passes
 
     cfg = config_with({**TINY_MODEL, "loss_fn.reference_policy_kl_penalty": 0.1})
     with pytest.raises(ValueError, match="reference_model"):
-        train_step(cfg, torch.nn.Linear(1, 1), None, None, plan_logprob_passes(cfg), make_batch(seed=1))
+        train_step(StepConfig.of(cfg), torch.nn.Linear(1, 1), None, None, plan_logprob_passes(cfg), make_batch(seed=1))
 
 
 @pytest.mark.parametrize("rows, dp_size, expected", [
-    (ROWS - 2, 1, "not a multiple of policy.train_global_batch_size / DP"),
+    (ROWS - 2, 1, "not a multiple of global_batch_size / DP"),
     (ROWS, 3, "not a multiple of the data-parallel size"),
 ])
 def test_batch_that_is_no_whole_number_of_steps_names_the_keys(monkeypatch, rows, dp_size, expected):
     module = importlib.import_module("megatron_grpo.megatron.train_step")  # the package exports a function of that name
     monkeypatch.setattr(module.parallel_state, "get_data_parallel_world_size", lambda: dp_size)
     with pytest.raises(ValueError, match=expected):
-        module._rows_per_optimizer_step(config_with(TINY_MODEL), rows)
+        module._rows_per_optimizer_step(module.StepConfig.of(config_with(TINY_MODEL)), rows)
 
 
-def test_microbatch_split_names_the_micro_batch_size_key():
+def test_microbatch_split_names_the_micro_batch_size():
     from megatron_grpo.megatron.train_step import _split
 
-    with pytest.raises(ValueError, match="policy.train_micro_batch_size"):
+    with pytest.raises(ValueError, match=r"not a positive multiple of micro_batch_size \(3\)"):
         _split(make_batch(seed=1), micro_batch_size=3)

@@ -1,5 +1,6 @@
 """The GRPO runner: task and reward, TP rollouts, group advantages, checkpoints, reporting and the training loop.
 
-`runner.main` is `python -m megatron_grpo train`; only `loop` and `checkpoint` import megatron.core, so the
-runner validates its input before paying for that import.
+`runner.main` is `python -m megatron_grpo train`; `loop` reaches Megatron through `megatron_grpo.megatron` and
+`checkpoint` imports `megatron.core.dist_checkpointing` (the one direct import left outside that package), both only
+after the runner has validated its input.
 """

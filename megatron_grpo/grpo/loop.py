@@ -16,7 +16,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megatron_grpo.config import Config
 from megatron_grpo.grpo.advantages import group_relative_advantages
@@ -30,7 +29,14 @@ from megatron_grpo.grpo.tasks import DigitTask, DigitTokenizer, answer_reward
 from megatron_grpo.grpo.tensorboard_log import MetricWriters
 from megatron_grpo.timing import StepTimer
 from megatron_grpo.loss import ClippedPGLoss
-from megatron_grpo.megatron import ParallelLayout, build_gpt_model, build_optimizer, model_forward, train_step
+from megatron_grpo.megatron import (
+    ParallelLayout,
+    StepConfig,
+    build_gpt_model,
+    build_optimizer,
+    model_forward,
+    train_step,
+)
 from megatron_grpo.scheduler import LogprobPlan
 
 PROMPT_STREAM, SAMPLING_STREAM = 0, 1
@@ -120,7 +126,7 @@ class Trainer:
                 params,
                 true_vocab_size=tokenizer.vocab_size,
                 generator=step_generator(self.cfg.seed, step, SAMPLING_STREAM, layout.dp_rank),
-                tp_group=parallel_state.get_tensor_model_parallel_group() if layout.tp_size > 1 else None,
+                tp_group=layout.tp_group,
             )
         finally:
             self.model.train()
@@ -156,7 +162,7 @@ class Trainer:
         device_batch = {key: value.to(self.layout.device) for key, value in batch.items()}
         shaping = None
         if PrevLogprobShaping.needed(self.cfg):  # reads prev logprobs after their pass, before the loss
-            dp_group = parallel_state.get_data_parallel_group() if self.layout.dp_size > 1 else None
+            dp_group = self.layout.dp_group
             shaping = PrevLogprobShaping(self.cfg, rewards, dp_group)
         result = train_step(StepConfig.of(self.cfg), self.model, self.optimizer, self.loss_fn, self.plan, device_batch,
                             reference_model=self.reference_model, prepare_batch=shaping, timer=timer)
@@ -166,7 +172,7 @@ class Trainer:
             **self._reward_metrics(rewards, rollout, advantages.groups_without_variance),
             **rollout_statistics(rewards, advantages.advantages, rollout.token_mask, rollout.responses,
                                  self.task.tokenizer.eos_id,
-                                 group=parallel_state.get_data_parallel_group() if self.layout.dp_size > 1 else None),
+                                 group=self.layout.dp_group),
             **mean_over_optimizer_steps(result.step_metrics),
             **(shaping.metrics if shaping is not None else {}),
             **self._pass_metrics(step, result.passes_run),
@@ -188,7 +194,7 @@ class Trainer:
         totals = torch.tensor([rewards.double().sum(), rewards.numel(), float(no_variance), response_lengths.sum(),
                                float((rewards == 1.0).sum())], dtype=torch.float64)
         if self.layout.dp_size > 1:
-            dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+            dist.all_reduce(totals, group=self.layout.dp_group)
         reward_sum, count, groups_without_variance, length_sum, perfect = totals.tolist()
         return {
             "reward_mean": reward_sum / count,

@@ -4,6 +4,7 @@ from megatron_grpo.megatron.cpu_support import apply_cpu_support
 from megatron_grpo.megatron.model import build_gpt_model, padded_vocab_size
 from megatron_grpo.megatron.parallel import ParallelLayout, destroy_parallel, init_parallel
 from megatron_grpo.megatron.train_step import (
+    StepConfig,
     TrainStepResult,
     build_optimizer,
     compute_logprobs,
@@ -14,6 +15,7 @@ from megatron_grpo.megatron.train_step import (
 
 __all__ = [
     "ParallelLayout",
+    "StepConfig",
     "TrainStepResult",
     "apply_cpu_support",
     "build_gpt_model",

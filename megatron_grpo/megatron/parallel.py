@@ -33,6 +33,16 @@ class ParallelLayout:
     dp_size: int
     device: torch.device
 
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """Megatron's tensor-parallel group, or None without tensor parallelism."""
+        return parallel_state.get_tensor_model_parallel_group() if self.tp_size > 1 else None
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """Megatron's data-parallel group, or None without data parallelism."""
+        return parallel_state.get_data_parallel_group() if self.dp_size > 1 else None
+
 
 def init_parallel(cfg: Config) -> ParallelLayout:
     """Initialises torch.distributed (unless a launcher already did) and Megatron's groups, then seeds all RNGs.

@@ -436,7 +436,7 @@ def _split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     rows = batch["input_ids"].shape[0]
     if rows == 0 or rows % micro_batch_size:
         raise ValueError(f"batch['input_ids']: {rows} sequences are not a positive multiple of "
-                         f"policy.train_micro_batch_size ({micro_batch_size})")
+                         f"micro_batch_size ({micro_batch_size})")
     return [{key: value[start:start + micro_batch_size] for key, value in batch.items()}
             for start in range(0, rows, micro_batch_size)]
 
