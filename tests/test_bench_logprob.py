@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_grpo.bench.logprob import MEGATRON, collect, report
+from megatron_grpo.bench.logprob import MEGATRON, report
+from megatron_grpo.bench.measure import collect
 
 REPO = Path(__file__).resolve().parents[1]
 HIDE_MEGATRON = REPO / "benchmarks" / "hide_megatron"

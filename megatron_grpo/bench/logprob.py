@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from megatron_grpo.ops import vocab_parallel_logprobs
 
-from .measure import collect  # noqa: F401 - re-exported: tests drive the launcher's collector from here
 from .measure import (copy_bandwidth_bytes_per_s, grouped_bar_plot, machine_description, median_seconds,
                       peak_extra_bytes, run_ranks, write_results)
 

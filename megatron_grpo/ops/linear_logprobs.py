@@ -25,7 +25,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from .backends import Implementation, Kernels, select_kernels
 from .filtering import SamplingFilter, kept_threshold

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from .backends import Implementation, Kernels, select_kernels
 from .filtering import SamplingFilter, kept_threshold
