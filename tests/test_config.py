@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import pathlib
+import subprocess
+import sys
+import typing
+
 import pytest
 import yaml
 from _configs import CONFIGS, TINY, drop_key, set_key, tiny
 
-from megatron_grpo.config import Config, ConfigError, load_config
+from megatron_grpo.config import Config, ConfigError, GenerationConfig, PolicyConfig, load_config
 from megatron_grpo.loss.config import ClippedPGLossConfig
+from megatron_grpo.strict_config import StrictSection
 
 
 def problems_of(data: dict) -> list[str]:
@@ -190,6 +197,62 @@ def test_range_problems_are_reported_together():
 def test_loss_fn_conflicts_surface_through_load_config():
     problems = problems_of(set_key(tiny(), "loss_fn.ratio_clip_c", 0.5))
     assert any("loss_fn.ratio_clip_c" in p for p in problems)
+
+
+def test_range_conflict_and_type_problems_of_different_sections_come_in_one_error():
+    data = set_key(tiny(), "task.name", "sort")  # mistyped: task's own checks cannot run
+    data = set_key(data, "generation.temperature", -1.0)
+    data = set_key(data, "loss_fn.ratio_clip_c", 0.5)
+    data = set_key(data, "policy.model.hidden_dropout", 1.5)
+    problems = problems_of(data)
+    assert [p.split(":")[0] for p in problems] == [
+        "policy.model.hidden_dropout", "task.name", "generation.temperature", "loss_fn.ratio_clip_c"], problems
+
+
+def test_keyword_construction_of_a_section_runs_the_yaml_checks():
+    section = tiny()["generation"]
+    assert GenerationConfig(**section) == load_config(TINY).generation
+    with pytest.raises(ConfigError) as err:
+        GenerationConfig(**dict(section, temperature=0, top_k="all"))
+    assert [p.split(":")[0] for p in err.value.problems] == ["generation.top_k"]  # no range check on a bad type
+    with pytest.raises(ConfigError, match=r"generation\.temperature: must be > 0, got 0\.0"):
+        GenerationConfig(**dict(section, temperature=0))
+    with pytest.raises(ConfigError, match=r"policy\.fused_linear_loss: true needs policy\.fused_linear_logprobs"):
+        dataclasses.replace(load_config(TINY).policy, fused_linear_logprobs=False, fused_linear_loss=True)
+    with pytest.raises(TypeError):
+        GenerationConfig(1.0, None, None, 4)
+
+
+def _nested_sections(cls: type[StrictSection]):
+    for name, field_type in typing.get_type_hints(cls).items():
+        if isinstance(field_type, type) and issubclass(field_type, StrictSection):
+            yield cls, name, field_type
+            yield from _nested_sections(field_type)
+
+
+def test_every_section_path_is_where_the_yaml_holds_it():
+    nested = list(_nested_sections(Config))
+    assert {child for _, _, child in nested} >= {PolicyConfig, ClippedPGLossConfig}
+    for parent, name, child in nested:
+        assert child.SECTION == (f"{parent.SECTION}.{name}" if parent.SECTION else name), child
+
+
+def test_reading_a_config_imports_neither_torch_nor_more_than_the_bottom_module():
+    """strict_config imports no project module (so no section module can form a cycle through it); the loss's and
+    the run's config modules, and loading a config, never import torch."""
+    code = (
+        "import sys\n"
+        "import megatron_grpo.strict_config\n"
+        "assert {m for m in sys.modules if m.startswith('megatron_grpo')} == "
+        "{'megatron_grpo', 'megatron_grpo._lazy', 'megatron_grpo.strict_config'}, sorted(sys.modules)\n"
+        "import megatron_grpo.loss.config, megatron_grpo.config\n"
+        "megatron_grpo.config.load_config(sys.argv[1])\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code, str(TINY)], cwd=repo, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
 
 
 def test_invalid_yaml_file_is_a_config_error_naming_the_file(tmp_path):

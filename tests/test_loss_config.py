@@ -9,13 +9,14 @@ import pytest
 from _loss_inputs import exemplar_loss_section, loss_config
 
 import megatron_grpo
-from megatron_grpo.config import ConfigError, build_section
+from megatron_grpo.config import ConfigError
+from megatron_grpo.strict_config import build_section
 from megatron_grpo.loss import ClippedPGLossConfig, TruncatedImportanceSamplingConfig
 
 CONSTRUCTORS = {
     "kwargs": lambda data: ClippedPGLossConfig(**data),
     "from_mapping": ClippedPGLossConfig.from_mapping,
-    "build_section": lambda data: build_section(ClippedPGLossConfig, data, "loss_fn"),
+    "build_section": lambda data: build_section(ClippedPGLossConfig, data),
 }
 
 
@@ -255,6 +256,15 @@ def test_config_error_is_a_value_error_listing_every_problem():
     with pytest.raises(ValueError) as err:
         ClippedPGLossConfig(**section)
     assert "loss_fn.ratio_clip_c" in str(err.value) and "loss_fn.ratio_clip_max" in str(err.value)
+
+
+def test_the_truncation_section_checks_its_own_bounds_when_built_alone():
+    with pytest.raises(ConfigError) as err:
+        TruncatedImportanceSamplingConfig(type=None, ratio_min=-1.0, ratio_max=0)
+    assert err.value.problems == [
+        "loss_fn.truncated_importance_sampling.ratio_min: must be >= 0, got -1.0",
+        "loss_fn.truncated_importance_sampling.ratio_max: must be > 0, got 0.0",
+    ]
 
 
 def test_positional_arguments_are_refused():

@@ -1,77 +1,22 @@
 """`ClippedPGLossConfig`: the `loss_fn:` section, strict whether built from YAML or from keyword arguments.
 
-`ClippedPGLossConfig(**yaml_cfg["loss_fn"])`, `ClippedPGLossConfig.from_mapping(...)` and the config loader's
-`build_section(ClippedPGLossConfig, data, "loss_fn")` all run the same checks: every missing or unknown key and
-every wrongly typed value is one `ConfigError` naming `loss_fn.<key>`, and so is every cross-field conflict.
+Both sections here are `StrictSection`s, so `ClippedPGLossConfig(**yaml_cfg["loss_fn"])`,
+`ClippedPGLossConfig.from_mapping(...)` and the config loader all take the one validation path of
+`megatron_grpo.strict_config`: every missing or unknown key, every wrongly typed value and every cross-field
+conflict is one `ConfigError` naming `loss_fn.<key>`. Never imports torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import typing
-from collections.abc import Mapping
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import ClassVar, Literal
 
-from megatron_grpo.config import ConfigError, build_section
+from megatron_grpo.strict_config import StrictSection
 
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 KLType = Literal["k1", "k2", "k3"]
 TruncationType = Literal["tis", "icepop", "seq-mask-tis"]
 SequenceWeight = Literal["product", "geometric_mean"]
-
-SectionT = TypeVar("SectionT", bound="StrictSection")
-
-
-class StrictSection:
-    """Base of frozen config dataclasses whose keyword construction is as strict as `build_section`.
-
-    Subclasses are `@dataclass(frozen=True, init=False)` with every field required and a `SECTION` path.
-    Keyword construction type-checks each value with `build_section` (so plain dicts become nested
-    sections and YAML ints become floats), then asks `conflicts()` for cross-field problems.
-    """
-
-    SECTION: ClassVar[str]
-
-    def __init__(self, **values: Any) -> None:
-        problems = self._assign_fields(values)
-        if problems:
-            raise ConfigError(problems)
-        conflicts = self.conflicts()
-        if conflicts:
-            raise ConfigError(conflicts)
-
-    @classmethod
-    def from_mapping(cls: type[SectionT], data: Mapping[str, Any]) -> SectionT:
-        """Builds the section from a plain mapping, e.g. one parsed from YAML."""
-        return build_section(cls, data, cls.SECTION)
-
-    def conflicts(self) -> list[str]:
-        """Cross-field problems, one line each naming the keys involved; none by default."""
-        return []
-
-    def _assign_fields(self, values: Mapping[str, Any]) -> list[str]:
-        hints = typing.get_type_hints(type(self))
-        names = [field.name for field in dataclasses.fields(self)]  # type: ignore[arg-type]
-        problems = [
-            f"{self.SECTION}.{key}: unknown key (allowed: {', '.join(names)})" for key in values if key not in names
-        ]
-        for name in names:
-            path = f"{self.SECTION}.{name}"
-            if name not in values:
-                problems.append(f"{path}: missing key")
-                continue
-            try:
-                object.__setattr__(self, name, _checked_value(hints[name], values[name], path))
-            except ConfigError as err:
-                problems.extend(err.problems)
-        return problems
-
-
-def _checked_value(field_type: Any, value: Any, path: str) -> Any:
-    """The value converted to `field_type`; a nested section that is already built passes as it is."""
-    if dataclasses.is_dataclass(field_type) and isinstance(value, field_type):
-        return value
-    return build_section(field_type, value, path)
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -89,6 +34,18 @@ class TruncatedImportanceSamplingConfig(StrictSection):
     type: TruncationType | None
     ratio_min: float | None
     ratio_max: float | None
+
+    def conflicts(self) -> list[str]:
+        """The bounds' own ranges; what the truncation type needs is checked by `ClippedPGLossConfig`."""
+        problems = []
+        if self.ratio_min is not None and self.ratio_min < 0:
+            problems.append(f"{self.key('ratio_min')}: must be >= 0, got {self.ratio_min}")
+        if self.ratio_max is not None and self.ratio_max <= 0:
+            problems.append(f"{self.key('ratio_max')}: must be > 0, got {self.ratio_max}")
+        if self.ratio_min is not None and self.ratio_max is not None and self.ratio_min > self.ratio_max:
+            problems.append(f"{self.key('ratio_min')} and {self.key('ratio_max')}: "
+                            f"ratio_min {self.ratio_min} > ratio_max {self.ratio_max}")
+        return problems
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -197,10 +154,6 @@ class ClippedPGLossConfig(StrictSection):
             problems.append(f"loss_fn.truncated_importance_sampling.ratio_max: {tis.type!r} needs it, got null")
         if tis.type in ("icepop", "seq-mask-tis") and tis.ratio_min is None:
             problems.append(f"loss_fn.truncated_importance_sampling.ratio_min: {tis.type!r} needs it, got null")
-        if tis.ratio_min is not None and tis.ratio_min < 0:
-            problems.append(f"loss_fn.truncated_importance_sampling.ratio_min: must be >= 0, got {tis.ratio_min}")
-        if tis.ratio_max is not None and tis.ratio_max <= 0:
-            problems.append(f"loss_fn.truncated_importance_sampling.ratio_max: must be > 0, got {tis.ratio_max}")
         if tis.type == "seq-mask-tis" and self.sequence_level_importance_ratio:
             problems.append(
                 "loss_fn.truncated_importance_sampling.type and loss_fn.sequence_level_importance_ratio: "
@@ -212,11 +165,6 @@ class ClippedPGLossConfig(StrictSection):
                 "loss_fn.sequence_level_importance_weight and loss_fn.sequence_level_importance_ratio: "
                 f"{self.sequence_level_importance_weight!r} only applies to GSPO's sequence-level weights, which are "
                 "off"
-            )
-        if tis.ratio_min is not None and tis.ratio_max is not None and tis.ratio_min > tis.ratio_max:
-            problems.append(
-                "loss_fn.truncated_importance_sampling.ratio_min and loss_fn.truncated_importance_sampling.ratio_max: "
-                f"ratio_min {tis.ratio_min} > ratio_max {tis.ratio_max}"
             )
         return problems
 
