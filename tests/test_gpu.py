@@ -350,3 +350,29 @@ def test_random_layouts_match_the_reference_on_the_gpu(seed):
     valid = min(max(case["true_vocab"] - case["vocab_start"], 0), case["cols"])
     assert bool((fused[2][:, valid:] == 0).all()), f"padding columns must get exactly zero gradient: {where}"
     assert_grad_close(fused[2], reference[2].double(), case["dtype"], roundings=2)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(None, None), (9, 0.8)])
+@pytest.mark.parametrize("rows,vocab", [(7, 50257), (1100, 1000)])  # rows split across blocks, and not
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_logit_scale_matches_the_tempered_anchor(dtype, rows, vocab, top_k, top_p):
+    """logit_scale inside the kernels (forward, split merge and backward) against softmax(scale * x) in float64."""
+    from test_logprob_temperature import anchor, check
+
+    scale, true_vocab = 1 / 0.7, vocab - vocab // 7
+    logits, targets = gpu_case(rows, vocab, true_vocab, dtype, seed=rows + vocab)
+    g_lp, g_h = upstream_grads(rows, seed=rows)
+    leaf = logits.to(DEVICE).requires_grad_(True)
+    logprob, entropy = vocab_parallel_logprobs(leaf, targets.to(DEVICE), true_vocab_size=true_vocab,
+                                               with_entropy=True, implementation="fused", logit_scale=scale,
+                                               top_k=top_k, top_p=top_p)
+    finite = torch.isfinite(logprob)
+    ((torch.where(finite, logprob, 0.0) * g_lp.to(DEVICE)).sum() + (entropy * g_h.to(DEVICE)).sum()).backward()
+    expected = anchor(logits, targets, true_vocab, scale, top_k, top_p, g_lp, g_h)
+    check(logprob.detach().cpu(), entropy.detach().cpu(), leaf.grad.cpu(), expected, targets, true_vocab, dtype)
+
+
+def test_exp_mode_is_refused_by_name_on_cuda():
+    logits, targets = gpu_case(4, 100, 100, torch.float32, seed=0)
+    with pytest.raises(NotImplementedError, match="inplace_backward='exp'"):
+        vocab_parallel_logprobs(logits.to(DEVICE), targets.to(DEVICE), inplace_backward="exp", implementation="fused")
