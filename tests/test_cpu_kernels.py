@@ -93,3 +93,17 @@ def test_avx2_and_avx512_builds_agree(dtype, scale, restore_isa):
         for name, result in (("avx2", avx2), ("avx512", avx512)):
             check(result[0], result[1], result[2], expected, targets, true_vocab, dtype, f"{name} {filters} {inplace}",
                   roundings=2 if inplace == "exp" and dtype != torch.float32 else 1)
+
+
+@pytest.mark.parametrize("inplace_backward", [False, "exp"])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_fast_exp_keeps_a_poisoned_row_nan_in_the_gradient(poison, inplace_backward):
+    """The kernels' fast exp maps NaN to a number; a NaN or +inf row must still get a NaN gradient, alone."""
+    logits, targets = make_case(6, 300, 300, torch.float32, seed=3, ignore_every=0)
+    logits[2, 123] = poison
+    x = logits.clone().requires_grad_(True)
+    logprob = vocab_parallel_logprobs(x, targets, implementation="fused", inplace_backward=inplace_backward)
+    logprob.sum().backward()
+    assert bool(torch.isnan(x.grad[2]).any())
+    others = torch.arange(6) != 2
+    assert bool(torch.isfinite(x.grad[others]).all())
