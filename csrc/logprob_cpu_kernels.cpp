@@ -17,6 +17,11 @@
 //
 // The in-place exp mode (logprob_partials_writing_exps / logprob_backward_from_exps): forward takes the row max
 // first, then writes e = exp(z - m) over the logits while it sums them; backward then needs no exponential.
+// A portable (non-x86) build is ATen's DEFAULT capability; setup.py names the x86 ones.
+#ifndef CPU_CAPABILITY
+#define CPU_CAPABILITY DEFAULT
+#endif
+
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -31,10 +36,6 @@
 
 #include "logprob_common.h"
 #include "logprob_cpu.h"
-
-#ifndef CPU_CAPABILITY
-#define CPU_CAPABILITY DEFAULT
-#endif
 
 namespace megatron_grpo {
 namespace cpu {
