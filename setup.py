@@ -2,7 +2,9 @@
 
 The C++ CPU kernels are always built. The CUDA kernels join them when the installed torch has CUDA and nvcc is
 found (a CPU torch forces CUDA_HOME to None, so CI compile-checks `csrc/*.cu` with plain nvcc instead).
-The CPU kernels target x86-64-v3 (AVX2 + FMA); `megatron_grpo.ops` checks the CPU before loading them.
+On x86 the CPU kernel source is compiled twice, for AVX2 + FMA (x86-64-v3) and for AVX-512, each build in its
+own namespace (as ATen does with CPU_CAPABILITY); the extension picks one at run time. `megatron_grpo.ops` checks
+the CPU (AVX2 at least) before using them.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ def kernel_extensions() -> list:
     sources = ["csrc/bindings.cpp", "csrc/logprob_cpu.cpp"]
     cxx = ["-O3", "-std=c++17", "-fopenmp", "-Wno-unknown-pragmas"]
     if platform.machine() in ("x86_64", "AMD64"):
-        # at::vec picks its AVX2 implementation from this macro; Sleef's exp comes from libtorch_cpu.
-        cxx += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+        cxx.append("-DMEGATRON_GRPO_CPU_ISA_DISPATCH")  # the ISA builds are compiled by KernelBuildExt
+    else:
+        sources.append(CPU_KERNELS)  # one portable build
     extension = cpp_extension.CppExtension
     extra = {"cxx": cxx}
     if with_cuda:
@@ -45,10 +48,38 @@ def kernel_extensions() -> list:
     ]
 
 
+CPU_KERNELS = "csrc/logprob_cpu_kernels.cpp"
+# (name, flags) of each x86 build of CPU_KERNELS. at::vec picks its implementation, and logprob_cpu_kernels.cpp
+# its namespace, from CPU_CAPABILITY; Sleef's exp comes from libtorch_cpu.
+CPU_ISA_BUILDS = (
+    ("avx2", ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]),
+    ("avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]),
+)
+
+
 def build_ext_class():
     from torch.utils.cpp_extension import BuildExtension
 
-    return BuildExtension.with_options(use_ninja=True)
+    base = BuildExtension.with_options(use_ninja=True)
+
+    class KernelBuildExt(base):
+        """Compiles CPU_KERNELS once per CPU_ISA_BUILDS entry (one source, per-build flags, which setuptools
+        cannot give a single source) and links the objects after the extension's own. The AVX2 objects come
+        first, so where both builds emit the same inline function (c10 helpers), the linker keeps the AVX2 one."""
+
+        def build_extension(self, ext):
+            if "-DMEGATRON_GRPO_CPU_ISA_DISPATCH" in ext.extra_compile_args.get("cxx", []):
+                base_flags = [f for f in ext.extra_compile_args["cxx"] if f != "-DMEGATRON_GRPO_CPU_ISA_DISPATCH"]
+                for name, flags in CPU_ISA_BUILDS:
+                    objects = self.compiler.compile(
+                        [CPU_KERNELS], output_dir=str(Path(self.build_temp) / f"isa_{name}"),
+                        include_dirs=ext.include_dirs, extra_postargs={"cxx": base_flags + flags},
+                    )
+                    ext.extra_objects = [o for o in ext.extra_objects if f"isa_{name}" not in o] + objects
+            super().build_extension(ext)
+
+    return KernelBuildExt
 
 
 setup(

@@ -17,6 +17,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <climits>
 #include <type_traits>
 
@@ -184,11 +185,12 @@ __device__ __forceinline__ float visible_logit(float x, float threshold) {
 // the max and the sums NaN (and a +inf one the sums), which no later merge undoes; -inf contributes nothing.
 // kFiltered: logits below `threshold` count as -inf.
 template <typename T, bool kWithEntropy, bool kFiltered>
-__device__ SoftmaxPartials accumulate_vector(const SoftmaxPartials& p, const Vector<T>& v, float threshold) {
+__device__ SoftmaxPartials accumulate_vector(const SoftmaxPartials& p, const Vector<T>& v, float threshold,
+                                             float scale) {
   constexpr int kSize = Vector<T>::kSize;
   float x[kSize];
 #pragma unroll
-  for (int i = 0; i < kSize; ++i) x[i] = visible_logit<kFiltered>(Element<T>::to_float(v.elems[i]), threshold);
+  for (int i = 0; i < kSize; ++i) x[i] = visible_logit<kFiltered>(Element<T>::to_float(v.elems[i]) * scale, threshold);
   float vector_max = x[0];
 #pragma unroll
   for (int i = 1; i < kSize; ++i) vector_max = max_keeping_nan(vector_max, x[i]);
@@ -213,12 +215,12 @@ __device__ Vector<T> load_vector(const Vector<T>* address) {
 
 // This thread's share of the partials of `n` logits starting at `logits` (threads of the block interleave).
 template <typename T, bool kWithEntropy, bool kFiltered>
-__device__ SoftmaxPartials thread_partials(const T* __restrict__ logits, int n, float threshold) {
+__device__ SoftmaxPartials thread_partials(const T* __restrict__ logits, int n, float threshold, float scale) {
   const int stride = static_cast<int>(blockDim.x);
   const VectorSpan span = vector_span<T>(reinterpret_cast<uintptr_t>(logits), n);
   SoftmaxPartials p = empty_partials();
   for (int i = static_cast<int>(threadIdx.x); i < span.head; i += stride) {
-    p = accumulate(p, visible_logit<kFiltered>(Element<T>::to_float(logits[i]), threshold));
+    p = accumulate(p, visible_logit<kFiltered>(Element<T>::to_float(logits[i]) * scale, threshold));
   }
   const Vector<T>* __restrict__ vectors = reinterpret_cast<const Vector<T>*>(logits + span.head);
   int v = static_cast<int>(threadIdx.x);
@@ -227,13 +229,13 @@ __device__ SoftmaxPartials thread_partials(const T* __restrict__ logits, int n, 
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) loaded[u] = load_vector(vectors + v + u * stride);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) p = accumulate_vector<T, kWithEntropy, kFiltered>(p, loaded[u], threshold);
+    for (int u = 0; u < kUnroll; ++u) p = accumulate_vector<T, kWithEntropy, kFiltered>(p, loaded[u], threshold, scale);
   }
   for (; v < span.num_vectors; v += stride) {
-    p = accumulate_vector<T, kWithEntropy, kFiltered>(p, load_vector(vectors + v), threshold);
+    p = accumulate_vector<T, kWithEntropy, kFiltered>(p, load_vector(vectors + v), threshold, scale);
   }
   for (int i = span.tail_begin + static_cast<int>(threadIdx.x); i < n; i += stride) {
-    p = accumulate(p, visible_logit<kFiltered>(Element<T>::to_float(logits[i]), threshold));
+    p = accumulate(p, visible_logit<kFiltered>(Element<T>::to_float(logits[i]) * scale, threshold));
   }
   return p;
 }
@@ -266,9 +268,9 @@ __device__ void store_ignored_partials(float* out, bool with_entropy) {
 // The target's logit when this shard holds it among its valid columns (and the filter keeps it), else -inf.
 template <typename T, bool kFiltered>
 __device__ float target_logit(const T* row_logits, int64_t target, int64_t vocab_start, int valid_cols,
-                              float threshold) {
+                              float threshold, float scale) {
   const int64_t col = local_target_column(target, vocab_start, valid_cols);
-  return col < 0 ? neg_inf() : visible_logit<kFiltered>(Element<T>::to_float(row_logits[col]), threshold);
+  return col < 0 ? neg_inf() : visible_logit<kFiltered>(Element<T>::to_float(row_logits[col]) * scale, threshold);
 }
 
 // The row's top-k/top-p threshold, or -inf (keep all) without a filter.
@@ -284,7 +286,7 @@ template <typename T, bool kWithEntropy, bool kFiltered>
 __global__ void __launch_bounds__(kMaxBlockThreads)
     partials_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_stride,
                     const int64_t* __restrict__ targets, int64_t vocab_start, int valid_cols, int split_cols,
-                    const float* __restrict__ thresholds, float* __restrict__ partials,
+                    const float* __restrict__ thresholds, float scale, float* __restrict__ partials,
                     float* __restrict__ split_states) {
   const int splits = static_cast<int>(gridDim.y);
   const int split = static_cast<int>(blockIdx.y);
@@ -305,11 +307,12 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     const T target_element = owns_target ? row_logits[target_col] : T{};
     const float threshold = row_threshold<kFiltered>(thresholds, row);
     const SoftmaxPartials p = block_reduce(thread_partials<T, kWithEntropy, kFiltered>(
-        row_logits + columns.begin, columns.end - columns.begin, threshold));
+        row_logits + columns.begin, columns.end - columns.begin, threshold, scale));
     if (threadIdx.x != 0) continue;
     if (splits == 1) {
       const float x_y =
-          owns_target ? visible_logit<kFiltered>(Element<T>::to_float(target_element), threshold) : neg_inf();
+          owns_target ? visible_logit<kFiltered>(Element<T>::to_float(target_element) * scale, threshold)
+                      : neg_inf();
       store_partials(partials + row * num_partials(kWithEntropy), p, x_y, kWithEntropy);
     } else {
       store_split_state(split_states + (row * splits + split) * split_state_floats(kWithEntropy), p,
@@ -322,7 +325,7 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
 template <typename T, bool kWithEntropy, bool kFiltered>
 __global__ void merge_splits_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_stride,
                                     const int64_t* __restrict__ targets, int64_t vocab_start, int valid_cols,
-                                    int splits, const float* __restrict__ thresholds,
+                                    int splits, const float* __restrict__ thresholds, float scale,
                                     const float* __restrict__ split_states, float* __restrict__ partials) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kMergeRowsPerBlock + threadIdx.x / kWarpSize;
@@ -341,7 +344,7 @@ __global__ void merge_splits_kernel(const T* __restrict__ logits, int64_t rows, 
   p = warp_reduce(p);
   if (lane == 0) {
     const float x_y = target_logit<T, kFiltered>(logits + row * row_stride, target, vocab_start, valid_cols,
-                                                 row_threshold<kFiltered>(thresholds, row));
+                                                 row_threshold<kFiltered>(thresholds, row), scale);
     store_partials(row_partials, p, x_y, kWithEntropy);
   }
 }
@@ -352,6 +355,7 @@ __global__ void merge_splits_kernel(const T* __restrict__ logits, int64_t rows, 
 // Per-row constants of the gradient; `operator()` gives one logit's gradient (see prob_grad), with p from
 // fast_exp: accurate enough for x - lse <= 0, and expf's extra instructions would make bf16 compute-bound.
 // kFiltered: logits below `threshold` get exactly 0 (target_col is then -1 for a filtered target).
+// The kernels see z = scale * x; grad_logprob and grad_entropy already carry the scale (d/dx = scale * d/dz).
 template <bool kFiltered>
 struct RowGradient {
   int target_col;  // local column of the target, or -1
@@ -360,10 +364,12 @@ struct RowGradient {
   float grad_logprob;
   float grad_entropy;
   float threshold;
+  float scale;
 
   __device__ float operator()(float x, int col) const {
-    if (kFiltered && !kept_logit(x, threshold)) return 0.0f;
-    return prob_grad(fast_exp(x - lse), x, col == target_col, mean_x, grad_logprob, grad_entropy);
+    const float z = x * scale;
+    if (kFiltered && !kept_logit(z, threshold)) return 0.0f;
+    return prob_grad(fast_exp(z - lse), z, col == target_col, mean_x, grad_logprob, grad_entropy);
   }
 };
 
@@ -431,8 +437,8 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     backward_kernel(const T* logits, int64_t rows, int64_t row_stride, const int64_t* __restrict__ targets,
                     int64_t vocab_start, int valid_cols, int cols, int split_cols, const float* __restrict__ lse,
                     const float* __restrict__ mean_x, const float* __restrict__ grad_logprob,
-                    const float* __restrict__ grad_entropy, const float* __restrict__ thresholds, T* grad,
-                    int64_t grad_row_stride) {
+                    const float* __restrict__ grad_entropy, const float* __restrict__ thresholds, float scale,
+                    T* grad, int64_t grad_row_stride) {
   const ColumnRange columns =
       split_columns_to_end(static_cast<int>(blockIdx.y), static_cast<int>(gridDim.y), split_cols, cols);
   const int begin = columns.begin;
@@ -450,11 +456,17 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
       const T* row_logits = logits + row * row_stride;
       const float threshold = row_threshold<kFiltered>(thresholds, row);
       int target_col = static_cast<int>(local_target_column(target, vocab_start, valid_cols));
-      if (kFiltered && target_col >= 0 && !kept_logit(Element<T>::to_float(row_logits[target_col]), threshold)) {
+      if (kFiltered && target_col >= 0 &&
+          !kept_logit(Element<T>::to_float(row_logits[target_col]) * scale, threshold)) {
         target_col = -1;  // a filtered target has logprob -inf and no gradient
       }
-      const RowGradient<kFiltered> gradient{target_col, lse[row], kWithEntropy ? mean_x[row] : 0.0f,
-                                            grad_logprob[row], kWithEntropy ? grad_entropy[row] : 0.0f, threshold};
+      const RowGradient<kFiltered> gradient{target_col,
+                                            lse[row],
+                                            kWithEntropy ? mean_x[row] : 0.0f,
+                                            scale * grad_logprob[row],
+                                            kWithEntropy ? scale * grad_entropy[row] : 0.0f,
+                                            threshold,
+                                            scale};
       store_row_gradient(row_logits, row_grad, begin, valid_end, gradient);
     }
     if (padding_begin < end) store_zeros(row_grad + padding_begin, end - padding_begin);
@@ -509,6 +521,9 @@ bool valid_shape(int64_t rows, int64_t cols, int64_t valid_cols) {
   return rows >= 0 && cols >= 0 && cols <= INT_MAX - kSplitAlignCols && valid_cols >= 0 && valid_cols <= cols;
 }
 
+// The kernels see z = logit_scale * x: a finite positive number.
+bool valid_scale(float logit_scale) { return logit_scale > 0.0f && logit_scale <= FLT_MAX; }
+
 bool element_aligned(const void* pointer, size_t element_bytes) {
   return reinterpret_cast<uintptr_t>(pointer) % element_bytes == 0;
 }
@@ -548,15 +563,15 @@ cudaError_t dispatch_flags(bool with_entropy, bool filtered, Fn&& fn) {
 template <typename T, bool kWithEntropy, bool kFiltered>
 cudaError_t launch_partials_typed(const T* logits, int64_t rows, int64_t row_stride, const int64_t* targets,
                                   int64_t vocab_start, int valid_cols, const LaunchPlan& plan,
-                                  const float* thresholds, float* partials, float* split_states,
+                                  const float* thresholds, float scale, float* partials, float* split_states,
                                   cudaStream_t stream) {
   partials_kernel<T, kWithEntropy, kFiltered><<<grid_for(rows, plan), plan.threads, 0, stream>>>(
-      logits, rows, row_stride, targets, vocab_start, valid_cols, plan.split_cols, thresholds, partials,
+      logits, rows, row_stride, targets, vocab_start, valid_cols, plan.split_cols, thresholds, scale, partials,
       split_states);
   if (plan.splits > 1) {
     const auto blocks = static_cast<unsigned>(ceil_div(rows, kMergeRowsPerBlock));
     merge_splits_kernel<T, kWithEntropy, kFiltered><<<blocks, kMergeRowsPerBlock * kWarpSize, 0, stream>>>(
-        logits, rows, row_stride, targets, vocab_start, valid_cols, plan.splits, thresholds, split_states,
+        logits, rows, row_stride, targets, vocab_start, valid_cols, plan.splits, thresholds, scale, split_states,
         partials);
   }
   return cudaGetLastError();
@@ -566,11 +581,11 @@ template <typename T, bool kWithEntropy, bool kFiltered>
 cudaError_t launch_backward_typed(const T* logits, int64_t rows, int64_t row_stride, const int64_t* targets,
                                   int64_t vocab_start, int valid_cols, int cols, const LaunchPlan& plan,
                                   const float* lse, const float* mean_x, const float* grad_logprob,
-                                  const float* grad_entropy, const float* thresholds, T* grad,
+                                  const float* grad_entropy, const float* thresholds, float scale, T* grad,
                                   int64_t grad_row_stride, cudaStream_t stream) {
   backward_kernel<T, kWithEntropy, kFiltered><<<grid_for(rows, plan), plan.threads, 0, stream>>>(
       logits, rows, row_stride, targets, vocab_start, valid_cols, cols, plan.split_cols, lse, mean_x,
-      grad_logprob, grad_entropy, thresholds, grad, grad_row_stride);
+      grad_logprob, grad_entropy, thresholds, scale, grad, grad_row_stride);
   return cudaGetLastError();
 }
 
@@ -588,8 +603,8 @@ size_t logprob_partials_workspace_bytes(int64_t rows, int64_t cols, int64_t vali
 cudaError_t launch_logprob_partials(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols,
                                     int64_t row_stride, const int64_t* targets, int64_t vocab_start,
                                     int64_t valid_cols, bool with_entropy, const float* thresholds,
-                                    float* partials, void* workspace, cudaStream_t stream) {
-  if (!valid_shape(rows, cols, valid_cols)) return cudaErrorInvalidValue;
+                                    float logit_scale, float* partials, void* workspace, cudaStream_t stream) {
+  if (!valid_shape(rows, cols, valid_cols) || !valid_scale(logit_scale)) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   int sm_count = 0;
   const cudaError_t status = current_sm_count(&sm_count);
@@ -604,8 +619,8 @@ cudaError_t launch_logprob_partials(const void* logits, LogitsDType dtype, int64
     const int valid = static_cast<int>(valid_cols);
     return dispatch_flags(with_entropy, thresholds != nullptr, [&](auto entropy, auto filtered) {
       return launch_partials_typed<T, decltype(entropy)::value, decltype(filtered)::value>(
-          typed_logits, rows, row_stride, targets, vocab_start, valid, plan, thresholds, partials, split_states,
-          stream);
+          typed_logits, rows, row_stride, targets, vocab_start, valid, plan, thresholds, logit_scale, partials,
+          split_states, stream);
     });
   });
 }
@@ -614,9 +629,9 @@ cudaError_t launch_logprob_backward(const void* logits, LogitsDType dtype, int64
                                     int64_t row_stride, const int64_t* targets, int64_t vocab_start,
                                     int64_t valid_cols, const float* lse, const float* mean_x,
                                     const float* grad_logprob, const float* grad_entropy,
-                                    const float* thresholds, void* grad_logits, int64_t grad_row_stride,
-                                    cudaStream_t stream) {
-  if (!valid_shape(rows, cols, valid_cols)) return cudaErrorInvalidValue;
+                                    const float* thresholds, float logit_scale, void* grad_logits,
+                                    int64_t grad_row_stride, cudaStream_t stream) {
+  if (!valid_shape(rows, cols, valid_cols) || !valid_scale(logit_scale)) return cudaErrorInvalidValue;
   if ((mean_x == nullptr) != (grad_entropy == nullptr)) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   int sm_count = 0;
@@ -636,7 +651,7 @@ cudaError_t launch_logprob_backward(const void* logits, LogitsDType dtype, int64
     return dispatch_flags(with_entropy, thresholds != nullptr, [&](auto entropy, auto filtered) {
       return launch_backward_typed<T, decltype(entropy)::value, decltype(filtered)::value>(
           typed_logits, rows, row_stride, targets, vocab_start, valid, width, plan, lse, mean_x, grad_logprob,
-          grad_entropy, thresholds, typed_grad, grad_row_stride, stream);
+          grad_entropy, thresholds, logit_scale, typed_grad, grad_row_stride, stream);
     });
   });
 }

@@ -29,15 +29,17 @@ size_t logprob_partials_workspace_bytes(int64_t rows, int64_t cols, int64_t vali
 // Only columns [0, valid_cols) are real vocab (0 <= valid_cols <= cols); the rest is padding.
 // targets: int64 [rows] global token ids; < 0 marks an ignored row, whose partials are {0, 1, -inf, 0}.
 // A shard with valid_cols == 0 gives {-inf, 0, -inf, 0} for every other row.
-// thresholds: fp32 [rows] or nullptr. With it, only the logits >= thresholds[row] take part (top-k/top-p) and a
-// target below it has logit -inf; without it the kernels take their unfiltered path.
+// thresholds: fp32 [rows] or nullptr. With it, only the logits with z >= thresholds[row] take part
+// (top-k/top-p) and a target below it has logit -inf; without it the kernels take their unfiltered path.
+// logit_scale (finite, > 0; e.g. 1 / temperature): the kernels see z = logit_scale * x, and the partials are
+// those of z (cudaErrorInvalidValue otherwise).
 cudaError_t launch_logprob_partials(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols,
                                     int64_t row_stride, const int64_t* targets, int64_t vocab_start,
                                     int64_t valid_cols, bool with_entropy, const float* thresholds,
-                                    float* partials, void* workspace, cudaStream_t stream);
+                                    float logit_scale, float* partials, void* workspace, cudaStream_t stream);
 
-// Backward: grad_logits[rows, cols] in the logits' dtype (row stride grad_row_stride), with
-//   dx = g_lp * (1[v == y] - p) + g_h * p * (E[x] - x),   p = exp(x - lse),
+// Backward: grad_logits[rows, cols] in the logits' dtype (row stride grad_row_stride), with z = logit_scale * x,
+//   dx = logit_scale * (g_lp * (1[v == y] - p) + g_h * p * (E[z] - z)),   p = exp(z - lse),
 // computed in fp32 and rounded once. Padding columns get exactly 0; ignored rows are all 0.
 // lse and grad_logprob are fp32 [rows]; mean_x (= E[x]) and grad_entropy are fp32 [rows] with entropy and
 // both nullptr without it. thresholds as in forward: logits below it (the target included) get exactly 0.
@@ -47,7 +49,7 @@ cudaError_t launch_logprob_backward(const void* logits, LogitsDType dtype, int64
                                     int64_t row_stride, const int64_t* targets, int64_t vocab_start,
                                     int64_t valid_cols, const float* lse, const float* mean_x,
                                     const float* grad_logprob, const float* grad_entropy,
-                                    const float* thresholds, void* grad_logits, int64_t grad_row_stride,
-                                    cudaStream_t stream);
+                                    const float* thresholds, float logit_scale, void* grad_logits,
+                                    int64_t grad_row_stride, cudaStream_t stream);
 
 }  // namespace megatron_grpo

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_grpo.bench.logprob import MEGATRON, report
+from megatron_grpo.bench.logprob import FUSED_EXP, MEGATRON, report
 from megatron_grpo.bench.measure import collect
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def test_quick_benchmark_without_megatron_finishes_and_reports_it_missing(tmp_pa
     assert time.monotonic() - start < 200
     saved = json.loads((tmp_path / "logprob_cpu_quick.json").read_text())
     assert "No module named 'megatron'" in saved["missing_peers"][MEGATRON]
-    assert {r["method"] for r in saved["results"]} == {"fused", "fused (inplace_backward)", "reference",
+    assert {r["method"] for r in saved["results"]} == {"fused", "fused (inplace_backward)", FUSED_EXP, "reference",
                                                        "naive torch"}
     text = (tmp_path / "logprob_cpu_quick.md").read_text()
     assert f"- not measured: {MEGATRON}: ModuleNotFoundError" in text

@@ -101,7 +101,7 @@ def test_rows_split_across_blocks_match_anchor(dtype, rows, vocab, with_entropy)
     logits, targets = gpu_case(rows, vocab, true_vocab, dtype, seed=rows * 1000 + vocab)
     g_lp, g_h = upstream_grads(rows, seed=rows)
     logprob, entropy, grad = run_fused(logits.to(DEVICE), targets, g_lp, g_h, with_entropy=with_entropy,
-                                       true_vocab_size=true_vocab)
+                                       shard=VocabShard(true_vocab_size=true_vocab))
     assert_matches_anchor(logits, targets, true_vocab, g_lp, g_h if with_entropy else None, logprob, entropy, grad)
 
 
@@ -178,7 +178,7 @@ def test_production_shape_2048_rows_of_32771(dtype, inplace_backward):
     production size."""
     logits, targets, true_vocab, g_lp, g_h, expected = production_case(dtype)
     logprob, entropy, grad = run_fused(logits.to(DEVICE), targets, g_lp, g_h, inplace_backward=inplace_backward,
-                                       true_vocab_size=true_vocab)
+                                       shard=VocabShard(true_vocab_size=true_vocab))
     assert_matches_anchor(logits, targets, true_vocab, g_lp, g_h, logprob, entropy, grad, expected)
 
 
@@ -251,7 +251,7 @@ def test_split_heuristic_boundary(rows, cols, valid):
         ops.logprob_backward(x, t, cols, 0, lse, lse, g_lp.to(DEVICE), g_h.to(DEVICE), grad, None)
         assert bool((grad == 0).all())
         return
-    logprob, entropy, grad = run_fused(logits.to(DEVICE), targets, g_lp, g_h, true_vocab_size=valid)
+    logprob, entropy, grad = run_fused(logits.to(DEVICE), targets, g_lp, g_h, shard=VocabShard(true_vocab_size=valid))
     assert_matches_anchor(logits, targets, valid, g_lp, g_h, logprob, entropy, grad)
 
 
@@ -270,8 +270,8 @@ def test_forward_and_backward_on_a_side_stream_without_sync(rows, cols):
         made_here = source * 1  # written by the side stream, after the sleep
         leaf = made_here.detach().requires_grad_(True)
         # check_inputs=False: the target check's host sync would wait for the side stream and hide a race.
-        logprob, entropy = vocab_parallel_logprobs(leaf, targets_d, true_vocab_size=cols - 3, with_entropy=True,
-                                                   check_inputs=False, implementation="fused")
+        logprob, entropy = vocab_parallel_logprobs(leaf, targets_d, shard=VocabShard(true_vocab_size=cols - 3),
+                                                   with_entropy=True, check_inputs=False, implementation="fused")
         ((logprob * g_lp_d).sum() + (entropy * g_h_d).sum()).backward()
         results = logprob.detach().cpu(), entropy.detach().cpu(), leaf.grad.cpu()  # .cpu() waits for `side`
     assert_matches_anchor(logits, targets, cols - 3, g_lp, g_h, *results)
@@ -284,7 +284,8 @@ def test_a_second_device_while_device_0_is_current(rows, cols):
     assert torch.cuda.current_device() == 0
     logits, targets = gpu_case(rows, cols, cols - 1, torch.float32, seed=11)
     g_lp, g_h = upstream_grads(rows, seed=12)
-    logprob, entropy, grad = run_fused(logits.to("cuda:1"), targets, g_lp, g_h, true_vocab_size=cols - 1)
+    logprob, entropy, grad = run_fused(logits.to("cuda:1"), targets, g_lp, g_h,
+                                       shard=VocabShard(true_vocab_size=cols - 1))
     assert torch.cuda.current_device() == 0
     assert_matches_anchor(logits, targets, cols - 1, g_lp, g_h, logprob, entropy, grad)
 
@@ -322,8 +323,9 @@ def run_on_layout(logits, targets, case, implementation):
     storage.copy_(logits.as_strided((elements,), (1,), 0))
     copy = storage.as_strided(logits.shape, logits.stride(), logits.storage_offset())
     leaf = copy.detach().requires_grad_(True)
-    out = vocab_parallel_logprobs(leaf, targets, vocab_start_index=case["vocab_start"],
-                                  true_vocab_size=case["true_vocab"], with_entropy=case["with_entropy"],
+    out = vocab_parallel_logprobs(leaf, targets,
+                                  shard=VocabShard(start_index=case["vocab_start"], true_vocab_size=case["true_vocab"]),
+                                  with_entropy=case["with_entropy"],
                                   inplace_backward=case["inplace"], implementation=implementation)
     logprob, entropy = out if case["with_entropy"] else (out, None)
     gen = torch.Generator().manual_seed(3)
@@ -351,6 +353,32 @@ def test_random_layouts_match_the_reference_on_the_gpu(seed):
     valid = min(max(case["true_vocab"] - case["vocab_start"], 0), case["cols"])
     assert bool((fused[2][:, valid:] == 0).all()), f"padding columns must get exactly zero gradient: {where}"
     assert_grad_close(fused[2], reference[2].double(), case["dtype"], roundings=2)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(None, None), (9, 0.8)])
+@pytest.mark.parametrize("rows,vocab", [(7, 50257), (1100, 1000)])  # rows split across blocks, and not
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_logit_scale_matches_the_tempered_anchor(dtype, rows, vocab, top_k, top_p):
+    """logit_scale inside the kernels (forward, split merge and backward) against softmax(scale * x) in float64."""
+    from test_logprob_temperature import anchor, check
+
+    scale, true_vocab = 1 / 0.7, vocab - vocab // 7
+    logits, targets = gpu_case(rows, vocab, true_vocab, dtype, seed=rows + vocab)
+    g_lp, g_h = upstream_grads(rows, seed=rows)
+    leaf = logits.to(DEVICE).requires_grad_(True)
+    logprob, entropy = vocab_parallel_logprobs(leaf, targets.to(DEVICE), shard=VocabShard(true_vocab_size=true_vocab),
+                                               with_entropy=True, implementation="fused", logit_scale=scale,
+                                               top_k=top_k, top_p=top_p)
+    finite = torch.isfinite(logprob)
+    ((torch.where(finite, logprob, 0.0) * g_lp.to(DEVICE)).sum() + (entropy * g_h.to(DEVICE)).sum()).backward()
+    expected = anchor(logits, targets, true_vocab, scale, top_k, top_p, g_lp, g_h)
+    check(logprob.detach().cpu(), entropy.detach().cpu(), leaf.grad.cpu(), expected, targets, true_vocab, dtype)
+
+
+def test_exp_mode_is_refused_by_name_on_cuda():
+    logits, targets = gpu_case(4, 100, 100, torch.float32, seed=0)
+    with pytest.raises(NotImplementedError, match="inplace_backward='exp'"):
+        vocab_parallel_logprobs(logits.to(DEVICE), targets.to(DEVICE), inplace_backward="exp", implementation="fused")
 
 
 # ==================== fused linear logprobs (vocab_parallel_linear_logprobs) on CUDA ====================

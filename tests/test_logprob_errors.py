@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from logprob_reference import device_params
-from megatron_grpo.ops import vocab_parallel_logprobs
+from megatron_grpo.ops import VocabShard, vocab_parallel_logprobs
 
 pytestmark = pytest.mark.parametrize("device", device_params())
 
@@ -21,7 +21,7 @@ def test_target_at_or_beyond_true_vocab_names_the_id(device):
     logits, _ = logits_and_targets(device)
     targets = torch.tensor([0, 7, 8, 3], device=device)  # 8 is the only id at or beyond the true vocab
     with pytest.raises(ValueError, match=r"token id 8.*true_vocab_size=8"):
-        vocab_parallel_logprobs(logits, targets, true_vocab_size=8)
+        vocab_parallel_logprobs(logits, targets, shard=VocabShard(true_vocab_size=8))
 
 
 def test_target_beyond_the_padded_vocab_names_the_id(device):
@@ -34,7 +34,7 @@ def test_target_beyond_the_padded_vocab_names_the_id(device):
 def test_check_inputs_false_skips_only_the_value_check(device):
     logits, targets = logits_and_targets(device)
     targets[1] = 9
-    logprob = vocab_parallel_logprobs(logits, targets, true_vocab_size=8, check_inputs=False)
+    logprob = vocab_parallel_logprobs(logits, targets, shard=VocabShard(true_vocab_size=8), check_inputs=False)
     assert logprob[1] == float("-inf")  # an unowned id: documented behaviour when the check is off
     with pytest.raises(ValueError, match="integer token ids"):
         vocab_parallel_logprobs(logits, targets.float(), check_inputs=False)
@@ -75,13 +75,13 @@ def test_fused_refuses_float64(device):
 def test_true_vocab_larger_than_the_sharded_vocab(device):
     logits, targets = logits_and_targets(device)
     with pytest.raises(ValueError, match=r"true_vocab_size=12 exceeds the sharded vocab of 1 rank\(s\) x 10"):
-        vocab_parallel_logprobs(logits, targets, true_vocab_size=12)
+        vocab_parallel_logprobs(logits, targets, shard=VocabShard(true_vocab_size=12))
 
 
 def test_negative_vocab_start(device):
     logits, targets = logits_and_targets(device)
     with pytest.raises(ValueError, match="vocab_start_index must be >= 0, got -3"):
-        vocab_parallel_logprobs(logits, targets, vocab_start_index=-3, true_vocab_size=10)
+        vocab_parallel_logprobs(logits, targets, shard=VocabShard(start_index=-3, true_vocab_size=10))
 
 
 def test_empty_vocab_dim(device):
@@ -108,3 +108,18 @@ def test_targets_on_another_device(device):
     logits, targets = logits_and_targets(device)
     with pytest.raises(ValueError, match=f"logits are on {device}.* but targets on meta"):
         vocab_parallel_logprobs(logits, targets.to("meta"))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5, float("nan"), float("inf"), True, "2", None])
+def test_logit_scale_must_be_a_finite_positive_number(device, scale):
+    logits, targets = logits_and_targets(device)
+    with pytest.raises(ValueError, match=r"logit_scale must be a finite number > 0 \(1 / temperature\)"):
+        vocab_parallel_logprobs(logits, targets, logit_scale=scale)
+
+
+def test_kernel_op_refuses_a_bad_logit_scale(device):
+    import megatron_grpo._C  # noqa: F401  (registers torch.ops.megatron_grpo)
+
+    logits, targets = logits_and_targets(device)
+    with pytest.raises(RuntimeError, match="logit_scale must be a finite number > 0"):
+        torch.ops.megatron_grpo.logprob_partials(logits, targets, 0, logits.shape[1], False, None, 0.0)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from _dist import counted_collectives, run_on_ranks
 from logprob_reference import assert_grad_close, expected_filtered_logprobs, expected_logprobs, make_case
-from megatron_grpo.ops import vocab_parallel_logprobs
+from megatron_grpo.ops import VocabShard, vocab_parallel_logprobs
 
 DEVICES = [
     "cpu",
@@ -63,7 +63,8 @@ def test_filtered_logprobs_match_the_float64_reference(device, implementation, d
         label = f"{device} {implementation} {dtype} top_k={top_k} top_p={top_p}"
         x = full.clone().to(device).requires_grad_(True)
         logprob, entropy = vocab_parallel_logprobs(
-            x, targets.to(device), true_vocab_size=true_vocab, with_entropy=True, top_k=top_k, top_p=top_p,
+            x, targets.to(device), shard=VocabShard(true_vocab_size=true_vocab), with_entropy=True, top_k=top_k,
+            top_p=top_p,
             implementation=implementation,
         )
         objective = torch.where(torch.isfinite(logprob), logprob, 0.0) * g_lp.to(device) + entropy * g_h.to(device)
@@ -83,8 +84,8 @@ def test_float64_logits_on_the_reference_path():
     full[:, :64] += torch.randn(29, 64, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 1e-9
     for top_k, top_p in [(None, 0.7), (9, 0.5), (1, None)]:
         x = full.clone().requires_grad_(True)
-        logprob, entropy = vocab_parallel_logprobs(x, targets, true_vocab_size=64, with_entropy=True, top_k=top_k,
-                                                   top_p=top_p, implementation="reference")
+        logprob, entropy = vocab_parallel_logprobs(x, targets, shard=VocabShard(true_vocab_size=64), with_entropy=True,
+                                                   top_k=top_k, top_p=top_p, implementation="reference")
         g_lp, g_h = upstream(29, 0)
         (torch.where(torch.isfinite(logprob), logprob, 0.0) * g_lp + entropy * g_h).sum().backward()
         check_against_reference(logprob.detach(), entropy.detach(), x.grad, full, targets, 64, top_k, top_p,
@@ -104,10 +105,10 @@ def test_a_nan_logit_poisons_its_own_row_only_under_a_filter(implementation):
 
 def test_filters_that_keep_everything_take_the_unfiltered_path_bit_for_bit():
     full, targets = make_case(9, 40, 33, torch.float32, seed=2)
-    plain = vocab_parallel_logprobs(full, targets, true_vocab_size=33, with_entropy=True)
+    plain = vocab_parallel_logprobs(full, targets, shard=VocabShard(true_vocab_size=33), with_entropy=True)
     for top_k, top_p in [(33, None), (None, 1.0), (10**6, 1.0)]:
-        same = vocab_parallel_logprobs(full, targets, true_vocab_size=33, with_entropy=True, top_k=top_k,
-                                       top_p=top_p)
+        same = vocab_parallel_logprobs(full, targets, shard=VocabShard(true_vocab_size=33), with_entropy=True,
+                                       top_k=top_k, top_p=top_p)
         assert all(torch.equal(a, b) for a, b in zip(plain, same))
 
 
@@ -126,16 +127,16 @@ def test_filtered_targets_are_counted_per_rule():
 def sharded_filtered_run(rank, world, rows, v_local, true_vocab, dtype, top_k, top_p, implementation, seed):
     full, targets = tied_case(rows, v_local * world, true_vocab, dtype, seed)
     g_lp, g_h = upstream(rows, 0)
-    shard = full[:, rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
+    local = full[:, rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
     with counted_collectives() as calls:
         logprob, entropy = vocab_parallel_logprobs(
-            shard, targets, true_vocab_size=true_vocab, group=dist.group.WORLD, with_entropy=True, top_k=top_k,
-            top_p=top_p, implementation=implementation,
+            local, targets, shard=VocabShard(true_vocab_size=true_vocab, group=dist.group.WORLD), with_entropy=True,
+            top_k=top_k, top_p=top_p, implementation=implementation,
         )
         forward_calls = calls["n"]
         (torch.where(torch.isfinite(logprob), logprob, 0.0) * g_lp + entropy * g_h).sum().backward()
         backward_calls = calls["n"] - forward_calls
-    return logprob.detach(), entropy.detach(), shard.grad, forward_calls, backward_calls
+    return logprob.detach(), entropy.detach(), local.grad, forward_calls, backward_calls
 
 
 def filtered_tp_worker(rank, world, cases):

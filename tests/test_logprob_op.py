@@ -19,7 +19,7 @@ from logprob_reference import (
     expected_logprobs,
     make_case,
 )
-from megatron_grpo.ops import extension_status, vocab_parallel_logprobs
+from megatron_grpo.ops import VocabShard, extension_status, vocab_parallel_logprobs
 
 DEVICES = device_params()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -59,7 +59,7 @@ def test_matches_float64_anchor(rows, vocab, dtype, implementation, device):
     true_vocab = max(1, vocab - vocab // 7)  # a padded tail whenever vocab > 1
     logits, targets = make_case(rows, vocab, true_vocab, dtype, seed=rows * 1000 + vocab)
     logprob, entropy, grad, g_lp, g_h = run_op(
-        logits, targets, implementation, device, true_vocab_size=true_vocab, seed=rows
+        logits, targets, implementation, device, shard=VocabShard(true_vocab_size=true_vocab), seed=rows
     )
     assert_matches_anchor(logits, targets, true_vocab, g_lp, g_h, logprob, entropy, grad)
 
@@ -72,7 +72,7 @@ def test_shard_at_an_offset_normalises_over_its_own_real_columns(implementation,
     logits, targets = make_case(rows, v_local, v_local, torch.float32, seed=5, ignore_every=0)
     targets = torch.randint(0, true_vocab, (rows,), generator=torch.Generator().manual_seed(1))
     logprob = vocab_parallel_logprobs(
-        logits.to(device), targets.to(device), vocab_start_index=start, true_vocab_size=true_vocab,
+        logits.to(device), targets.to(device), shard=VocabShard(start_index=start, true_vocab_size=true_vocab),
         implementation=implementation,
     ).cpu()
     owned = (targets >= start) & (targets < true_vocab)
@@ -95,7 +95,7 @@ def test_shard_at_an_offset_gradient(dtype, device):
     targets = torch.where(foreign, torch.arange(rows) * 100, local_targets + vocab_start)
     targets[4] = -1
     logprob, _, grad, g_lp, _ = run_op(logits, targets, "fused", device, with_entropy=False, seed=22,
-                                       vocab_start_index=vocab_start, true_vocab_size=true_vocab)
+                                       shard=VocabShard(start_index=vocab_start, true_vocab_size=true_vocab))
     assert bool((logprob[foreign] == float("-inf")).all())
     owned = ~foreign
     anchor_targets = torch.where(targets >= 0, targets - vocab_start, -1)
@@ -113,13 +113,13 @@ def test_float64_gradcheck_with_padding_ignored_rows_and_entropy(device):
     targets = targets.to(device)
 
     def both(x):
-        logprob, entropy = vocab_parallel_logprobs(x, targets, true_vocab_size=4, with_entropy=True)
+        logprob, entropy = vocab_parallel_logprobs(x, targets, shard=VocabShard(true_vocab_size=4), with_entropy=True)
         return logprob, entropy
 
     assert torch.autograd.gradcheck(both, (x,), eps=1e-6, atol=1e-8)
     owned_targets = torch.where(targets >= 0, targets + 2, targets)  # ids 2..5: all in the shard at offset 2
     assert torch.autograd.gradcheck(
-        lambda x: vocab_parallel_logprobs(x, owned_targets, vocab_start_index=2, true_vocab_size=6), (x,)
+        lambda x: vocab_parallel_logprobs(x, owned_targets, shard=VocabShard(start_index=2, true_vocab_size=6)), (x,)
     )
 
 
@@ -127,8 +127,8 @@ def test_float64_gradcheck_with_padding_ignored_rows_and_entropy(device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fused_and_reference_agree(dtype, device):
     logits, targets = make_case(129, 2053, 2000, dtype, seed=11)
-    fused = run_op(logits, targets, "fused", device, true_vocab_size=2000)
-    ref = run_op(logits, targets, "reference", device, true_vocab_size=2000)
+    fused = run_op(logits, targets, "fused", device, shard=VocabShard(true_vocab_size=2000))
+    ref = run_op(logits, targets, "reference", device, shard=VocabShard(true_vocab_size=2000))
     torch.testing.assert_close(fused[0], ref[0], atol=2e-6, rtol=0)
     torch.testing.assert_close(fused[1], ref[1], atol=2e-5, rtol=0)
     assert_grad_close(fused[2], ref[2].double(), dtype, roundings=2)  # both sides rounded into dtype
@@ -144,7 +144,7 @@ def test_inplace_backward_gives_the_same_gradient(implementation, device):
         base = logits.to(device).requires_grad_(True)
         x = base * 1  # a non-leaf buffer the op may overwrite
         logprob, entropy = vocab_parallel_logprobs(
-            x, targets, true_vocab_size=990, with_entropy=True, inplace_backward=inplace,
+            x, targets, shard=VocabShard(true_vocab_size=990), with_entropy=True, inplace_backward=inplace,
             implementation=implementation,
         )
         (logprob.sum() - 0.3 * entropy.sum()).backward()
@@ -183,7 +183,7 @@ def test_input_logits_are_never_written(implementation, device):
     logits, targets = make_case(17, 300, 280, torch.float32, seed=6)
     x = logits.to(device).requires_grad_(True)
     logprob, entropy = vocab_parallel_logprobs(
-        x, targets.to(device), true_vocab_size=280, with_entropy=True, implementation=implementation
+        x, targets.to(device), shard=VocabShard(true_vocab_size=280), with_entropy=True, implementation=implementation
     )
     (logprob.sum() + entropy.sum()).backward()
     assert torch.equal(x.detach().cpu(), logits)
@@ -195,7 +195,7 @@ def test_padding_only_shard_is_legal_and_finite(implementation, device):
     logits, targets = make_case(8, 5, 5, torch.float32, seed=7, ignore_every=0)
     x = logits.to(device).requires_grad_(True)
     logprob, entropy = vocab_parallel_logprobs(
-        x, (targets + 100).to(device), vocab_start_index=200, true_vocab_size=150, with_entropy=True,
+        x, (targets + 100).to(device), shard=VocabShard(start_index=200, true_vocab_size=150), with_entropy=True,
         implementation=implementation,
     )
     # Alone, a shard without real vocab has an empty softmax; what matters is that it adds nothing and no NaN.
@@ -292,6 +292,7 @@ def test_rows_not_16_byte_aligned(dtype, rows, cols, inplace_backward, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_only_logprob_gradient_when_entropy_is_not_requested(device):
     logits, targets = make_case(31, 257, 250, torch.float16, seed=12)
-    logprob, _, grad, g_lp, _ = run_op(logits, targets, "fused", device, with_entropy=False, true_vocab_size=250)
+    logprob, _, grad, g_lp, _ = run_op(logits, targets, "fused", device, with_entropy=False,
+                                       shard=VocabShard(true_vocab_size=250))
     expected = expected_logprobs(logits, targets, 250, g_lp, None)
     assert_grad_close(grad, expected.grad, torch.float16)

@@ -39,8 +39,8 @@ def one_train_step(rank: int, world_size: int) -> dict:
 
         dist.all_reduce = counted_all_reduce
         try:
-            result = train_step(StepConfig.of(cfg), model, build_optimizer(model, cfg.policy.optimizer), ClippedPGLoss(cfg.loss_fn),
-                                plan_logprob_passes(cfg), batch)
+            result = train_step(StepConfig.of(cfg), model, build_optimizer(model, cfg.policy.optimizer),
+                                ClippedPGLoss(cfg.loss_fn), plan_logprob_passes(cfg), batch)
         finally:
             dist.all_reduce = all_reduce
         return {

@@ -4,7 +4,9 @@ In one run, for each setup (TP size, dtype, T x V_local per rank), it times forw
 fused op (default and in-place backward modes), the plain-torch reference, naive torch (TP=1), and the optional
 peers, Megatron-Core's `vocab_parallel_cross_entropy` and TE's `parallel_cross_entropy`, where they import (a
 missing peer is reported as missing). Every method gets a fresh clone of the same logits in the layout it
-documents, made outside the timed region. It reports medians, peak extra memory, ratios against the peers and
+documents, made outside the timed region. On CPU it also times the in-place exp mode
+(`inplace_backward="exp"`) and names the instruction set of the CPU kernels. It reports medians, peak extra
+memory, ratios against the peers and
 the fraction of a copy's memory bandwidth that the fused forward reaches. The ranks run in child processes; the
 parent never waits on them without a timeout.
 """
@@ -22,7 +24,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.ops import vocab_parallel_logprobs
+from megatron_grpo.ops import VocabShard, vocab_parallel_logprobs
+from megatron_grpo.ops.backends import cpu_kernel_isa
 
 from .measure import (copy_bandwidth_bytes_per_s, grouped_bar_plot, machine_description, median_seconds,
                       peak_extra_bytes, run_ranks, write_results)
@@ -71,15 +74,21 @@ def shape_for(layout: str, tokens: int) -> tuple[int, ...]:
 
 
 def fused(x, targets, group):
-    return vocab_parallel_logprobs(x, targets, group=group, check_inputs=False)
+    return vocab_parallel_logprobs(x, targets, shard=VocabShard(group=group), check_inputs=False)
 
 
 def fused_inplace(x, targets, group):
-    return vocab_parallel_logprobs(x, targets, group=group, check_inputs=False, inplace_backward=True)
+    return vocab_parallel_logprobs(x, targets, shard=VocabShard(group=group), check_inputs=False, inplace_backward=True)
+
+
+def fused_exp(x, targets, group):
+    return vocab_parallel_logprobs(x, targets, shard=VocabShard(group=group), check_inputs=False,
+                                   inplace_backward="exp")
 
 
 def reference(x, targets, group):
-    return vocab_parallel_logprobs(x, targets, group=group, check_inputs=False, implementation="reference")
+    return vocab_parallel_logprobs(x, targets, shard=VocabShard(group=group), check_inputs=False,
+                                   implementation="reference")
 
 
 def naive_torch(x, targets, group):
@@ -110,6 +119,8 @@ def load_transformer_engine(device: torch.device, tp: int) -> Method:
 
 
 MEGATRON = "megatron vocab_parallel_cross_entropy"
+FUSED_EXP = "fused (inplace_backward='exp')"
+IN_PLACE_METHODS = ("fused (inplace_backward)", FUSED_EXP)
 OPTIONAL_PEERS: dict[str, Callable[[torch.device, int], Method]] = {
     MEGATRON: load_megatron,
     "te parallel_cross_entropy": load_transformer_engine,
@@ -123,6 +134,8 @@ def methods_for(setup: Setup, device: torch.device) -> tuple[dict[str, Method], 
         "fused (inplace_backward)": Method(fused_inplace),
         "reference": Method(reference),
     }
+    if device.type == "cpu":  # the exp mode has CPU kernels only
+        methods[FUSED_EXP] = Method(fused_exp)
     if setup.tp == 1:
         methods["naive torch"] = Method(naive_torch)
     missing = {}
@@ -162,7 +175,7 @@ def benchmark_setup(setup: Setup, device: torch.device, group, repeats: int) -> 
         fwd = median_seconds(forward, fresh, device, repeats)
         fwd_bwd = median_seconds(forward_backward, fresh, device, repeats)
         peak = peak_extra_bytes(forward_backward, fresh, device)
-        in_place = name == "fused (inplace_backward)"
+        in_place = name in IN_PLACE_METHODS
         results.append(Result(
             setup=setup, method=name, forward_ms=1e3 * fwd, forward_backward_ms=1e3 * fwd_bwd,
             peak_extra_mib=peak / 2**20, gradient_mib=0.0 if in_place else logits.nbytes / 2**20,
@@ -200,6 +213,7 @@ def report(results: list[dict], device: torch.device, bandwidth: float, repeats:
         "",
         f"- date: {datetime.date.today().isoformat()}",
         f"- machine: {machine_description(device)}",
+        *([f"- CPU kernels: {cpu_kernel_isa()} build"] if device.type == "cpu" else []),
         f"- command: `{command}`",
         f"- median of {repeats} runs after a warm-up; each method gets a fresh clone of the same logits in the "
         "layout it documents ([T, V] for ours and naive torch, [s, b, V] for Megatron, [b, s, V] for TE, batch 1), "

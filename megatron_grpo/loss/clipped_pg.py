@@ -103,6 +103,7 @@ class ClippedPGLoss:
         prev_logprobs_from_current: bool = False,
         top_k: int | None = None,
         top_p: float | None = None,
+        logit_scale: float = 1.0,
         curr_logprobs: torch.Tensor | None = None,
         curr_entropy: torch.Tensor | None = None,
         curr_unfiltered_logprobs: torch.Tensor | None = None,
@@ -110,6 +111,8 @@ class ClippedPGLoss:
         """This microbatch's globally normalised loss and its detached metrics (see the class docstring).
 
         `shard`: where the logits' vocab columns sit (`megatron_grpo.ops.VocabShard`); None: unsharded.
+        `logit_scale`: the policy is softmax(logit_scale * logits), 1 / temperature for a sampling temperature
+        (applied inside the kernels, no scaled copy of the logits).
         `top_k` / `top_p`: the rollouts' sampling filter. The policy term trains the filtered distribution they
         came from; the KL to the (unfiltered) reference reads unfiltered current logprobs, as NeMo-RL does.
 
@@ -127,10 +130,13 @@ class ClippedPGLoss:
                              "decides where prev comes from; pass prev_logprobs_from_current=plan.prev_from_current")
         precomputed = self._check_precomputed(logits, curr_logprobs, curr_entropy, curr_unfiltered_logprobs,
                                               filtered=top_k is not None or top_p is not None)
+        if precomputed is not None and logit_scale != 1.0:
+            raise ValueError(f"logit_scale={logit_scale!r}: only with logits (precomputed current logprobs already "
+                             "carry their temperature)")
         inputs = validate_batch(batch, logits, self._requirements(prev_from_current), current=precomputed)
         if precomputed is None:
             curr, entropy = self._current_logprobs(
-                logits, inputs, shard=shard, top_k=top_k, top_p=top_p,
+                logits, inputs, shard=shard, top_k=top_k, top_p=top_p, logit_scale=logit_scale,
             )
         else:
             trained = inputs.mask.bool()
@@ -143,7 +149,7 @@ class ClippedPGLoss:
                                           torch.zeros((), dtype=torch.float32, device=inputs.mask.device))
         elif cfg.kl_in_loss and (top_k is not None or top_p is not None):
             curr_unfiltered, _ = self._current_logprobs(
-                logits, inputs, shard=shard, top_k=None, top_p=None, with_entropy=False,
+                logits, inputs, shard=shard, top_k=None, top_p=None, logit_scale=logit_scale, with_entropy=False,
             )
         prev = curr.detach() if prev_from_current else inputs.prev_logprobs
         kept = ~(torch.isneginf(curr) | torch.isneginf(prev))  # -inf: target outside a top-k / top-p kept set
@@ -257,12 +263,14 @@ class ClippedPGLoss:
         shard: VocabShard | None,
         top_k: int | None,
         top_p: float | None,
+        logit_scale: float,
         with_entropy: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`[B, S]` logprobs (and entropies) of the trained tokens, from the logits one position earlier, under
         the top-k/top-p filtered distribution when a filter is given."""
         out = vocab_parallel_logprobs(logits, trained_token_targets(inputs.input_ids, inputs.mask), shard=shard,
-                                      shift=True, with_entropy=with_entropy, top_k=top_k, top_p=top_p)
+                                      shift=True, with_entropy=with_entropy, top_k=top_k, top_p=top_p,
+                                      logit_scale=logit_scale)
         return out if with_entropy else (out, None)
 
     def _policy_term(

@@ -134,9 +134,11 @@ def make_forward_step(
         raise ValueError("fused_loss: no top_k / top_p on the loss-fused path (use fused_linear alone)")
 
     def current(batch: Batch, model: torch.nn.Module, output_tensor: torch.Tensor) -> dict[str, torch.Tensor | None]:
-        """What the loss reads of the model's output: the tempered logits, or the fused op's current tensors."""
+        """What the loss reads of the model's output: the logits (and their scale, 1 / temperature, applied inside
+        the kernels: no tempered copy), or the fused op's current tensors."""
         if not fused_linear:
-            return {"logits": tempered(output_tensor, logits_temperature)}
+            return {"logits": output_tensor, **({"logit_scale": 1.0 / logits_temperature}
+                                                if logits_temperature != 1.0 else {})}
         targets = trained_token_targets(batch["input_ids"], trained_token_mask(batch))
         logprobs, entropy = _linear_logprobs(model, output_tensor, targets, vocab, logits_temperature,
                                              with_entropy=True, **sampling_filter)
@@ -199,8 +201,8 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
     def logprob_func(ids: torch.Tensor, output_tensor: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
         if fused_linear:
             return _linear_logprobs(model, output_tensor, ids, vocab, logits_temperature, top_k=top_k, top_p=top_p)
-        return vocab_parallel_logprobs(tempered(output_tensor, logits_temperature), ids, shard=vocab, shift=True,
-                                       top_k=top_k, top_p=top_p)
+        return vocab_parallel_logprobs(output_tensor, ids, shard=vocab, shift=True, top_k=top_k, top_p=top_p,
+                                       logit_scale=1.0 / logits_temperature)
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
         ids = next(data_iterator)["input_ids"]
@@ -216,11 +218,6 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
     logprobs = torch.cat(outputs) if outputs else torch.empty(input_ids.shape, dtype=torch.float32,
                                                               device=input_ids.device)
     return _from_last_stage(logprobs)
-
-
-def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits / temperature; the logits themselves (no copy) at temperature 1."""
-    return logits if temperature == 1.0 else logits / temperature
 
 
 def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, *, hidden_states: bool = False) -> torch.Tensor:

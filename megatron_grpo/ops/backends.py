@@ -20,32 +20,72 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Kernels(Protocol):
-    """`threshold` (float32 `[rows]`, or None) keeps only the logits `>=` it: the top-k/top-p filter."""
+    """`threshold` (float32 `[rows]`, or None) keeps only the logits `>=` it: the top-k/top-p filter.
+
+    `logit_scale` (> 0, e.g. 1 / temperature): the kernels see `z = logit_scale * logits`; partials, threshold,
+    lse and mean_x are in units of z, and the gradient written is d/d(logits) = logit_scale * d/dz.
+
+    The in-place exp mode: `logprob_partials_writing_exps` also overwrites each valid column of each non-ignored
+    row with `exp(z - m)` (m = the row's local max, the partials' MAX column; filtered logits get 0), and
+    `logprob_backward_from_exps` turns those exps into the gradient in place, with `prob_scale = exp(m - lse)`
+    per row and the target's probability `target_prob = exp(logprob)` per row (exact where a bf16 e is not),
+    without the entropy term.
+    """
 
     def logprob_partials(
         self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, with_entropy: bool,
-        threshold: torch.Tensor | None,
+        threshold: torch.Tensor | None, logit_scale: float = 1.0,
     ) -> torch.Tensor: ...
 
     def logprob_backward(
         self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, lse: torch.Tensor,
         mean_x: torch.Tensor | None, grad_logprob: torch.Tensor, grad_entropy: torch.Tensor | None,
-        grad_logits: torch.Tensor, threshold: torch.Tensor | None,
+        grad_logits: torch.Tensor, threshold: torch.Tensor | None, logit_scale: float = 1.0,
+    ) -> None: ...
+
+    def logprob_partials_writing_exps(
+        self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, with_entropy: bool,
+        threshold: torch.Tensor | None, logit_scale: float = 1.0,
+    ) -> torch.Tensor: ...
+
+    def logprob_backward_from_exps(
+        self, exps: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, prob_scale: torch.Tensor,
+        target_prob: torch.Tensor, grad_logprob: torch.Tensor, logit_scale: float = 1.0,
     ) -> None: ...
 
 
 class FusedKernels:
-    """The C++/CUDA kernels, through `torch.ops.megatron_grpo`."""
+    """The C++/CUDA kernels, through `torch.ops.megatron_grpo` (the in-place exp mode is CPU-only)."""
 
-    def logprob_partials(self, logits, targets, vocab_start, valid_cols, with_entropy, threshold):
+    def logprob_partials(self, logits, targets, vocab_start, valid_cols, with_entropy, threshold, logit_scale=1.0):
         return torch.ops.megatron_grpo.logprob_partials(logits, targets, vocab_start, valid_cols, with_entropy,
-                                                        threshold)
+                                                        threshold, float(logit_scale))
 
     def logprob_backward(self, logits, targets, vocab_start, valid_cols, lse, mean_x, grad_logprob, grad_entropy,
-                         grad_logits, threshold):
+                         grad_logits, threshold, logit_scale=1.0):
         torch.ops.megatron_grpo.logprob_backward(
             logits, targets, vocab_start, valid_cols, lse, mean_x, grad_logprob, grad_entropy, grad_logits,
-            threshold,
+            threshold, float(logit_scale),
+        )
+
+    def logprob_partials_writing_exps(self, logits, targets, vocab_start, valid_cols, with_entropy, threshold,
+                                      logit_scale=1.0):
+        _require_cpu_for_exp_mode(logits)
+        return torch.ops.megatron_grpo.logprob_partials_writing_exps(
+            logits, targets, vocab_start, valid_cols, with_entropy, threshold, float(logit_scale))
+
+    def logprob_backward_from_exps(self, exps, targets, vocab_start, valid_cols, prob_scale, target_prob,
+                                   grad_logprob, logit_scale=1.0):
+        _require_cpu_for_exp_mode(exps)
+        torch.ops.megatron_grpo.logprob_backward_from_exps(exps, targets, vocab_start, valid_cols, prob_scale,
+                                                           target_prob, grad_logprob, float(logit_scale))
+
+
+def _require_cpu_for_exp_mode(logits: torch.Tensor) -> None:
+    if logits.device.type != "cpu":
+        raise NotImplementedError(
+            f"inplace_backward='exp' has fused kernels for CPU only, not {logits.device.type}; "
+            "use inplace_backward=True (or implementation='reference')"
         )
 
 
@@ -54,6 +94,8 @@ class ReferenceKernels:
 
     logprob_partials = staticmethod(reference.logprob_partials)
     logprob_backward = staticmethod(reference.logprob_backward)
+    logprob_partials_writing_exps = staticmethod(reference.logprob_partials_writing_exps)
+    logprob_backward_from_exps = staticmethod(reference.logprob_backward_from_exps)
 
 
 @functools.cache
@@ -63,6 +105,8 @@ def extension_status() -> tuple[bool, str]:
         from megatron_grpo import _C  # noqa: F401  (loading registers torch.ops.megatron_grpo)
     except ImportError as err:
         return False, f"megatron_grpo._C could not be imported ({err}); build it with `pip install -e .`"
+    if torch.ops.megatron_grpo.cpu_kernel_isa() == "avx512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        torch.ops.megatron_grpo.set_cpu_kernel_isa("avx2")  # follow torch where it declines AVX-512
     return True, "loaded"
 
 
@@ -74,6 +118,26 @@ def cpu_kernel_status() -> tuple[bool, str]:
     if capability not in ("AVX2", "AVX512"):
         return False, f"this CPU lacks AVX2 (torch reports {capability!r}); the CPU kernels are built for x86-64-v3"
     return True, capability
+
+
+def cpu_kernel_isa() -> str | None:
+    """The instruction set the fused CPU kernels run with: "avx512", "avx2" or "portable"; None without `_C`.
+
+    Chosen once per process like torch's own kernels: ATEN_CPU_CAPABILITY=avx2 (read at start) forces AVX2.
+    """
+    if not extension_status()[0]:
+        return None
+    return str(torch.ops.megatron_grpo.cpu_kernel_isa())
+
+
+def set_cpu_kernel_isa(isa: Literal["avx512", "avx2", "auto"]) -> str:
+    """Forces the fused CPU kernels of one instruction set ("auto": torch's choice); returns the one in use.
+
+    Raises RuntimeError when that build is missing or this CPU cannot run it.
+    """
+    if not extension_status()[0]:
+        raise RuntimeError(extension_status()[1])
+    return str(torch.ops.megatron_grpo.set_cpu_kernel_isa(isa))
 
 
 def fused_supports(device: torch.device) -> bool:

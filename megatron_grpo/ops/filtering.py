@@ -61,20 +61,30 @@ def kept_threshold(
     *,
     true_vocab_size: int,
     group: dist.ProcessGroup | None = None,
+    logit_scale: float = 1.0,
 ) -> torch.Tensor | None:
-    """Per-row threshold `[rows]` such that the kept tokens are exactly `logit >= threshold`; None = keep all.
+    """Per-row threshold `[rows]` such that the kept tokens are exactly `z >= threshold`; None = keep all.
 
-    `valid_logits` is `[rows, valid_cols]`: this rank's real (unpadded) vocab columns. Every rank of `group`
-    must call this with the same rows and filter. The threshold has the logits' compute dtype (float64 for
-    float64 logits, else float32); comparing it with the logits converted to that dtype is exact.
+    `valid_logits` is `[rows, valid_cols]`: this rank's real (unpadded) vocab columns. The filter selects on the
+    distribution of z = logit_scale * logits (1 / temperature: top-p depends on it), z rounded in the compute
+    dtype as the kernels round it. Every rank of `group` must call this with the same rows, filter and scale.
+    The threshold has the logits' compute dtype (float64 for float64 logits, else float32); comparing it with z
+    in that dtype is exact.
     """
     if not sampling.active(true_vocab_size):
         return None
-    x = valid_logits  # converted to the compute dtype chunk by chunk: no full-size copy of bf16 logits
-    floor = _top_k_threshold(x, sampling.top_k, group) if sampling.uses_top_k(true_vocab_size) else None
+    x = valid_logits  # converted (and scaled) chunk by chunk: no full-size copy of the logits
+    floor = (_top_k_threshold(x, sampling.top_k, group, logit_scale) if sampling.uses_top_k(true_vocab_size)
+             else None)
     if sampling.uses_top_p():
-        return _top_p_threshold(x, float(sampling.top_p), floor, group).contiguous()
+        return _top_p_threshold(x, float(sampling.top_p), floor, group, logit_scale).contiguous()
     return floor.contiguous()
+
+
+def _scaled(x: torch.Tensor, logit_scale: float) -> torch.Tensor:
+    """z = logit_scale * x in the compute dtype; rounding is monotone, so the order of x is kept."""
+    x = x.to(_compute_dtype(x))
+    return x if logit_scale == 1.0 else x * logit_scale
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -92,13 +102,14 @@ def _world(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _top_k_threshold(x: torch.Tensor, k: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The k-th largest logit of each row across all ranks: one all-gather of `[rows, k]`."""
+def _top_k_threshold(x: torch.Tensor, k: int, group: dist.ProcessGroup | None, logit_scale: float) -> torch.Tensor:
+    """The k-th largest z of each row across all ranks: one all-gather of `[rows, k]`."""
     rows, local = x.shape
     values = torch.full((rows, k), float("-inf"), dtype=_compute_dtype(x), device=x.device)
     local_k = min(k, local)
     if local_k > 0:
-        values[:, :local_k] = x.topk(local_k, dim=-1).values  # exact in the compute dtype
+        # Scaling after the selection: z = fl(s * x) is monotone in x, so the k largest z are those of x.
+        values[:, :local_k] = _scaled(x.topk(local_k, dim=-1).values, logit_scale)
     world = _world(group)
     if world > 1:
         gathered = torch.empty((world * rows, k), dtype=values.dtype, device=x.device)
@@ -136,7 +147,7 @@ def _value_of_unsigned_key(keys: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _bucket_masses(x: torch.Tensor, shift: torch.Tensor, floor: torch.Tensor | None, prefix: torch.Tensor,
-                   low_bit: int, width: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+                   low_bit: int, width: int, group: dist.ProcessGroup | None, logit_scale: float) -> torch.Tensor:
     """float64 `[rows, 256]`: over all ranks, the kept mass `sum exp(x - shift)` of the logits whose key starts
     with the row's `prefix` (the bits above `low_bit + 8`), by the key's next 8 bits."""
     rows = x.shape[0]
@@ -144,7 +155,7 @@ def _bucket_masses(x: torch.Tensor, shift: torch.Tensor, floor: torch.Tensor | N
     prefix_bit = low_bit + BUCKET_BITS
     for start in range(0, rows, ROWS_PER_CHUNK):
         sl = slice(start, start + ROWS_PER_CHUNK)
-        chunk = x[sl].to(_compute_dtype(x))
+        chunk = _scaled(x[sl], logit_scale)
         keys = _unsigned_keys(chunk)
         mass = torch.exp(chunk - shift[sl, None].to(chunk.dtype)).to(torch.float64)  # NaN rows: see the caller
         dropped = None
@@ -160,7 +171,7 @@ def _bucket_masses(x: torch.Tensor, shift: torch.Tensor, floor: torch.Tensor | N
 
 
 def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None,
-                     group: dist.ProcessGroup | None) -> torch.Tensor:
+                     group: dist.ProcessGroup | None, logit_scale: float) -> torch.Tensor:
     """The smallest logit v of each row whose strictly larger kept logits hold a mass `< p` of the kept mass.
 
     mass(v) = the kept mass of the logits `> v` is non-increasing in v, so v is found by a radix select over
@@ -170,15 +181,15 @@ def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None,
     is one bit pattern: a logit of the row.
     """
     rows, dtype = x.shape[0], _compute_dtype(x)
-    local_max = x.amax(dim=-1).to(dtype) if x.shape[1] else torch.full((rows,), float("-inf"), dtype=dtype,
-                                                                       device=x.device)
+    local_max = (_scaled(x.amax(dim=-1), logit_scale) if x.shape[1]
+                 else torch.full((rows,), float("-inf"), dtype=dtype, device=x.device))
     row_max = _all_reduce(local_max, dist.ReduceOp.MAX, group)
     shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     width = 64 if dtype == torch.float64 else 32
     prefix = torch.zeros(rows, dtype=torch.int64, device=x.device)
     target = None
     for low_bit in range(width - BUCKET_BITS, -1, -BUCKET_BITS):
-        masses = _bucket_masses(x, shift, floor, prefix, low_bit, width, group)
+        masses = _bucket_masses(x, shift, floor, prefix, low_bit, width, group, logit_scale)
         if target is None:
             target = p * masses.sum(dim=-1)  # p of the whole kept mass
         at_or_above = masses.flip(-1).cumsum(-1).flip(-1)  # mass of the buckets >= b

@@ -2,6 +2,9 @@
 
 Used when `megatron_grpo._C` cannot be loaded, for float64 logits, and as the anchor of the kernel tests. Rows
 are processed in chunks so the fp32 temporaries stay bounded whatever the number of tokens.
+
+`logit_scale` (> 0): the kernels see z = logit_scale * logits (rounded in the compute dtype, as the fused
+kernels do); the threshold, lse and mean_x are in units of z, and the gradient is logit_scale * d/dz.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ def _local_target_column(targets: torch.Tensor, vocab_start: int, valid_cols: in
     return col.clamp(0, max(valid_cols - 1, 0)), owned
 
 
+def _scaled(x: torch.Tensor, logit_scale: float) -> torch.Tensor:
+    """z = logit_scale * x (x itself at scale 1)."""
+    return x if logit_scale == 1.0 else x * logit_scale
+
+
 def _filtered(x: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
     """x with the logits below the row's threshold set to -inf (NaN stays NaN, so it still poisons its row)."""
     if threshold is None:
@@ -33,9 +41,9 @@ def _filtered(x: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
 
 def logprob_partials(
     logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, with_entropy: bool,
-    threshold: torch.Tensor | None = None,
+    threshold: torch.Tensor | None = None, logit_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Stacked partials [rows, k]: max m, sum exp(x - m), target logit, (sum exp(x - m) * (x - m)). See `Partials`.
+    """Stacked partials [rows, k]: max m, sum exp(z - m), target logit, (sum exp(z - m) * (z - m)). See `Partials`.
 
     With a per-row `threshold` ([rows]), only logits `>=` it take part; a target below it has logit -inf.
     """
@@ -45,17 +53,17 @@ def logprob_partials(
     for start in range(0, rows, ROWS_PER_CHUNK):
         sl = slice(start, start + ROWS_PER_CHUNK)
         out[sl] = _chunk_partials(logits[sl], targets[sl], vocab_start, valid_cols, with_entropy, dtype,
-                                  None if threshold is None else threshold[sl])
+                                  None if threshold is None else threshold[sl], logit_scale)
     return out
 
 
 def _chunk_partials(
     logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, with_entropy: bool,
-    dtype: torch.dtype, threshold: torch.Tensor | None,
+    dtype: torch.dtype, threshold: torch.Tensor | None, logit_scale: float,
 ) -> torch.Tensor:
     rows = logits.shape[0]
     out = torch.empty(rows, Partials.width(with_entropy), dtype=dtype, device=logits.device)
-    x = _filtered(logits[:, :valid_cols].to(dtype), threshold)
+    x = _filtered(_scaled(logits[:, :valid_cols].to(dtype), logit_scale), threshold)
     if valid_cols == 0:
         out[:, Partials.MAX] = float("-inf")
         out[:, Partials.SUM_EXP] = 0.0
@@ -92,8 +100,10 @@ def logprob_backward(
     grad_entropy: torch.Tensor | None,
     grad_logits: torch.Tensor,
     threshold: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
 ) -> None:
-    """Writes dx = g_lp * (1[v = y] - p) + g_H * p * (E[x] - x) into grad_logits (which may alias logits).
+    """Writes dx = s * (g_lp * (1[v = y] - p) + g_H * p * (E[z] - z)), z = s * x, into grad_logits (which may
+    alias logits), s = logit_scale.
 
     With a per-row `threshold`, logits below it (the target included) get exactly 0.
     """
@@ -103,7 +113,7 @@ def logprob_backward(
             logits[sl], targets[sl], vocab_start, valid_cols, lse[sl],
             None if mean_x is None else mean_x[sl], grad_logprob[sl],
             None if grad_entropy is None else grad_entropy[sl],
-            None if threshold is None else threshold[sl],
+            None if threshold is None else threshold[sl], logit_scale,
         )
         grad_logits[sl] = grad.to(grad_logits.dtype)
 
@@ -111,17 +121,17 @@ def logprob_backward(
 def _chunk_backward(
     logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, lse: torch.Tensor,
     mean_x: torch.Tensor | None, grad_logprob: torch.Tensor, grad_entropy: torch.Tensor | None,
-    threshold: torch.Tensor | None,
+    threshold: torch.Tensor | None, logit_scale: float,
 ) -> torch.Tensor:
     dtype = _compute_dtype(logits)
     grad = torch.zeros(logits.shape, dtype=dtype, device=logits.device)
-    x = logits[:, :valid_cols].to(dtype)
+    x = _scaled(logits[:, :valid_cols].to(dtype), logit_scale)
     kept = None if threshold is None else ~(x < threshold.to(dtype)[:, None])
     p = torch.exp(x - lse[:, None].to(dtype))
-    g_lp = grad_logprob.to(dtype)[:, None]
+    g_lp = grad_logprob.to(dtype)[:, None] * logit_scale
     valid = -g_lp * p
     if grad_entropy is not None:
-        entropy_term = grad_entropy.to(dtype)[:, None] * p * (mean_x.to(dtype)[:, None] - x)
+        entropy_term = grad_entropy.to(dtype)[:, None] * logit_scale * p * (mean_x.to(dtype)[:, None] - x)
         valid = valid + torch.where(p == 0, torch.zeros_like(p), entropy_term)
     col, owned = _local_target_column(targets, vocab_start, valid_cols)
     if valid_cols:
@@ -131,3 +141,48 @@ def _chunk_backward(
     grad[:, :valid_cols] = valid
     grad[targets < 0] = 0.0
     return grad
+
+
+def logprob_partials_writing_exps(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, with_entropy: bool,
+    threshold: torch.Tensor | None = None, logit_scale: float = 1.0,
+) -> torch.Tensor:
+    """`logprob_partials`, and e = exp(z - m) (m = the row's MAX partial; 0 where filtered) written over the
+    valid columns of the non-ignored rows: the in-place exp mode's forward."""
+    partials = logprob_partials(logits, targets, vocab_start, valid_cols, with_entropy, threshold, logit_scale)
+    dtype = _compute_dtype(logits)
+    for start in range(0, logits.shape[0], ROWS_PER_CHUNK):
+        sl = slice(start, start + ROWS_PER_CHUNK)
+        rows = (targets[sl] >= 0).nonzero().squeeze(1) + start
+        if rows.numel() == 0 or valid_cols == 0:
+            continue
+        z = _filtered(_scaled(logits[rows, :valid_cols].to(dtype), logit_scale),
+                      None if threshold is None else threshold[rows])
+        m = partials[rows, Partials.MAX]
+        shift = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+        logits[rows, :valid_cols] = torch.exp(z - shift[:, None]).to(logits.dtype)
+    return partials
+
+
+def logprob_backward_from_exps(
+    exps: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, prob_scale: torch.Tensor,
+    target_prob: torch.Tensor, grad_logprob: torch.Tensor, logit_scale: float = 1.0,
+) -> None:
+    """Overwrites the exps of `logprob_partials_writing_exps` with dx = s * g_lp * (1[v = y] - p), p = e *
+    prob_scale except at the target, where p = target_prob; padding columns and ignored rows get 0. No entropy
+    term."""
+    dtype = _compute_dtype(exps)
+    for start in range(0, exps.shape[0], ROWS_PER_CHUNK):
+        sl = slice(start, start + ROWS_PER_CHUNK)
+        grad = torch.zeros(exps[sl].shape, dtype=dtype, device=exps.device)
+        p = exps[sl, :valid_cols].to(dtype) * prob_scale[sl].to(dtype)[:, None]
+        g = grad_logprob[sl].to(dtype) * logit_scale
+        valid = -g[:, None] * p
+        col, owned = _local_target_column(targets[sl], vocab_start, valid_cols)
+        if valid_cols:
+            kept = valid.gather(1, col[:, None]).squeeze(1)
+            target_grad = torch.where(owned, g * (1 - target_prob[sl].to(dtype)), kept)
+            valid.scatter_(1, col[:, None], target_grad[:, None])
+        grad[:, :valid_cols] = valid
+        grad[targets[sl] < 0] = 0.0
+        exps[sl] = grad.to(exps.dtype)

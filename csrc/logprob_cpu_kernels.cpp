@@ -1,0 +1,453 @@
+// CPU kernels of the vocab-parallel logprob op: OpenMP over rows (at::parallel_for), at::vec inside a row.
+//
+// Compiled once per instruction set (setup.py), with CPU_CAPABILITY naming both at::vec's implementation and
+// this file's namespace, so the builds never share a symbol; logprob_cpu.cpp picks one at run time.
+//
+// Forward is one pass over each row. The row is read in L1-sized tiles: the tile max updates the running max
+// once, then the tile (now in L1) is exponentiated, so each element costs one exp instead of the two of a
+// per-element online softmax. Per-lane partials merge with the shared `merge` at the end of the row.
+// Backward recomputes p = exp(z - lse), reads each element once and writes it once, in place if asked.
+//
+// logit_scale: the kernels see z = scale * x. kScaled specialises on scale != 1, so that scale 1 costs nothing.
+//
+// Exponentials of the per-element work use at::vec's exp_u20 (a degree-5 polynomial, about 20 ulp, ~2.4e-6
+// relative; Sleef's 1-ulp exp took up to a third more time per element here). It maps NaN to a finite number,
+// so NaN and +inf rows are flagged apart (forward: `poisoned`; backward: rows with a non-finite lse take the
+// exact exp) and still come out NaN. Rescaling the running sums keeps the exact exp.
+//
+// The in-place exp mode (logprob_partials_writing_exps / logprob_backward_from_exps): forward takes the row max
+// first, then writes e = exp(z - m) over the logits while it sums them; backward then needs no exponential.
+// A portable (non-x86) build is ATen's DEFAULT capability; setup.py names the x86 ones.
+#ifndef CPU_CAPABILITY
+#define CPU_CAPABILITY DEFAULT
+#endif
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+
+#include "logprob_common.h"
+#include "logprob_cpu.h"
+
+namespace megatron_grpo {
+namespace cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kStep = 2 * Vec::size();  // elements per step: two float vectors, or one reduced-precision one
+constexpr int64_t kTile = 16 * kStep;       // elements per running-max update (1-2 KiB, stays in L1)
+constexpr int64_t kMinElementsPerTask = 1 << 15;
+
+template <typename T>
+inline void load_step(const T* p, Vec& lo, Vec& hi) {
+  if constexpr (std::is_same_v<T, float>) {
+    lo = Vec::loadu(p);
+    hi = Vec::loadu(p + Vec::size());
+  } else {
+    std::tie(lo, hi) = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p));
+  }
+}
+
+// One step of z = scale * x (a plain load without kScaled).
+template <typename T, bool kScaled>
+inline void load_scaled_step(const T* p, Vec& lo, Vec& hi, const Vec& scale) {
+  load_step(p, lo, hi);
+  if constexpr (kScaled) {
+    lo = lo * scale;
+    hi = hi * scale;
+  }
+}
+
+// One logit as the kernels see it: z = scale * x.
+template <bool kScaled, typename T>
+inline float scaled(T x, float scale) {
+  return kScaled ? static_cast<float>(x) * scale : static_cast<float>(x);
+}
+
+template <typename T>
+inline void store_step(T* p, const Vec& lo, const Vec& hi) {
+  if constexpr (std::is_same_v<T, float>) {
+    lo.store(p);
+    hi.store(p + Vec::size());
+  } else {
+    at::vec::convert_from_float<T>(lo, hi).store(p);
+  }
+}
+
+// Adds exp(z) to d and exp(z) * z to s, for z = x - shift; a -inf logit (exp = 0) adds 0 to s, not NaN.
+// Returns exp(z).
+inline Vec accumulate_step(const Vec& x, const Vec& shift, bool with_entropy, Vec& d, Vec& s) {
+  const Vec z = x - shift;
+  const Vec e = z.exp_u20();  // only finite rows matter: a NaN or +inf row is flagged by the caller
+  d = d + e;
+  if (with_entropy) {
+    const Vec zero(0.0f);
+    s = s + Vec::blendv(e * z, zero, e == zero);
+  }
+  return e;
+}
+
+// Sets the logits below the row's threshold to -inf (a NaN compares false and stays NaN, as kept_logit).
+template <bool kFiltered>
+inline void filter_step(Vec& lo, Vec& hi, const Vec& threshold, const Vec& neg_inf_vec) {
+  if constexpr (kFiltered) {
+    lo = Vec::blendv(lo, neg_inf_vec, lo < threshold);
+    hi = Vec::blendv(hi, neg_inf_vec, hi < threshold);
+  }
+}
+
+// One step of the row as the (filtered, scaled) distribution sees it.
+template <typename T, bool kFiltered, bool kScaled>
+inline void visible_step(const T* p, Vec& lo, Vec& hi, const Vec& scale, const Vec& threshold, const Vec& neg_inf_vec) {
+  load_scaled_step<T, kScaled>(p, lo, hi, scale);
+  filter_step<kFiltered>(lo, hi, threshold, neg_inf_vec);
+}
+
+template <bool kFiltered, bool kScaled, typename T>
+inline float visible_logit(T x, float scale, float threshold) {
+  const float z = scaled<kScaled>(x, scale);
+  return kFiltered ? filtered_logit(z, threshold) : z;
+}
+
+// Online-softmax partials of one row's valid columns (see SoftmaxPartials: the moment is relative to the max).
+// kFiltered: only the logits >= threshold take part (top-k/top-p); the others count as -inf.
+template <typename T, bool kFiltered, bool kScaled>
+SoftmaxPartials row_partials(const T* x, int64_t n, bool with_entropy, float threshold, float scale) {
+  const Vec neg_inf_vec(neg_inf());
+  const Vec zero(0.0f);
+  const Vec threshold_vec(threshold);
+  const Vec scale_vec(scale);
+  Vec m = neg_inf_vec, d = zero, s = zero;
+  int64_t i = 0;
+  for (; i + kTile <= n; i += kTile) {
+    Vec tile_max = neg_inf_vec;
+    for (int64_t j = 0; j < kTile; j += kStep) {
+      Vec lo, hi;
+      visible_step<T, kFiltered, kScaled>(x + i + j, lo, hi, scale_vec, threshold_vec, neg_inf_vec);
+      tile_max = at::vec::maximum(tile_max, at::vec::maximum(lo, hi));  // NaN-propagating
+    }
+    // Lane-wise rescale_to(new_m), as in logprob_common.h.
+    const Vec new_m = at::vec::maximum(m, tile_max);
+    const Vec shift = Vec::blendv(new_m, zero, new_m == neg_inf_vec);
+    const Vec r = (m - shift).exp();
+    const Vec moved = Vec::blendv((m - shift) * d, zero, d == zero);
+    s = (s + moved) * r;
+    d = d * r;
+    m = new_m;
+    // Summing the tile apart before adding it keeps the fp32 rounding error of long rows small.
+    Vec tile_d = zero, tile_s = zero;
+    for (int64_t j = 0; j < kTile; j += kStep) {
+      Vec lo, hi;
+      visible_step<T, kFiltered, kScaled>(x + i + j, lo, hi, scale_vec, threshold_vec, neg_inf_vec);
+      accumulate_step(lo, shift, with_entropy, tile_d, tile_s);
+      accumulate_step(hi, shift, with_entropy, tile_d, tile_s);
+    }
+    d = d + tile_d;
+    s = s + tile_s;
+  }
+  float lane_m[Vec::size()], lane_d[Vec::size()], lane_s[Vec::size()];
+  m.store(lane_m);
+  d.store(lane_d);
+  s.store(lane_s);
+  // The lane maxima are NaN-propagating, so they flag a NaN or +inf anywhere in the tiles.
+  bool poisoned = false;
+  SoftmaxPartials row = empty_partials();
+  for (int64_t lane = 0; lane < Vec::size(); ++lane) {
+    poisoned |= poisons_row(lane_m[lane]);
+    row = merge(row, {lane_m[lane], lane_d[lane], lane_s[lane]});
+  }
+  for (; i < n; ++i) {
+    const float xi = visible_logit<kFiltered, kScaled>(x[i], scale, threshold);
+    poisoned |= poisons_row(xi);
+    row = accumulate(row, xi);
+  }
+  if (!with_entropy) row.sum_exp_x = 0.0f;
+  // NaN or +inf anywhere in the row: the whole row is NaN, whatever the exp approximation did with it.
+  if (poisoned) row.sum_exp = NAN;
+  return row;
+}
+
+// The in-place exp mode's forward of one row: the row max first, then e = exp(z - m) is written over the
+// logits while it is summed. Two reads of the row (the second from cache for rows of a few hundred KiB).
+template <typename T, bool kFiltered, bool kScaled>
+SoftmaxPartials row_partials_writing_exps(T* x, int64_t n, bool with_entropy, float threshold, float scale) {
+  const Vec neg_inf_vec(neg_inf());
+  const Vec zero(0.0f);
+  const Vec threshold_vec(threshold);
+  const Vec scale_vec(scale);
+  Vec m = neg_inf_vec;
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep) {
+    Vec lo, hi;
+    visible_step<T, kFiltered, kScaled>(x + i, lo, hi, scale_vec, threshold_vec, neg_inf_vec);
+    m = at::vec::maximum(m, at::vec::maximum(lo, hi));  // NaN-propagating
+  }
+  float lane_m[Vec::size()];
+  m.store(lane_m);
+  bool poisoned = false;
+  float row_max = neg_inf();
+  for (int64_t lane = 0; lane < Vec::size(); ++lane) {
+    poisoned |= poisons_row(lane_m[lane]);
+    row_max = std::max(row_max, lane_m[lane]);
+  }
+  for (int64_t j = i; j < n; ++j) {
+    const float xj = visible_logit<kFiltered, kScaled>(x[j], scale, threshold);
+    poisoned |= poisons_row(xj);
+    row_max = std::max(row_max, xj);
+  }
+  if (poisoned) row_max = NAN;  // e and the sums come out NaN, as the row's logprob
+  const float shift = safe_shift(row_max);
+  const Vec shift_vec(shift);
+  Vec d = zero, s = zero;
+  i = 0;
+  for (; i + kStep <= n; i += kStep) {
+    Vec lo, hi;
+    visible_step<T, kFiltered, kScaled>(x + i, lo, hi, scale_vec, threshold_vec, neg_inf_vec);
+    const Vec e_lo = accumulate_step(lo, shift_vec, with_entropy, d, s);
+    const Vec e_hi = accumulate_step(hi, shift_vec, with_entropy, d, s);
+    store_step(x + i, e_lo, e_hi);
+  }
+  SoftmaxPartials row{row_max, at::vec::vec_reduce_all<float>(std::plus<Vec>(), d),
+                      with_entropy ? at::vec::vec_reduce_all<float>(std::plus<Vec>(), s) : 0.0f};
+  for (; i < n; ++i) {
+    const float z = visible_logit<kFiltered, kScaled>(x[i], scale, threshold) - shift;
+    const float e = expf(z);
+    row.sum_exp += e;
+    if (with_entropy) row.sum_exp_x += weighted_logit(e, z);
+    x[i] = static_cast<T>(e);
+  }
+  if (!with_entropy) row.sum_exp_x = 0.0f;
+  if (poisoned) row.sum_exp = NAN;
+  return row;
+}
+
+template <typename T, bool kFiltered, bool kScaled, bool kWriteExps>
+void partials_kernel(T* logits, int64_t rows, int64_t row_stride, const int64_t* targets, int64_t vocab_start,
+                     int64_t valid_cols, bool with_entropy, const float* thresholds, float scale, float* partials) {
+  const int k = num_partials(with_entropy);
+  const int64_t grain = std::max<int64_t>(1, kMinElementsPerTask / std::max<int64_t>(valid_cols, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* out = partials + r * k;
+      T* x = logits + r * row_stride;
+      const int64_t target_col = local_target_column(targets[r], vocab_start, valid_cols);
+      const float threshold = kFiltered ? thresholds[r] : neg_inf();
+      // Read before the row is overwritten (exp mode).
+      const float target_logit =
+          target_col >= 0 ? visible_logit<kFiltered, kScaled>(x[target_col], scale, threshold) : neg_inf();
+      SoftmaxPartials row;
+      if (targets[r] < 0) {
+        row = {0.0f, 1.0f, 0.0f};  // ignored row: finite placeholders, masked out after the combine
+      } else if constexpr (kWriteExps) {
+        row = row_partials_writing_exps<T, kFiltered, kScaled>(x, valid_cols, with_entropy, threshold, scale);
+      } else {
+        row = row_partials<T, kFiltered, kScaled>(x, valid_cols, with_entropy, threshold, scale);
+      }
+      out[kColMax] = row.max;
+      out[kColSumExp] = row.sum_exp;
+      out[kColTarget] = target_logit;
+      if (with_entropy) out[kColSumExpX] = row.sum_exp_x;
+    }
+  });
+}
+
+// kFiltered: logits below `threshold` (the target included) get exactly 0; the caller passes target_col = -1
+// for a filtered target. g_lp and g_h already carry the logit scale (d/dx = scale * d/dz).
+// kFastExp: exp_u20, for rows with a finite lse; the others take the exact exp, which keeps NaN NaN.
+template <typename T, bool kFiltered, bool kScaled, bool kFastExp>
+void row_backward(const T* x, T* grad, int64_t cols, int64_t valid_cols, int64_t target_col, float lse,
+                  float mean_x, float g_lp, float g_h, bool with_entropy, float threshold, float scale) {
+  // Read before any write: grad may alias x.
+  const float z_target = target_col >= 0 ? scaled<kScaled>(x[target_col], scale) : 0.0f;
+  const Vec vlse(lse), vmean(mean_x), vg_lp(g_lp), vg_h(g_h), zero(0.0f), vthreshold(threshold), vscale(scale);
+  int64_t i = 0;
+  for (; i + kStep <= valid_cols; i += kStep) {
+    Vec lo, hi;
+    load_scaled_step<T, kScaled>(x + i, lo, hi, vscale);
+    Vec out[2] = {lo, hi};
+    for (Vec& v : out) {
+      Vec p;
+      if constexpr (kFastExp) {
+        p = (v - vlse).exp_u20();
+      } else {
+        p = (v - vlse).exp();
+      }
+      Vec dx = zero - vg_lp * p;
+      if (with_entropy) dx = dx + Vec::blendv(vg_h * p * (vmean - v), zero, p == zero);
+      if constexpr (kFiltered) dx = Vec::blendv(dx, zero, v < vthreshold);
+      v = dx;
+    }
+    store_step(grad + i, out[0], out[1]);
+  }
+  for (; i < valid_cols; ++i) {
+    const float zi = scaled<kScaled>(x[i], scale);
+    grad[i] = kFiltered && !kept_logit(zi, threshold) ? static_cast<T>(0.0f)
+                                                      : static_cast<T>(logit_grad(zi, false, lse, mean_x, g_lp, g_h));
+  }
+  std::fill(grad + valid_cols, grad + cols, static_cast<T>(0.0f));
+  if (target_col >= 0) {
+    grad[target_col] = static_cast<T>(logit_grad(z_target, true, lse, mean_x, g_lp, g_h));
+  }
+}
+
+template <typename T, bool kFiltered, bool kScaled>
+void backward_kernel(const T* logits, int64_t rows, int64_t cols, int64_t row_stride, const int64_t* targets,
+                     int64_t vocab_start, int64_t valid_cols, const float* lse, const float* mean_x,
+                     const float* grad_logprob, const float* grad_entropy, const float* thresholds, float scale,
+                     T* grad_logits, int64_t grad_row_stride) {
+  const bool with_entropy = grad_entropy != nullptr;
+  const int64_t grain = std::max<int64_t>(1, kMinElementsPerTask / std::max<int64_t>(cols, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* grad = grad_logits + r * grad_row_stride;
+      if (targets[r] < 0) {
+        std::fill(grad, grad + cols, static_cast<T>(0.0f));
+        continue;
+      }
+      const T* x = logits + r * row_stride;
+      const float threshold = kFiltered ? thresholds[r] : neg_inf();
+      int64_t target_col = local_target_column(targets[r], vocab_start, valid_cols);
+      if (kFiltered && target_col >= 0 && !kept_logit(scaled<kScaled>(x[target_col], scale), threshold)) {
+        target_col = -1;  // a filtered target has logprob -inf and no gradient
+      }
+      const float g_lp = kScaled ? scale * grad_logprob[r] : grad_logprob[r];
+      const float g_h = with_entropy ? (kScaled ? scale * grad_entropy[r] : grad_entropy[r]) : 0.0f;
+      const float mean = with_entropy ? mean_x[r] : 0.0f;
+      if (std::isfinite(lse[r])) {
+        row_backward<T, kFiltered, kScaled, true>(x, grad, cols, valid_cols, target_col, lse[r], mean, g_lp, g_h,
+                                                  with_entropy, threshold, scale);
+      } else {
+        row_backward<T, kFiltered, kScaled, false>(x, grad, cols, valid_cols, target_col, lse[r], mean, g_lp, g_h,
+                                                   with_entropy, threshold, scale);
+      }
+    }
+  });
+}
+
+// dx = g * (1[v == y] - e * c) over the valid columns, 0 over the padding; e is overwritten. g carries the scale.
+// The target's p is p_target (see logprob_backward_from_exps).
+template <typename T>
+void row_backward_from_exps(T* e, int64_t cols, int64_t valid_cols, int64_t target_col, float c, float p_target,
+                            float g) {
+  const Vec vc(c), vminus_g(-g);
+  int64_t i = 0;
+  for (; i + kStep <= valid_cols; i += kStep) {
+    Vec lo, hi;
+    load_step(e + i, lo, hi);
+    store_step(e + i, vminus_g * (lo * vc), vminus_g * (hi * vc));
+  }
+  for (; i < valid_cols; ++i) e[i] = static_cast<T>(-g * (static_cast<float>(e[i]) * c));
+  std::fill(e + valid_cols, e + cols, static_cast<T>(0.0f));
+  if (target_col >= 0) e[target_col] = static_cast<T>(g * (1.0f - p_target));
+}
+
+template <typename T>
+void backward_from_exps_kernel(T* exps, int64_t rows, int64_t cols, int64_t row_stride, const int64_t* targets,
+                               int64_t vocab_start, int64_t valid_cols, const float* prob_scale,
+                               const float* target_prob, const float* grad_logprob, float scale) {
+  const int64_t grain = std::max<int64_t>(1, kMinElementsPerTask / std::max<int64_t>(cols, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* e = exps + r * row_stride;
+      if (targets[r] < 0) {
+        std::fill(e, e + cols, static_cast<T>(0.0f));
+        continue;
+      }
+      row_backward_from_exps(e, cols, valid_cols, local_target_column(targets[r], vocab_start, valid_cols),
+                             prob_scale[r], target_prob[r], scale * grad_logprob[r]);
+    }
+  });
+}
+
+template <typename F>
+void dispatch_dtype(LogitsDType dtype, F&& f) {
+  switch (dtype) {
+    case LogitsDType::kFloat32: f(float{}); break;
+    case LogitsDType::kBFloat16: f(c10::BFloat16{}); break;
+    case LogitsDType::kFloat16: f(c10::Half{}); break;
+  }
+}
+
+// Calls f(std::integral_constant<bool, filtered>, std::integral_constant<bool, scale != 1>).
+template <typename F>
+void dispatch_flags(const float* thresholds, float scale, F&& f) {
+  using True = std::true_type;
+  using False = std::false_type;
+  const bool is_scaled = scale != 1.0f;
+  if (thresholds != nullptr) {
+    is_scaled ? f(True{}, True{}) : f(True{}, False{});
+  } else {
+    is_scaled ? f(False{}, True{}) : f(False{}, False{});
+  }
+}
+
+template <bool kWriteExps>
+void partials_dispatch(void* logits, LogitsDType dtype, int64_t rows, int64_t row_stride, const int64_t* targets,
+                       int64_t vocab_start, int64_t valid_cols, bool with_entropy, const float* thresholds,
+                       float logit_scale, float* partials) {
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_flags(thresholds, logit_scale, [&](auto filtered, auto is_scaled) {
+      partials_kernel<T, decltype(filtered)::value, decltype(is_scaled)::value, kWriteExps>(
+          static_cast<T*>(logits), rows, row_stride, targets, vocab_start, valid_cols, with_entropy, thresholds,
+          logit_scale, partials);
+    });
+  });
+}
+
+}  // namespace
+
+void logprob_partials(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                      const int64_t* targets, int64_t vocab_start, int64_t valid_cols, bool with_entropy,
+                      const float* thresholds, float logit_scale, float* partials) {
+  (void)cols;
+  // The read-only kernel never writes through this pointer (kWriteExps = false).
+  partials_dispatch<false>(const_cast<void*>(logits), dtype, rows, row_stride, targets, vocab_start, valid_cols,
+                           with_entropy, thresholds, logit_scale, partials);
+}
+
+void logprob_partials_writing_exps(void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                                   const int64_t* targets, int64_t vocab_start, int64_t valid_cols,
+                                   bool with_entropy, const float* thresholds, float logit_scale, float* partials) {
+  (void)cols;
+  partials_dispatch<true>(logits, dtype, rows, row_stride, targets, vocab_start, valid_cols, with_entropy,
+                          thresholds, logit_scale, partials);
+}
+
+void logprob_backward(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                      const int64_t* targets, int64_t vocab_start, int64_t valid_cols, const float* lse,
+                      const float* mean_x, const float* grad_logprob, const float* grad_entropy,
+                      const float* thresholds, float logit_scale, void* grad_logits, int64_t grad_row_stride) {
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_flags(thresholds, logit_scale, [&](auto filtered, auto is_scaled) {
+      backward_kernel<T, decltype(filtered)::value, decltype(is_scaled)::value>(
+          static_cast<const T*>(logits), rows, cols, row_stride, targets, vocab_start, valid_cols, lse, mean_x,
+          grad_logprob, grad_entropy, thresholds, logit_scale, static_cast<T*>(grad_logits), grad_row_stride);
+    });
+  });
+}
+
+void logprob_backward_from_exps(void* exps, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                                const int64_t* targets, int64_t vocab_start, int64_t valid_cols,
+                                const float* prob_scale, const float* target_prob, const float* grad_logprob,
+                                float logit_scale) {
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    backward_from_exps_kernel<T>(static_cast<T*>(exps), rows, cols, row_stride, targets, vocab_start, valid_cols,
+                                 prob_scale, target_prob, grad_logprob, logit_scale);
+  });
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace cpu
+}  // namespace megatron_grpo
