@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import random
 import shutil
 from pathlib import Path
@@ -214,3 +215,17 @@ def test_resume_from_a_missing_directory_is_a_clear_error(tmp_path):
 def test_resume_from_an_empty_directory_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         latest_checkpoint(tmp_path)
+
+
+def test_the_runner_reaches_megatron_core_only_through_megatron_grpo_megatron():
+    """docs/design.md: `megatron_grpo/megatron/` is the only package that imports megatron.core."""
+    package = Path(__file__).parents[1] / "megatron_grpo" / "grpo"
+    imports = {}
+    for source in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text(), str(source))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            imports[source.name] = imports.get(source.name, []) + [name for name in names
+                                                                    if name.split(".")[0] == "megatron"]
+    assert "checkpoint.py" in imports
+    assert {name: found for name, found in imports.items() if found} == {}

@@ -1,9 +1,10 @@
 """Training checkpoints in Megatron's distributed format: model, Adam state, RNG and step, published atomically.
 
-`megatron.core.dist_checkpointing` saves the model's `sharded_state_dict()`. The optimizer is a plain
-`torch.optim` Adam on the CPU (Megatron's optimizer needs CUDA), so its moments are mapped onto the model's
-sharded tensors with Megatron's own helpers, exactly as Megatron's FP32 optimizer does; Adam's step count is
-shared by every parameter and saved once. Each rank's RNG state is a `ShardedObject`, and so are its rollouts in
+Megatron's side (sharded state dicts, the `dist_checkpointing` writer and reader) is
+`megatron_grpo.megatron.checkpointing`; this module decides what is saved, publishes and verifies it, and
+resumes. The checkpoint holds the model's `sharded_state_dict()` and the plain `torch.optim` Adam that runs on
+the CPU (Megatron's optimizer needs CUDA), its moments sharded like their parameters; Adam's step count is
+shared by every parameter and saved once. Each rank's RNG state is a per-rank object, and so are its rollouts in
 flight when `grpo.max_rollout_staleness` > 0 (the queue is part of the checkpoint, not regenerated: the older
 weights that made it are gone). A checkpoint therefore loads into another tensor-parallel size too (unless
 rollouts are in flight: they belong to the saved ranks), and resumes bit-exactly into the same one.
@@ -18,8 +19,6 @@ still loadable.
 
 from __future__ import annotations
 
-import logging
-import queue
 import random
 import re
 from pathlib import Path
@@ -27,12 +26,6 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.dist_checkpointing.optimizer import (
-    get_param_id_to_sharded_param_map,
-    optim_state_to_sharding_state,
-)
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from megatron_grpo.grpo.checkpoint_dir import (
@@ -47,6 +40,12 @@ from megatron_grpo.grpo.checkpoint_dir import (
     verify_checksums,
 )
 from megatron_grpo.grpo.rollout_queue import RolloutQueue
+from megatron_grpo.megatron import (
+    load_sharded,
+    per_rank_object,
+    save_sharded,
+    sharded_model_and_optimizer,
+)
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 QUOTED_OS_ERROR = re.compile(r"\[Errno (?P<errno>\d+)\] (?P<strerror>[^:\n]+)(?:: '(?P<filename>[^'\n]+)')?")
@@ -68,7 +67,7 @@ def save_checkpoint(
 
     An OS error on the way (unwritable, full) is a `CheckpointSaveError` that says what is still loadable."""
     step_dir = Path(directory) / step_dir_name(steps_done)
-    writer_errors = WriterErrorLog()
+    writer_errors: list[str] = []  # the lines Megatron's writer logs: the only place naming some errors' errno
     try:
         if rank == 0:
             step_dir.mkdir(parents=True, exist_ok=True)
@@ -77,34 +76,18 @@ def save_checkpoint(
         state = _sharded_training_state(model, optimizer, rank, world_size)
         state["steps_done"] = steps_done
         state.update(_rollout_state(rollouts.state_dict() if rollouts is not None else None, rank, world_size))
-        _keep_write_results_in_process()
-        with writer_errors:
-            dist_checkpointing.save(state, str(step_dir))
+        save_sharded(state, step_dir, logged_errors=writer_errors)
         barrier()
         if rank == 0:
             publish(step_dir, world_size)
         barrier()
     except (Exception, CheckpointException) as err:  # dist_checkpointing wraps a rank's OSError in its own types
-        os_error = find_os_error(err) or writer_errors.os_error()
+        os_error = find_os_error(err) or first_quoted_os_error(writer_errors)
         if os_error is None:
             raise
         raise CheckpointSaveError(f"rank {rank}: could not save checkpoint {step_dir}: {describe_os_error(os_error)}; "
                                   f"{loadable_sentence(Path(directory))}") from err
     return step_dir
-
-
-def _keep_write_results_in_process() -> None:
-    """Gives Megatron's `torch_dist` writer an in-process results queue instead of a spawned Manager's.
-
-    The writer collects its results through a queue it makes on first use: a `multiprocessing` Manager, i.e. a
-    second interpreter (about 330 MB) that lives as long as the rank and outlived a killed rank, adopted by
-    init. That queue exists for asynchronous saves, whose writer runs in another process; a synchronous save
-    (this one) writes and reads the results in this process, so a plain queue does the same job. Versions
-    without that module-level queue are left alone."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", False) is None:
-        filesystem_async._results_queue = queue.Queue()
 
 
 def quoted_os_error(text: str) -> Optional[OSError]:
@@ -115,33 +98,9 @@ def quoted_os_error(text: str) -> Optional[OSError]:
     return OSError(int(quoted["errno"]), quoted["strerror"], quoted["filename"])
 
 
-class WriterErrorLog(logging.Handler):
-    """The errors Megatron's checkpoint writer logs while a save runs (a `with` block).
-
-    Megatron-Core 0.17+ writes from threads and raises only the failed worker's exception class
-    (`AssertionError: <class 'IsADirectoryError'>`); the errno and the path appear only in the line it logs
-    (`Local worker 0 encountered an error: [Errno 21] Is a directory: '<path>'`). This handler keeps those
-    lines, so that a failed save can still name them."""
-
-    LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.ERROR)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-    def __enter__(self) -> "WriterErrorLog":
-        logging.getLogger(self.LOGGER).addHandler(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        logging.getLogger(self.LOGGER).removeHandler(self)
-
-    def os_error(self) -> Optional[OSError]:
-        """The first OSError quoted in a logged line, rebuilt from its text; None if there is none."""
-        return next((error for error in map(quoted_os_error, self.messages) if error is not None), None)
+def first_quoted_os_error(messages: list[str]) -> Optional[OSError]:
+    """The first OSError quoted in `messages`, rebuilt from its text; None if there is none."""
+    return next((error for error in map(quoted_os_error, messages) if error is not None), None)
 
 
 class CheckpointSaveError(CheckpointError):
@@ -195,7 +154,7 @@ def load_checkpoint(
     if not same_world:
         del template["rng"], template["rollouts"]
     try:
-        state = dist_checkpointing.load(template, str(step_dir))
+        state = load_sharded(template, step_dir)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(_with_adam_step(state["optimizer"], state["adam_step"]))
     except (Exception, CheckpointException) as err:  # many types for missing, truncated or garbled files
@@ -215,8 +174,7 @@ def _rollout_state(queue_state: Optional[dict[str, Any]], rank: int, world_size:
     queue_state = queue_state if queue_state is not None else {"max_staleness": 0, "pending": []}
     return {
         "rollout_staleness": queue_state["max_staleness"],
-        "rollouts": ShardedObject("rollouts", queue_state, global_shape=(world_size,), global_offset=(rank,),
-                                  replica_id=0),
+        "rollouts": per_rank_object("rollouts", queue_state, rank, world_size),
     }
 
 
@@ -252,20 +210,14 @@ def verify_shared(step_dir: Path, rank: int, world_size: int) -> None:
 def _sharded_training_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world_size: int
 ) -> dict[str, Any]:
-    """The sharded state dict of model, optimizer (moments sharded like their parameters) and RNG."""
-    model_state = model.sharded_state_dict()
-    optimizer_state = optimizer.state_dict()
-    adam_step = _common_adam_step(optimizer_state)
-    params = [param for group in optimizer.param_groups for param in group["params"]]
-    optim_state_to_sharding_state(
-        optimizer_state, get_param_id_to_sharded_param_map(model_state, params), exclude_keys=("step",)
-    )
+    """The sharded state dict of model, optimizer (moments sharded like their parameters, the shared Adam step
+    once) and this rank's RNG."""
+    adam_step = _common_adam_step(optimizer.state_dict())
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     return {
-        "model": model_state,
-        "optimizer": optimizer_state,
+        **sharded_model_and_optimizer(model, optimizer, unsharded_keys=("step",)),
         "adam_step": adam_step,
-        "rng": ShardedObject("rng", rng, global_shape=(world_size,), global_offset=(rank,), replica_id=0),
+        "rng": per_rank_object("rng", rng, rank, world_size),
     }
 
 

@@ -1,5 +1,12 @@
-"""The only package that imports megatron.core: parallel init, CPU support, GPTModel building, train-step hooks."""
+"""The only package that imports megatron.core: parallel init, CPU support, GPTModel building, train-step hooks,
+checkpoints in Megatron's distributed format."""
 
+from megatron_grpo.megatron.checkpointing import (
+    load_sharded,
+    per_rank_object,
+    save_sharded,
+    sharded_model_and_optimizer,
+)
 from megatron_grpo.megatron.cpu_support import apply_cpu_support
 from megatron_grpo.megatron.model import build_gpt_model, padded_vocab_size
 from megatron_grpo.megatron.parallel import ParallelLayout, destroy_parallel, init_parallel
@@ -23,8 +30,12 @@ __all__ = [
     "compute_logprobs",
     "destroy_parallel",
     "init_parallel",
+    "load_sharded",
     "make_forward_step",
     "model_forward",
     "padded_vocab_size",
+    "per_rank_object",
+    "save_sharded",
+    "sharded_model_and_optimizer",
     "train_step",
 ]
