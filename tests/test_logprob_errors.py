@@ -80,7 +80,7 @@ def test_true_vocab_larger_than_the_sharded_vocab(device):
 
 def test_negative_vocab_start(device):
     logits, targets = logits_and_targets(device)
-    with pytest.raises(ValueError, match="vocab_start_index must be >= 0, got -3"):
+    with pytest.raises(ValueError, match="vocab shard start_index must be >= 0, got -3"):
         vocab_parallel_logprobs(logits, targets, shard=VocabShard(start_index=-3, true_vocab_size=10))
 
 
