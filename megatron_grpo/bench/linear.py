@@ -584,7 +584,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hidden", type=int, default=None, help="hidden size H; default 512 (64 quick)")
     parser.add_argument("--v-local", type=int, default=None, help="vocab columns per rank; default 32768 (1024 quick)")
     parser.add_argument("--chunk-rows", type=int, default=None,
-                        help="rows per chunk of the fused candidates; default: the op's own (a 256 MiB budget)")
+                        help="rows per chunk of the fused candidates; default: the op's own (chunk_rows_for)")
     parser.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), default=list(CANDIDATES),
                         help="the candidates to run (default: all)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per candidate; default 5 (1 quick)")
