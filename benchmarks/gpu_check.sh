@@ -27,16 +27,15 @@
 # are collected and skip (no CUDA), and the benchmark runs in its quick CPU mode with megatron-core hidden
 # (benchmarks/hide_megatron), as on a bare GPU image.
 #
-# With the device tool (one run is one bash command from the repo root, $OUT is its output folder and comes
-# back, at most 10 minutes a command and about 15 minutes of device time in all, machine start included):
-#   1. Once, here: the device image lacks megatron-core. Its Python is 3.12, so fetch the cp312 wheel into the
-#      git-ignored .whl/ (its own needs, torch, numpy and packaging, are there already):
+# On a GPU machine reached as a batch job (one command, its output folder copied back, no internet there):
+#   1. Beforehand, on a machine with internet: if the GPU image lacks megatron-core, fetch the wheel for its
+#      Python into the git-ignored .whl/ (megatron-core needs only torch, numpy and packaging), e.g. for 3.12:
 #        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #            --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1
-#   2. run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
-#      Every file under $OUT is written as its step goes, so even a run cut off brings back the steps done.
-#   3. Copy the returned files into benchmarks/results/gpu_check-<date>-<device>/ and commit them; then
-#      give_back, unless rerunning at once.
+#   2. Ship the checkout with .whl/ and run `OUT=<the job's output folder> bash benchmarks/gpu_check.sh` with a
+#      wall-clock limit of about 9 minutes. Every file under $OUT is written as its step goes, so even a job
+#      cut off brings back the steps it finished.
+#   3. Copy the returned files into benchmarks/results/gpu_check-<date>-<device>/ and commit them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
