@@ -51,6 +51,12 @@ def assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch
     )
 
 
+def upstream_grads(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The upstream gradients of the logprobs and of the entropies, `[rows]` each, from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, generator=gen), torch.randn(rows, generator=gen)
+
+
 def make_case(rows: int, padded_vocab: int, true_vocab_size: int, dtype: torch.dtype, seed: int,
               ignore_every: int = 4, padding_value: float = 1e4) -> tuple[torch.Tensor, torch.Tensor]:
     """Random logits (scale 3) whose padding columns hold a huge value, so any leak shows; rows 1, 1+k, ... ignored."""

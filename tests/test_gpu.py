@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-from logprob_reference import assert_grad_close, assert_matches_anchor, expected_logprobs, make_case
+from logprob_reference import assert_grad_close, assert_matches_anchor, expected_logprobs, make_case, upstream_grads
 from megatron_grpo.ops import VocabShard, fused_supports, vocab_parallel_linear_logprobs, vocab_parallel_logprobs
 from test_linear_logprobs import Anchor, assert_matches  # its fp32 / bf16 tolerance model
 
@@ -64,11 +64,6 @@ def gpu_case(rows: int, vocab: int, true_vocab: int, dtype: torch.dtype, seed: i
     logits, targets = make_case(rows, vocab, true_vocab, dtype, seed=seed, ignore_every=0)
     targets[1::4] = -1
     return logits, targets
-
-
-def upstream_grads(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, generator=gen), torch.randn(rows, generator=gen)
 
 
 def run_fused(logits, targets, g_lp, g_h, *, with_entropy=True, inplace_backward=False, **layout):

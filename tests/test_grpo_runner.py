@@ -19,9 +19,9 @@ import pytest
 from megatron_grpo.grpo import runner
 from megatron_grpo.grpo.checkpoint_dir import latest_checkpoint, saved_world_size, step_dir_name
 from megatron_grpo.grpo.reporting import METRICS_FILE, PLOT_FILE, read_metrics, without_timings
+from _dist import free_port
 from grpo_workers.launch import (
     REPO,
-    free_port,
     job_processes,
     rank_process,
     run,

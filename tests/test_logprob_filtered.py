@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from _dist import counted_collectives, run_on_ranks
-from logprob_reference import assert_grad_close, expected_filtered_logprobs, expected_logprobs, make_case
+from logprob_reference import (assert_grad_close, expected_filtered_logprobs, expected_logprobs, make_case,
+                               upstream_grads)
 from megatron_grpo.ops import VocabShard, vocab_parallel_logprobs
 
 DEVICES = [
@@ -32,13 +33,8 @@ def tied_case(rows: int, padded_vocab: int, true_vocab: int, dtype: torch.dtype,
     return logits.to(dtype), targets
 
 
-def upstream(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed + 1)
-    return torch.randn(rows, generator=gen), torch.randn(rows, generator=gen)
-
-
 def check_against_reference(logprob, entropy, grad, full, targets, true_vocab, top_k, top_p, dtype, label):
-    g_lp, g_h = upstream(full.shape[0], 0)
+    g_lp, g_h = upstream_grads(full.shape[0], 1)
     expected = expected_filtered_logprobs(full, targets, true_vocab, top_k, top_p, g_lp, g_h)
     logprob, entropy = logprob.double().cpu(), entropy.double().cpu()
     filtered = expected.logprob == float("-inf")
@@ -58,7 +54,7 @@ def check_against_reference(logprob, entropy, grad, full, targets, true_vocab, t
 def test_filtered_logprobs_match_the_float64_reference(device, implementation, dtype):
     rows, padded, true_vocab = 37, 131, 120
     full, targets = tied_case(rows, padded, true_vocab, dtype, seed=5)
-    g_lp, g_h = upstream(rows, 0)
+    g_lp, g_h = upstream_grads(rows, 1)
     for top_k, top_p in FILTERS:
         label = f"{device} {implementation} {dtype} top_k={top_k} top_p={top_p}"
         x = full.clone().to(device).requires_grad_(True)
@@ -86,7 +82,7 @@ def test_float64_logits_on_the_reference_path():
         x = full.clone().requires_grad_(True)
         logprob, entropy = vocab_parallel_logprobs(x, targets, shard=VocabShard(true_vocab_size=64), with_entropy=True,
                                                    top_k=top_k, top_p=top_p, implementation="reference")
-        g_lp, g_h = upstream(29, 0)
+        g_lp, g_h = upstream_grads(29, 1)
         (torch.where(torch.isfinite(logprob), logprob, 0.0) * g_lp + entropy * g_h).sum().backward()
         check_against_reference(logprob.detach(), entropy.detach(), x.grad, full, targets, 64, top_k, top_p,
                                 torch.float64, f"float64 top_k={top_k} top_p={top_p}")
@@ -126,7 +122,7 @@ def test_filtered_targets_are_counted_per_rule():
 
 def sharded_filtered_run(rank, world, rows, v_local, true_vocab, dtype, top_k, top_p, implementation, seed):
     full, targets = tied_case(rows, v_local * world, true_vocab, dtype, seed)
-    g_lp, g_h = upstream(rows, 0)
+    g_lp, g_h = upstream_grads(rows, 1)
     local = full[:, rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
     with counted_collectives() as calls:
         logprob, entropy = vocab_parallel_logprobs(

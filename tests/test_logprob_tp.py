@@ -8,18 +8,14 @@ import torch
 import torch.distributed as dist
 
 from _dist import counted_collectives, run_on_ranks
-from logprob_reference import assert_grad_close, expected_logprobs, make_case, torch_fp32_logprob_error
+from logprob_reference import assert_grad_close, expected_logprobs, make_case, torch_fp32_logprob_error, upstream_grads
 from megatron_grpo.ops import VocabShard, vocab_parallel_logprobs
 
 
 # (rows, v_local, true_vocab as a function of world size); the second case leaves the last rank all padding.
-SHAPES = [(257, 500, lambda world: 500 * world), (7, 3, lambda world: 3 * (world - 1) - 1), (1, 1000, lambda w: 1000 * w - 37)]
+SHAPES = [(257, 500, lambda world: 500 * world), (7, 3, lambda world: 3 * (world - 1) - 1),
+          (1, 1000, lambda world: 1000 * world - 37)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def upstream_grads(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, generator=gen), torch.randn(rows, generator=gen)
 
 
 def sharded_run(rank, world, rows, v_local, true_vocab, dtype, implementation, seed):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,16 +19,11 @@ from typing import Any, Optional
 
 import psutil
 import yaml
+from _configs import set_key
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_CONFIG = REPO / "configs" / "grpo_tiny_cpu.yaml"
 JOB_TOKEN_VARIABLE = "MEGATRON_GRPO_TEST_JOB"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(directory: Path, name: str = "config.yaml", **overrides: Any) -> Path:
@@ -39,11 +33,7 @@ def write_config(directory: Path, name: str = "config.yaml", **overrides: Any) -
     data["checkpoint"]["dir"] = str(directory / "run" / "checkpoints")
     data["logging"]["progress_bar"] = False
     for dotted, value in overrides.items():
-        *parents, leaf = dotted.split(".")
-        section = data
-        for key in parents:
-            section = section[key]
-        section[leaf] = value
+        data = set_key(data, dotted, value)
     path = directory / name
     path.write_text(yaml.safe_dump(data))
     return path
