@@ -4,8 +4,8 @@ Megatron's checkpoint writer starts helper processes in each rank: `dist_checkpo
 spawns a `multiprocessing` Manager (a full interpreter, about 330 MB, which holds the writers' results queue
 for the rest of the rank's life) and a resource tracker, and forks one writer per file bucket during each save.
 They share the rank's process group, which torchrun kills only while the rank itself is alive: a rank killed
-outright (SIGKILL, the OOM killer) left them running forever, adopted by init. `checkpoint` keeps the results
-queue in the rank, so no Manager is spawned; this module covers the rest.
+outright (SIGKILL, the OOM killer) left them running forever, adopted by init. `megatron.checkpointing` keeps the
+results queue in the rank, so no Manager is spawned; this module covers the rest.
 
 On Linux the kernel can send a signal to a process when its parent dies (`PR_SET_PDEATHSIG`). The runner sets
 it in each rank under torchrun (it dies with its agent) and, through an at-fork hook, in every process the rank
