@@ -14,6 +14,7 @@ _EXPORTS = {
     "load_config": "megatron_grpo.config",
     "vocab_parallel_logprobs": "megatron_grpo.ops",
     "vocab_parallel_linear_logprobs": "megatron_grpo.ops",
+    "VocabShard": "megatron_grpo.ops",
     "ClippedPGLoss": "megatron_grpo.loss",
     "ClippedPGLossConfig": "megatron_grpo.loss",
     "LogprobPlan": "megatron_grpo.scheduler",

@@ -291,6 +291,7 @@ def test_top_level_export():
     import megatron_grpo
 
     assert megatron_grpo.vocab_parallel_linear_logprobs is vocab_parallel_linear_logprobs
+    assert megatron_grpo.VocabShard is VocabShard
 
 
 # ---- top-k / top-p, and the next-token shift ----
