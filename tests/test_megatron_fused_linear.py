@@ -245,7 +245,7 @@ def test_loss_fused_with_a_sampling_filter_is_a_config_error(key, value):
 
 def test_loss_fused_needs_the_fused_linear_path():
     with pytest.raises(ConfigError, match="policy.fused_linear_loss: true needs policy.fused_linear_logprobs: true"):
-        config_with({"policy.fused_linear_loss": True})
+        config_with({"policy.fused_linear_logprobs": False, "policy.fused_linear_loss": True})
 
 
 @pytest.mark.parametrize("key", ["policy.fused_linear_logprobs", "policy.fused_linear_loss"])
