@@ -32,8 +32,8 @@ import torch
 from megatron_grpo.loss.batch import trained_token_mask, trained_token_targets
 from megatron_grpo.ops import VocabShard
 from megatron_grpo.ops.backends import Implementation, select_kernels
-from megatron_grpo.ops.linear_logprobs import LOW_PRECISION, VocabParallelLinearLogprobs, chunk_rows_for
-from megatron_grpo.ops.linear_logprobs import _check_inputs as check_linear_inputs
+from megatron_grpo.ops.linear_logprobs import (LOW_PRECISION, VocabParallelLinearLogprobs, check_linear_inputs,
+                                               chunk_rows_for)
 from megatron_grpo.ops.partials import combine_partials, gather_partials
 from megatron_grpo.ops.shift import next_token_targets
 from megatron_grpo.ops.vocab_parallel import check_target_ids
@@ -107,7 +107,7 @@ class LossFusedLinear(torch.autograd.Function):
         partials = kernels.logprob_partials(logits, row_targets, start, call.valid_cols, True, None)
         stats = combine_partials(gather_partials(partials, call.shard.group), row_targets, True)
         # The rows' logprobs and entropies as leaves at their tokens' positions (row t scores token t + 1).
-        positions = _token_positions(rows, targets.shape)
+        positions = rows + 1  # row (b, t) scores token (b, t + 1); a last position is never a trained row
         chunk_logprobs = logprobs[sequences]
         chunk_entropy = entropy[sequences]
         chunk_logprobs.view(-1)[positions] = stats.logprob
@@ -127,11 +127,6 @@ class LossFusedLinear(torch.autograd.Function):
         dh = torch.mm(logits, weight_valid) * call.logit_scale
         grad_hidden[sequences].view(-1, hidden.shape[-1]).index_copy_(0, rows, dh.to(grad_hidden.dtype))
         grad_weight_valid.add_(torch.mm(logits.t(), h).to(grad_weight_valid.dtype), alpha=call.logit_scale)
-
-
-def _token_positions(rows: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Flat position of the token each row scores: row `(b, t)` scores token `(b, t + 1)`."""
-    return rows + 1  # rows never include a sequence's last position (its target is -1)
 
 
 def _rows_of(per_token: torch.Tensor | None, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,6 @@ backward's recompute.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +29,8 @@ from .backends import Implementation, Kernels, select_kernels
 from .filtering import SamplingFilter, kept_threshold
 from .partials import combine_partials, gather_partials
 from .shift import check_shiftable, next_token_targets
-from .vocab_parallel import LOGITS_DTYPES, _row_gradient, check_target_ids, entropy_term, outputs, per_token
+from .vocab_parallel import (LOGITS_DTYPES, _row_gradient, check_target_ids, checked_logit_scale, entropy_term,
+                             outputs, per_token)
 from .vocab_shard import VocabShard
 
 # Default budget for one chunk of logits (in the hidden states' dtype): large enough that each GEMM is big,
@@ -236,7 +236,7 @@ class TrainedRows:
     @staticmethod
     def of(hidden, weight, targets, *, shard, shift, logit_scale, top_k, top_p, chunk_rows, check_inputs,
            with_entropy, implementation) -> "TrainedRows":
-        _check_inputs(hidden, weight, targets, logit_scale, chunk_rows)
+        check_linear_inputs(hidden, weight, targets, logit_scale, chunk_rows)
         shard = (VocabShard() if shard is None else shard).resolve(weight.shape[0])
         valid_cols = shard.valid_cols(weight.shape[0])
         if check_inputs:
@@ -280,7 +280,7 @@ def _scatter_rows(values: torch.Tensor, rows: torch.Tensor, total: int) -> torch
     return values.new_zeros(total).index_copy(0, rows, values)
 
 
-def _check_inputs(hidden, weight, targets, logit_scale, chunk_rows) -> None:
+def check_linear_inputs(hidden, weight, targets, logit_scale, chunk_rows) -> None:
     """Shape, dtype, device and argument checks: free, so they always run."""
     for name, value in (("hidden", hidden), ("weight", weight), ("targets", targets)):
         if not isinstance(value, torch.Tensor):
@@ -306,9 +306,7 @@ def _check_inputs(hidden, weight, targets, logit_scale, chunk_rows) -> None:
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden.shape[:-1] = "
                          f"{tuple(hidden.shape[:-1])}")
-    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) \
-            or not math.isfinite(logit_scale) or logit_scale <= 0:
-        raise ValueError(f"logit_scale must be a finite number > 0, got {logit_scale!r}")
+    checked_logit_scale(logit_scale)
     if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)
                                    or chunk_rows < 1):
         raise ValueError(f"chunk_rows must be an int >= 1 (or None), got {chunk_rows!r}")

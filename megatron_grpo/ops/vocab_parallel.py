@@ -196,7 +196,7 @@ def vocab_parallel_logprobs(
         float32 logprobs `[...]` (float64 for float64 logits), or `(logprobs, entropy)` with `with_entropy`.
     """
     _check_tensors(logits, targets)
-    logit_scale = _checked_logit_scale(logit_scale)
+    logit_scale = checked_logit_scale(logit_scale)
     _check_inplace_backward(inplace_backward)
     sampling = SamplingFilter(top_k=top_k, top_p=top_p)
     shard = (VocabShard() if shard is None else shard).resolve(logits.shape[-1])
@@ -231,7 +231,7 @@ def per_token(out, batch_shape: torch.Size, with_entropy: bool, shift: bool):
     return values if with_entropy else values[0]
 
 
-def _checked_logit_scale(logit_scale: float) -> float:
+def checked_logit_scale(logit_scale: float) -> float:
     """logit_scale as a float: a finite number > 0 (1 / temperature), else a named error."""
     if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)):
         raise ValueError(f"logit_scale must be a finite number > 0 (1 / temperature), got {logit_scale!r}")
