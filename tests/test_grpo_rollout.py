@@ -1,4 +1,5 @@
-"""Rollout sampling: stop rules, masks, generation logprobs, padding exclusion, determinism, TP=2 == TP=1."""
+"""Rollout sampling: stop rules, masks, generation logprobs, padding exclusion, determinism, per-group generators
+(a prompt's samples do not depend on its neighbours), TP=2 == TP=1, draws shared with ranks without logits."""
 
 from __future__ import annotations
 
@@ -24,15 +25,20 @@ def _toy_logits_table(seed: int = 0) -> torch.Tensor:
 
 
 def _toy_logits_fn(table: torch.Tensor, shard: slice = slice(None)):
+    """The last position's logits (shard): a table lookup of the last token plus a bias growing with position."""
     def logits_fn(input_ids: torch.Tensor) -> torch.Tensor:
-        position_bias = torch.arange(input_ids.shape[1], dtype=torch.float32).view(1, -1, 1) * 0.3
-        return (table[input_ids] + position_bias)[..., shard]
+        return (table[input_ids[:, -1]] + 0.3 * (input_ids.shape[1] - 1))[:, shard]
 
     return logits_fn
 
 
 def _prompts(rows: int = 9) -> torch.Tensor:
     return torch.randint(0, 10, (rows, 3), generator=torch.Generator().manual_seed(1))
+
+
+def _generators(seed: int, groups: range = range(3)) -> list[torch.Generator]:
+    """One generator per group of 3 rows, keyed by the group's index (as the runner keys them by prompt)."""
+    return [torch.Generator().manual_seed(seed * 1000 + group) for group in groups]
 
 
 def _params(**overrides) -> SamplingParams:
@@ -47,7 +53,7 @@ def _sample(params: SamplingParams, seed: int = 7):
         _prompts(),
         params,
         true_vocab_size=TRUE_VOCAB,
-        generator=torch.Generator().manual_seed(seed),
+        generators=_generators(seed),
     )
 
 
@@ -127,6 +133,22 @@ def test_sampler_and_training_op_share_one_filtered_distribution(top_k, top_p):
         torch.testing.assert_close(op[finite], sampler[finite, token], rtol=0, atol=2e-6)
 
 
+def test_a_groups_samples_do_not_depend_on_the_other_groups():
+    """Rows 3-8 sampled without rows 0-2 (as on another data-parallel rank) are the same tokens."""
+    full = _sample(_params())
+    alone = generate(_toy_logits_fn(_toy_logits_table()), _prompts()[3:], _params(), true_vocab_size=TRUE_VOCAB,
+                     generators=_generators(7, range(1, 3)))
+    assert full.input_ids.shape[1] >= alone.input_ids.shape[1]  # fewer rows may all stop earlier
+    assert torch.equal(full.input_ids[3:, :alone.input_ids.shape[1]], alone.input_ids)
+    assert torch.equal(full.generation_logprobs[3:, :alone.input_ids.shape[1]], alone.generation_logprobs)
+
+
+def test_rows_that_do_not_split_into_the_generators_groups_are_rejected_by_name():
+    with pytest.raises(ValueError, match="generators: 9 prompt rows do not split into 2 equal groups"):
+        generate(_toy_logits_fn(_toy_logits_table()), _prompts(), _params(), true_vocab_size=TRUE_VOCAB,
+                 generators=_generators(7, range(2)))
+
+
 def test_non_positive_temperature_is_rejected_by_name():
     with pytest.raises(ValueError, match="generation.temperature"):
         sampling_log_probs(torch.zeros(2, 5), 0.0, None)
@@ -142,7 +164,7 @@ def _tp_rollout(rank: int, world_size: int) -> dict:
         _prompts(),
         _params(temperature=0.9, top_k=5),
         true_vocab_size=TRUE_VOCAB,
-        generator=torch.Generator().manual_seed(7),
+        generators=_generators(7),
         tp_group=dist.group.WORLD,
     )
     return {"ids": rollout.input_ids, "logprobs": rollout.generation_logprobs, "mask": rollout.token_mask}
@@ -154,3 +176,32 @@ def test_tensor_parallel_sampling_matches_single_rank_sampling():
         assert torch.equal(result["ids"], single.input_ids)
         assert torch.equal(result["mask"], single.token_mask)
         torch.testing.assert_close(result["logprobs"], single.generation_logprobs, rtol=0, atol=1e-6)
+
+
+def _pipelined_rollout(rank: int, world_size: int) -> dict:
+    """Rank 1 holds the logits (the last pipeline stage), rank 0 none; rank 1's draws reach rank 0."""
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    def share_draws(draws: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(draws, src=1)
+        return draws
+
+    logits_fn = _toy_logits_fn(_toy_logits_table())
+    rollout = generate(
+        logits_fn if rank == 1 else (lambda input_ids: None),
+        _prompts(),
+        _params(temperature=0.9, top_k=5),
+        true_vocab_size=TRUE_VOCAB,
+        generators=_generators(7),
+        share_draws=share_draws,
+    )
+    return {"ids": rollout.input_ids, "logprobs": rollout.generation_logprobs, "mask": rollout.token_mask}
+
+
+def test_ranks_without_logits_receive_the_sampling_ranks_draws():
+    single = _sample(_params(temperature=0.9, top_k=5))
+    for result in run_on_ranks(2, _pipelined_rollout):
+        assert torch.equal(result["ids"], single.input_ids)
+        assert torch.equal(result["mask"], single.token_mask)
+        assert torch.equal(result["logprobs"], single.generation_logprobs)

@@ -33,7 +33,7 @@ def _run_main(argv, capsys) -> tuple[int, str]:
         ({"policy.model.hidden_size": "sixty-four"}, "policy.model.hidden_size"),
         ({"grpo.num_prompts_per_step": 0}, "grpo.num_prompts_per_step"),
         ({"task.name": "sort"}, "task.name"),
-        ({"policy.pipeline_model_parallel_size": 2}, "policy.pipeline_model_parallel_size"),
+        ({"policy.pipeline_model_parallel_size": 3}, "policy.pipeline_model_parallel_size"),
         ({"policy.model.max_position_embeddings": 8}, "policy.model.max_position_embeddings"),
         ({"grpo.num_generations_per_prompt": 1, "grpo.num_prompts_per_step": 128},
          "grpo.num_generations_per_prompt"),
@@ -144,15 +144,15 @@ def test_precision_check_depends_only_on_cuda(tmp_path, precision, cuda_availabl
 
 
 def test_plan_and_runner_problems_are_reported_together(tmp_path, capsys, torchrun_env):
-    """The plan's conflict (reference skipped under a KL penalty) and the runner's (pipeline parallelism) in one
-    error, not one per round."""
+    """The plan's conflict (reference skipped under a KL penalty) and the runner's (a TP × PP layout larger than
+    the world) in one error, not one per round."""
     config = write_config(tmp_path, **{"logprob_passes.reference": "skip", "loss_fn.reference_policy_kl_penalty": 0.1,
                                        "policy.pipeline_model_parallel_size": 2})
     code, err = _run_main(["--config", str(config)], capsys)
     assert code == runner.EXIT_BAD_INPUT
     assert err.count("invalid configuration") == 1
     assert "logprob_passes.reference = skip is unsafe" in err
-    assert "policy.pipeline_model_parallel_size: the GRPO runner" in err
+    assert "policy.tensor_model_parallel_size: 2 ranks do not split into groups of tensor × pipeline parallel size 4" in err
 
 
 def test_checked_plan_returns_the_plan_when_every_check_passes(tmp_path):

@@ -2,8 +2,10 @@
 
 Rollouts come from a `RolloutQueue`: from the current weights when `grpo.max_rollout_staleness` is 0, else from
 weights up to that many steps older, as an asynchronous system would deliver them. One loop serves both cases.
-Every random draw of a step comes from generators seeded by `(seed, step)`, the same on all TP ranks. Together
-with a bit-exact checkpoint of model, optimizer and the rollouts in flight, this makes a resumed run repeat the
+Every random draw of a step comes from generators keyed by `(seed, step)`, and a prompt's samples by its global
+index too, never by rank: every layout of the same ranks draws the same prompts and tokens. Each DP rank samples
+and trains on its share of whole prompt groups; the metrics are aggregated over all ranks. Together with a
+bit-exact checkpoint of model, optimizer and the rollouts in flight, this makes a resumed run repeat the
 uninterrupted run's metrics exactly (fp32 on the CPU).
 """
 
@@ -34,21 +36,23 @@ from megatron_grpo.megatron import (
     StepConfig,
     build_gpt_model,
     build_optimizer,
-    model_forward,
+    draws_from_last_stage,
+    last_position_logits,
     train_step,
+    wrap_in_ddp,
 )
 from megatron_grpo.scheduler import LogprobPlan
 
 PROMPT_STREAM, SAMPLING_STREAM = 0, 1
 
 
-def step_generator(seed: int, step: int, stream: int, dp_rank: int = 0) -> torch.Generator:
-    """A CPU generator private to (seed, step, stream, DP rank): no state carries from one step to the next.
+def step_generator(seed: int, step: int, stream: int, prompt: int = 0) -> torch.Generator:
+    """A CPU generator private to (seed, step, stream, global prompt index): no state carries from one step to
+    the next, and none depends on the layout.
 
-    The key is taken modulo 2**64, the range `manual_seed` accepts, so every seed in [0, 2**63 - 1] works; for
-    seeds small enough not to wrap (below about 2**25) it is the unreduced key, so their runs are unchanged.
+    The key is taken modulo 2**64, the range `manual_seed` accepts, so every seed in [0, 2**63 - 1] works.
     """
-    key = ((seed * 1_000_003 + step) * 4 + stream) * 65_537 + dp_rank
+    key = ((seed * 1_000_003 + step) * 4 + stream) * 65_537 + prompt
     return torch.Generator().manual_seed(key % 2**64)
 
 
@@ -78,6 +82,7 @@ class Trainer:
             reference_model = build_gpt_model(cfg, tokenizer.vocab_size)
             reference_model.load_state_dict(model.state_dict())
             reference_model.requires_grad_(False)
+        model = wrap_in_ddp(model)
         return cls(
             cfg=cfg,
             plan=plan,
@@ -106,9 +111,9 @@ class Trainer:
         grpo, layout = self.cfg.grpo, self.layout
         batch = self.task.sample(grpo.num_prompts_per_step, step_generator(self.cfg.seed, step, PROMPT_STREAM))
         per_rank = grpo.num_prompts_per_step // layout.dp_size
-        mine = slice(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)
-        prompts = batch.prompts[mine].repeat_interleave(grpo.num_generations_per_prompt, dim=0)
-        answers = batch.answers[mine].repeat_interleave(grpo.num_generations_per_prompt, dim=0)
+        mine = range(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)  # global prompt indices
+        prompts = batch.prompts[mine.start:mine.stop].repeat_interleave(grpo.num_generations_per_prompt, dim=0)
+        answers = batch.answers[mine.start:mine.stop].repeat_interleave(grpo.num_generations_per_prompt, dim=0)
         tokenizer = self.task.tokenizer
         params = SamplingParams(
             max_new_tokens=self.cfg.generation.max_new_tokens,
@@ -121,12 +126,13 @@ class Trainer:
         self.model.eval()
         try:
             rollout = generate(
-                lambda input_ids: model_forward(self.model, input_ids.to(self.layout.device)),
+                lambda input_ids: last_position_logits(self.model, input_ids.to(layout.device)),
                 prompts,
                 params,
                 true_vocab_size=tokenizer.vocab_size,
-                generator=step_generator(self.cfg.seed, step, SAMPLING_STREAM, layout.dp_rank),
+                generators=[step_generator(self.cfg.seed, step, SAMPLING_STREAM, prompt) for prompt in mine],
                 tp_group=layout.tp_group,
+                share_draws=lambda draws: draws_from_last_stage(draws, layout.device),
             )
         finally:
             self.model.train()

@@ -133,9 +133,6 @@ def runner_config_problems(cfg: Config, *, world_size: int, cuda_available: bool
     elif cfg.grpo.num_prompts_per_step % (world_size // model_parallel):
         problems.append(f"grpo.num_prompts_per_step ({cfg.grpo.num_prompts_per_step}) must be a multiple of the "
                         f"data-parallel size ({world_size // model_parallel}): each DP rank samples whole groups")
-    if cfg.policy.pipeline_model_parallel_size != 1:
-        problems.append("policy.pipeline_model_parallel_size: the GRPO runner's rollouts need the whole model on "
-                        f"each rank; use 1, got {cfg.policy.pipeline_model_parallel_size}")
     if cfg.grpo.num_generations_per_prompt < 2:
         problems.append("grpo.num_generations_per_prompt: a group-relative baseline needs >= 2 samples per "
                         f"prompt, got {cfg.grpo.num_generations_per_prompt}")

@@ -8,6 +8,9 @@ from megatron_grpo.megatron.checkpointing import (
     sharded_model_and_optimizer,
 )
 from megatron_grpo.megatron.cpu_support import apply_cpu_support
+from megatron_grpo.megatron.ddp import unwrapped, wrap_in_ddp
+from megatron_grpo.megatron.forward import model_forward
+from megatron_grpo.megatron.generation import draws_from_last_stage, last_position_logits
 from megatron_grpo.megatron.model import build_gpt_model, padded_vocab_size
 from megatron_grpo.megatron.parallel import ParallelLayout, destroy_parallel, init_parallel
 from megatron_grpo.megatron.train_step import (
@@ -16,7 +19,6 @@ from megatron_grpo.megatron.train_step import (
     build_optimizer,
     compute_logprobs,
     make_forward_step,
-    model_forward,
     train_step,
 )
 
@@ -29,7 +31,9 @@ __all__ = [
     "build_optimizer",
     "compute_logprobs",
     "destroy_parallel",
+    "draws_from_last_stage",
     "init_parallel",
+    "last_position_logits",
     "load_sharded",
     "make_forward_step",
     "model_forward",
@@ -38,4 +42,6 @@ __all__ = [
     "save_sharded",
     "sharded_model_and_optimizer",
     "train_step",
+    "unwrapped",
+    "wrap_in_ddp",
 ]

@@ -27,6 +27,8 @@ from megatron.core.dist_checkpointing.optimizer import (
 )
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+from megatron_grpo.megatron.ddp import unwrapped
+
 
 def sharded_model_and_optimizer(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, unsharded_keys: tuple[str, ...] = ()
@@ -36,7 +38,7 @@ def sharded_model_and_optimizer(
 
     The per-parameter entries named in `unsharded_keys` (Adam's `step`, a scalar every parameter shares) are
     left out: the caller saves them some other way. The result loads into another tensor-parallel size too."""
-    model_state = model.sharded_state_dict()
+    model_state = unwrapped(model).sharded_state_dict()  # the GPTModel's keys, wrapped in DDP or not
     optimizer_state = optimizer.state_dict()
     params = [param for group in optimizer.param_groups for param in group["params"]]
     optim_state_to_sharding_state(

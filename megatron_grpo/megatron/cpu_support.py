@@ -12,7 +12,8 @@ Handled where they arise rather than by patching:
 4. The RNG tracker: `model_parallel_cuda_manual_seed` needs CUDA RNG state, so `parallel.init_parallel` asks
    for Megatron's inference tracker on CPU (its forks are no-ops; dropout then draws from the CPU generator).
 5. `sequence_parallel` needs TE's LayerNorm: `model.build_gpt_model` keeps it off on CPU.
-6. `megatron.core.optimizer` needs CUDA throughout: `train_step.build_optimizer` uses `torch.optim` on CPU.
+6. `megatron.core.optimizer` allocates on "cuda" in its constructor: on the CPU the policy's optimizer is
+   `AdamOverMainGrad`, torch's AdamW reading the gradients Megatron's DDP reduced into `main_grad`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 import types
 
 import torch
+
+from megatron_grpo.megatron.ddp import gradient
 
 _applied = False
 
@@ -69,3 +72,15 @@ def _on_cpu(factory):
 
     build.__name__ = factory.__name__
     return build
+
+
+class AdamOverMainGrad(torch.optim.AdamW):
+    """torch's AdamW over the gradients DDP reduced: each parameter's `.grad` is pointed at its `main_grad`
+    (a view, no copy) before the step, as Megatron's own FP32 optimizer does. Unwrapped models keep `.grad`."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.grad = gradient(param)
+        return super().step(closure)

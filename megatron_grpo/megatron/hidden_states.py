@@ -25,6 +25,8 @@ from typing import Iterator
 import torch
 from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
+from megatron_grpo.megatron.ddp import unwrapped
+
 
 class _ContiguousGrad(torch.autograd.Function):
     """Identity forward; backward passes on `grad.contiguous()` (see the module docstring)."""
@@ -58,6 +60,7 @@ class _HiddenStatesOut(torch.nn.Module):
 
 def output_weight(model: torch.nn.Module) -> torch.Tensor:
     """This rank's `[V_local, H]` output-layer weight: the tied embedding when the model shares them."""
+    model = unwrapped(model)
     if getattr(model, "share_embeddings_and_output_weights", False):
         return model.shared_embedding_or_output_weight()
     return model.output_layer.weight
@@ -79,6 +82,7 @@ def check_supported(model: torch.nn.Module) -> None:
 def without_output_layer(model: torch.nn.Module) -> Iterator[None]:
     """Inside the block, `model(...)` on the last pipeline stage returns `[b, s, h]` final hidden states
     (TP-replicated, their gradient all-reduced over TP) instead of logits. Other stages are unchanged."""
+    model = unwrapped(model)
     if not getattr(model, "post_process", False):
         yield
         return

@@ -16,17 +16,14 @@ logprob). A batch given to these functions is this data-parallel rank's share.
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_grpo.config import Config, OptimizerConfig  # noqa: F401  (Config: StepConfig.of only)
 from megatron_grpo.loss import (
@@ -36,7 +33,17 @@ from megatron_grpo.loss import (
     trained_token_mask,
     trained_token_targets,
 )
-from megatron_grpo.megatron.hidden_states import output_weight, without_output_layer
+from megatron_grpo.megatron.cpu_support import AdamOverMainGrad
+from megatron_grpo.megatron.ddp import gradient, is_ddp, zero_grads
+from megatron_grpo.megatron.forward import (
+    Batch,
+    ForwardStep,
+    from_last_stage,
+    metrics_from_last_stage,
+    model_forward,
+    run_schedule,
+)
+from megatron_grpo.megatron.hidden_states import output_weight
 from megatron_grpo.megatron.vocab import vocab_shard_of
 from megatron_grpo.ops import VocabShard, vocab_parallel_linear_logprobs, vocab_parallel_logprobs
 from megatron_grpo.scheduler import LogprobPlan
@@ -44,9 +51,7 @@ from megatron_grpo.timing import StepTimer
 
 log = logging.getLogger(__name__)
 
-Batch = Mapping[str, torch.Tensor]
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-ForwardStep = Callable[[Iterator[Batch], torch.nn.Module], tuple[torch.Tensor, Callable]]
 
 
 @dataclass(frozen=True)
@@ -86,8 +91,8 @@ class TrainStepResult:
     prev_logprobs: torch.Tensor  # what the loss's ratio used: curr_logprobs when plan.prev_from_current, else the
     #   prev pass's
     reference_policy_logprobs: torch.Tensor | None  # None when the plan skipped the reference pass
-    step_metrics: list[dict[str, float]]  # per optimizer step: the loss's metrics aggregated over microbatches
-    #   and DP ranks (on the last pipeline stage only), and `grad_norm` (before clipping) on every rank
+    step_metrics: list[dict[str, float]]  # per optimizer step, the same on every rank: the loss's metrics
+    #   aggregated over microbatches and DP ranks, `grad_norm` (before clipping), `grad_norm_after_clip`, `lr`
     passes_run: dict[str, int]  # logprob passes that ran this call, by name ("reference", "prev"); none = {}
 
 
@@ -121,11 +126,16 @@ def make_forward_step(
     the loss's gradient chunk by chunk in forward. No `top_k` / `top_p` then.
 
     `global_valid_*` count the whole optimizer step (all microbatches, all DP ranks); the loss is already
-    normalised by them, so the per-microbatch losses sum to the step's loss. With pipeline parallelism the
-    schedule calls `loss_func` on the last stage only. `loss_fn`'s metrics carry its loss as a detached
-    `"loss"` (as ClippedPGLoss's do).
+    normalised by them, so the per-microbatch losses sum to the step's loss. The loss handed to the schedule is
+    scaled by `num_microbatches` × the DP size, undoing the schedule's division by the number of microbatches
+    and the average over DP ranks of Megatron's DDP (`megatron.ddp`): with DP > 1 the model must be wrapped in
+    it. With pipeline parallelism the schedule calls `loss_func` on the last stage only. `loss_fn`'s metrics
+    carry its loss as a detached `"loss"` (as ClippedPGLoss's do).
     """
 
+    # Megatron divides the returned loss in place by num_microbatches, and DDP averages over the DP ranks: hand
+    # it a scaled copy (a new tensor, so `metrics["loss"]`, ClippedPGLoss's own detached clone, stays unscaled).
+    loss_scale = num_microbatches * parallel_state.get_data_parallel_world_size()
     # Only a set filter is passed on, so a loss that knows no sampling filter still works without one.
     sampling_filter = {name: value for name, value in (("top_k", top_k), ("top_p", top_p)) if value is not None}
     if fused_loss and not (fused_linear and hasattr(loss_fn, "on_hidden_states")):
@@ -159,7 +169,7 @@ def make_forward_step(
                   output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if fused_loss:
             loss, metrics = fused_loss_func(batch, model, output_tensor)
-            return loss * num_microbatches, metrics
+            return loss * loss_scale, metrics
         model_output = current(batch, model, output_tensor)
         loss, metrics = loss_fn(
             model_output.pop("logits"),
@@ -171,9 +181,7 @@ def make_forward_step(
             **sampling_filter,
             **model_output,
         )
-        # Megatron divides the returned loss in place by num_microbatches: hand it a scaled copy (a new tensor,
-        # so `metrics["loss"]`, ClippedPGLoss's own detached clone, keeps the unscaled value).
-        return loss * num_microbatches, metrics
+        return loss * loss_scale, metrics
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
         batch = next(data_iterator)
@@ -212,27 +220,12 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
     model.eval()
     try:
         with torch.no_grad():
-            outputs = _run_schedule(forward_step, model, microbatches, forward_only=True)
+            outputs = run_schedule(forward_step, model, microbatches, forward_only=True)
     finally:
         model.train(was_training)
     logprobs = torch.cat(outputs) if outputs else torch.empty(input_ids.shape, dtype=torch.float32,
                                                               device=input_ids.device)
-    return _from_last_stage(logprobs)
-
-
-def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, *, hidden_states: bool = False) -> torch.Tensor:
-    """GPTModel forward over positions 0..S-1 with an explicit causal mask (True = masked out).
-
-    Passing the mask keeps it on the batch's device: Megatron's default causal mask is built on "cuda".
-    `hidden_states`: the last stage returns the `[b, s, h]` final hidden states (after the final norm) instead
-    of the logits, their gradient all-reduced over TP as the output layer's input is
-    (`hidden_states.without_output_layer`).
-    """
-    seq_len = input_ids.shape[1]
-    position_ids = torch.arange(seq_len, device=input_ids.device).expand_as(input_ids)
-    causal_mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=input_ids.device).triu(diagonal=1)
-    with without_output_layer(model) if hidden_states else nullcontext():
-        return model(input_ids, position_ids, attention_mask=causal_mask[None, None])
+    return from_last_stage(logprobs)
 
 
 def _linear_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, vocab: VocabShard,
@@ -307,11 +300,11 @@ def train_step(
             grad_norm = clip_grad_norm(model, clip)
             lr = learning_rate(optimizer)  # the rate this optimizer.step() uses
             optimizer.step()
-        step_metrics.append({**_aggregate(metrics, loss_fn), "grad_norm": grad_norm,
+        step_metrics.append({**metrics_from_last_stage(_aggregate(metrics, loss_fn)), "grad_norm": grad_norm,
                              "grad_norm_after_clip": grad_norm_after_clipping(grad_norm, clip), "lr": lr})
         microbatch_metrics.extend(metrics)
 
-    curr_logprobs = _from_last_stage(
+    curr_logprobs = from_last_stage(
         torch.cat([m["curr_logprobs"] for m in microbatch_metrics]) if microbatch_metrics
         else torch.empty(batch["input_ids"].shape, dtype=torch.float32, device=batch["input_ids"].device))
     return TrainStepResult(
@@ -324,8 +317,9 @@ def train_step(
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimizerConfig) -> torch.optim.Optimizer:
-    """Adam with decoupled weight decay, as Megatron's optimizer (works on CPU and GPU; see cpu_support)."""
-    return torch.optim.AdamW(
+    """Adam with decoupled weight decay, as Megatron's optimizer, over the gradients DDP reduced (`main_grad`)
+    when the model is wrapped (see cpu_support, item 6)."""
+    return AdamOverMainGrad(
         model.parameters(),
         lr=optim.lr,
         betas=(optim.adam_beta1, optim.adam_beta2),
@@ -347,21 +341,23 @@ def _forward_backward(
     fused_linear: bool = False,
     fused_loss: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
-    """Fresh gradients of one optimizer step: Megatron's schedule over the microbatches, then the DP sum.
+    """Fresh gradients of one optimizer step: Megatron's schedule over the microbatches, which ends in DDP's
+    reduction over the DP ranks (`megatron.ddp`).
 
     Returns the loss's metrics of each microbatch (none on pipeline stages other than the last).
     """
+    if parallel_state.get_data_parallel_world_size() > 1 and not is_ddp(model):
+        raise ValueError("model: data parallelism needs the model wrapped in Megatron-Core's DistributedDataParallel "
+                         "(megatron_grpo.megatron.wrap_in_ddp), which reduces the gradients over the DP ranks")
     microbatches = _split(batch, micro_batch_size)
     tokens, seqs = _global_valid_counts(microbatches)
     forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches), global_valid_tokens=tokens,
                                      global_valid_seqs=seqs, vocab=vocab_shard_of(model),
                                      logits_temperature=logits_temperature, top_k=top_k, top_p=top_p,
                                      fused_linear=fused_linear, fused_loss=fused_loss)
-    optimizer.zero_grad()
+    zero_grads(model)
     model.train()
-    metrics = _run_schedule(forward_step, model, microbatches, forward_only=False)
-    _sum_grads_over_data_parallel(model)
-    return metrics
+    return run_schedule(forward_step, model, microbatches, forward_only=False)
 
 
 def _aggregate(microbatch_metrics: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
@@ -379,16 +375,16 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 
     Returns the norm before clipping.
     """
-    params = [p for p in model.parameters() if p.grad is not None]
-    squares = [p.grad.float().square().sum() for p in params if param_is_not_tensor_parallel_duplicate(p)]
+    grads = [(p, gradient(p)) for p in model.parameters() if gradient(p) is not None]
+    squares = [grad.float().square().sum() for p, grad in grads if param_is_not_tensor_parallel_duplicate(p)]
     total = torch.stack(squares).sum() if squares else torch.zeros((), device=_device(model))
     if parallel_state.get_model_parallel_group().size() > 1:
         dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
     norm = total.sqrt().item()
     scale = clip_coefficient(norm, max_norm)
     if scale != 1.0:
-        for p in params:
-            p.grad.mul_(scale)
+        for _, grad in grads:
+            grad.mul_(scale)
     return norm
 
 
@@ -407,26 +403,6 @@ def learning_rate(optimizer: torch.optim.Optimizer) -> float:
     """The learning rate of the optimizer's first parameter group (one that every group shares in this runner;
     Megatron logs the first group's likewise): the rate the next `optimizer.step()` uses."""
     return float(optimizer.param_groups[0]["lr"])
-
-
-def _run_schedule(forward_step: ForwardStep, model: torch.nn.Module, microbatches: list[Batch],
-                  *, forward_only: bool) -> list:
-    """One call of Megatron's forward/backward schedule; returns what the last stage's loss_func produced.
-
-    Megatron-Core 0.16 and 0.19 take these keywords; `get_forward_backward_func()` without arguments reads the
-    pipeline layout from parallel_state in both.
-    """
-    batch_size, seq_length = microbatches[0]["input_ids"].shape
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(microbatches),
-        model=model,
-        num_microbatches=len(microbatches),
-        seq_length=seq_length,
-        micro_batch_size=batch_size,
-        forward_only=forward_only,
-        collect_non_loss_data=forward_only,
-    )
 
 
 def _split(batch: Batch, micro_batch_size: int) -> list[Batch]:
@@ -464,33 +440,6 @@ def _sum_over_data_parallel(tensor: torch.Tensor) -> torch.Tensor:
     if group.size() > 1:
         tensor = tensor.clone()
         dist.all_reduce(tensor, group=group)
-    return tensor
-
-
-def _sum_grads_over_data_parallel(model: torch.nn.Module) -> None:
-    """The loss is normalised over the global batch, so the DP gradient is the sum of the ranks' gradients.
-
-    One all-reduce of all gradients flattened into one buffer, per optimizer step, instead of one per parameter.
-    """
-    group = parallel_state.get_data_parallel_group()
-    if group.size() == 1:
-        return
-    grads = [param.grad for param in model.parameters() if param.grad is not None]
-    if not grads:
-        return
-    flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        grad.copy_(summed)
-
-
-def _from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
-    """With pipeline parallelism, only the last stage computes losses and logprobs: broadcast them."""
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return tensor
-    tensor = tensor.contiguous()
-    dist.broadcast(tensor, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                   group=parallel_state.get_pipeline_model_parallel_group())
     return tensor
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state
 
+from megatron_grpo.megatron.ddp import unwrapped
 from megatron_grpo.ops import VocabShard
 
 
 def vocab_shard_of(model: torch.nn.Module) -> VocabShard:
     """This rank's shard of `model`'s vocab: Megatron splits the padded vocab evenly over the TP ranks; ids at or
     beyond `model.true_vocab_size` (our GPTModel attribute, see `megatron.model`) are padding."""
+    model = unwrapped(model)
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     local_size = model.padded_vocab_size // tp_size
     return VocabShard(

@@ -1,0 +1,145 @@
+"""The same GRPO run under every layout: TP1, TP2, PP2, TP2 × PP2 and DP2, all started through
+`policy.initial_checkpoint` from one TP1 PP1 checkpoint of the tiny model.
+
+Random initialisation is not layout-independent (each pipeline stage seeds its layers alike), so the layouts are
+compared from that checkpoint only. Each layout runs the runner's `Trainer` for three steps in-process on gloo
+ranks; `train_step` is wrapped to keep what each rank trained on. Every layout must give the first step's
+logprobs and loss to 1e-6 and its gradient norm to 1e-5 of TP1's, and the same sampled tokens and rewards over
+all three steps. The padded vocab must be equal for the weights to load: 128 columns at TP1 and TP2
+(`policy.model.make_vocab_size_divisible_by` 128 and 64).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import run_on_ranks
+from grpo_workers.launch import write_config
+
+STEPS = 3
+PADDED_VOCAB = 128
+LAYOUTS = {  # name: (TP, PP, world size)
+    "tp1": (1, 1, 1),
+    "tp2": (2, 1, 2),
+    "pp2": (1, 2, 2),
+    "tp2_pp2": (2, 2, 4),
+    "dp2": (1, 1, 2),
+}
+pytestmark = pytest.mark.slow  # 11 gloo ranks in all
+
+
+def layout_config(directory: Path, tp: int, pp: int, checkpoint: Path | None) -> Path:
+    return write_config(directory, f"tp{tp}_pp{pp}.yaml", **{
+        "policy.tensor_model_parallel_size": tp,
+        "policy.pipeline_model_parallel_size": pp,
+        "policy.model.make_vocab_size_divisible_by": PADDED_VOCAB // tp,
+        "policy.initial_checkpoint": str(checkpoint) if checkpoint is not None else None,
+        "grpo.max_num_steps": STEPS,
+        "checkpoint.every_n_steps": 0,
+    })
+
+
+def save_initial_model(rank: int, world_size: int, config: Path, directory: Path) -> None:
+    """A plain Megatron model checkpoint of the seed's TP1 PP1 weights, as a Megatron user saves one."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_grpo.config import load_config
+    from megatron_grpo.grpo.tasks import DigitTokenizer
+    from megatron_grpo.megatron import build_gpt_model, destroy_parallel, init_parallel
+
+    cfg = load_config(config)
+    init_parallel(cfg)
+    try:
+        model = build_gpt_model(cfg, DigitTokenizer().vocab_size)
+        assert model.padded_vocab_size == PADDED_VOCAB
+        directory.mkdir()
+        dist_checkpointing.save(model.sharded_state_dict(), str(directory))
+    finally:
+        destroy_parallel()
+
+
+def three_steps(rank: int, world_size: int, config: Path) -> dict:
+    """Three runner steps under this config's layout; the records, and what this rank trained on."""
+    from megatron_grpo.config import load_config
+    from megatron_grpo.grpo import loop
+    from megatron_grpo.megatron import destroy_parallel, init_parallel
+    from megatron_grpo.scheduler import plan_logprob_passes
+
+    cfg = load_config(config)
+    layout = init_parallel(cfg)
+    trained = []
+    train_step = loop.train_step
+
+    def keeping_what_was_trained(step, model, optimizer, loss_fn, plan, batch, **kwargs):
+        result = train_step(step, model, optimizer, loss_fn, plan, batch, **kwargs)
+        trained.append({"input_ids": batch["input_ids"].cpu(), "rewards": batch["rewards"].cpu(),
+                        "curr_logprobs": result.curr_logprobs.cpu()})
+        return result
+
+    loop.train_step = keeping_what_was_trained
+    try:
+        trainer = loop.Trainer.build(cfg, plan_logprob_passes(cfg), layout)
+        records = [trainer.step(step) for step in range(STEPS)]
+        return {"layout": (layout.tp_size, layout.pp_size, layout.dp_size), "dp_rank": layout.dp_rank,
+                "records": records, "trained": trained}
+    finally:
+        loop.train_step = train_step
+        destroy_parallel()
+
+
+def merged_over_data_parallel(ranks: list[dict], step: int, key: str) -> torch.Tensor:
+    """The step's `key` over the whole batch: the DP ranks' shares in DP order (their TP/PP ranks agree)."""
+    shares: dict[int, torch.Tensor] = {}
+    for rank in ranks:
+        share = rank["trained"][step][key]
+        if rank["dp_rank"] in shares:
+            assert torch.equal(shares[rank["dp_rank"]], share), f"ranks of one DP rank disagree on {key}"
+        shares[rank["dp_rank"]] = share
+    return torch.cat([shares[dp_rank] for dp_rank in sorted(shares)])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    directory = tmp_path_factory.mktemp("layouts")
+    checkpoint = directory / "initial"
+    run_on_ranks(1, save_initial_model, layout_config(directory, 1, 1, None), checkpoint)
+    return {name: run_on_ranks(world, three_steps, layout_config(directory, tp, pp, checkpoint))
+            for name, (tp, pp, world) in LAYOUTS.items()}
+
+
+def test_each_run_has_its_layout(runs):
+    for name, (tp, pp, world) in LAYOUTS.items():
+        assert {rank["layout"] for rank in runs[name]} == {(tp, pp, world // (tp * pp))}, name
+
+
+@pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "tp1"])
+def test_first_step_logprobs_loss_and_grad_norm_match_tp1(runs, name):
+    reference, other = runs["tp1"], runs[name]
+    difference = (merged_over_data_parallel(other, 0, "curr_logprobs")
+                  - merged_over_data_parallel(reference, 0, "curr_logprobs")).abs().max().item()
+    assert difference <= 1e-6
+    for rank in other:
+        first, expected = rank["records"][0], reference[0]["records"][0]
+        assert first["loss"] == pytest.approx(expected["loss"], rel=0, abs=1e-6)
+        assert first["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "tp1"])
+def test_tokens_and_rewards_of_three_steps_match_tp1(runs, name):
+    reference, other = runs["tp1"], runs[name]
+    for step in range(STEPS):
+        for key in ("input_ids", "rewards"):
+            assert torch.equal(merged_over_data_parallel(other, step, key),
+                               merged_over_data_parallel(reference, step, key)), (step, key)
+        for rank in other:
+            assert rank["records"][step]["reward_mean"] == pytest.approx(reference[0]["records"][step]["reward_mean"],
+                                                                         rel=0, abs=1e-12)
+
+
+def test_the_runs_learn_something_to_compare(runs):
+    """Not a trivial agreement: the weights moved, and the rollouts differ from step to step."""
+    (reference,) = runs["tp1"]
+    assert reference["records"][0]["grad_norm"] > 0
+    assert not torch.equal(reference["trained"][0]["input_ids"], reference["trained"][1]["input_ids"])
