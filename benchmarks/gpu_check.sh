@@ -43,10 +43,15 @@ export PYTHON="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") && trap 'rm -rf "$WORK"' EXIT
 export WORK WHEELS=.whl SITE="$WORK/site"  # WORK: this run's scratch folder (wheels' site, pytest log, ...)
-# The CUDA and CPU test files (the GPU tests are their `gpu`-marked cases); the dry run runs CPU_TESTS.
-export GPU_TESTS="${GPU_TESTS:-tests/test_gpu.py tests/test_logprob_op.py tests/test_logprob_errors.py}"
+# The CUDA and CPU test files (the GPU tests are their `gpu`-marked cases: test_gpu.py, and the op tests' cuda
+# cases of conftest's `device` fixture); the dry run runs CPU_TESTS. tests/test_bench_gpu_check.py checks that
+# GPU_TESTS names every test file with a `gpu`-marked case.
+export GPU_TESTS="${GPU_TESTS:-tests/test_gpu.py tests/test_logprob_op.py tests/test_logprob_errors.py \
+tests/test_logprob_filtered.py tests/test_logprob_temperature.py \
+tests/test_linear_logprobs.py tests/test_linear_loss.py}"
 export CPU_TESTS="${CPU_TESTS:-tests/test_logprob_op.py tests/test_logprob_errors.py}"
-# The fused linear op's GPU tests (test_gpu.py's `test_fused_linear_*`): their own step and budget, not in `tests`.
+# The fused linear op's GPU-specific tests (test_gpu.py's `test_fused_linear_*`: split-row and production shapes,
+# peak memory): their own step and budget, not in `tests`. Its small-shape cuda cases run in `tests`.
 export LINEAR_TESTS="${LINEAR_TESTS:-tests/test_gpu.py}" LINEAR_SELECT=fused_linear
 
 # Step budgets in seconds (sum 470). Each step is killed, with its child processes, at its budget.

@@ -151,12 +151,3 @@ def assert_matches_anchor(logits, targets, true_vocab, g_lp, g_h, logprob, entro
     assert bool((grad[targets < 0] == 0).all()), "ignored rows must get exactly zero gradient"
     assert_grad_close(grad, expected.grad, logits.dtype)
 
-
-def device_params() -> list:
-    """Devices for op tests that hold on every device: "cpu", and "cuda" marked `gpu` (so `pytest -m gpu` runs
-    it) and skipped with the reason where CUDA is absent."""
-    import pytest
-
-    no_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                                 reason="needs a CUDA device: torch.cuda.is_available() is False")
-    return ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, no_cuda])]

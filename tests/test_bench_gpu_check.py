@@ -34,6 +34,23 @@ def test_step_budgets_sum_to_under_480_s_and_every_step_has_one():
     assert all(name == budget.lower() == fn for name, budget, fn in run_steps)
 
 
+def files_with_gpu_tests() -> set[str]:
+    """Test files with a `gpu`-marked case: marked by hand, or a test taking conftest's `device` fixture."""
+    marked = re.compile(r"(@|= |marks=\[?)pytest\.mark\.gpu\b")
+    takes_device = re.compile(r"^def test_\w+\([^)]*\bdevice\b", flags=re.M)
+    return {f"tests/{path.name}" for path in (REPO / "tests").glob("test_*.py")
+            if marked.search(path.read_text()) or takes_device.search(path.read_text())}
+
+
+def test_gpu_tests_name_every_file_with_a_gpu_marked_case():
+    listed = re.search(r'^export GPU_TESTS="\$\{GPU_TESTS:-(.*?)\}"$', SCRIPT.read_text(), flags=re.M | re.S)
+    assert listed, "GPU_TESTS's default not found in gpu_check.sh"
+    gpu_tests = set(listed.group(1).replace("\\\n", " ").split())
+    found = files_with_gpu_tests()
+    assert {"tests/test_gpu.py", "tests/test_logprob_op.py", "tests/test_linear_logprobs.py"} <= found
+    assert found - gpu_tests == set(), "benchmarks/gpu_check.sh's GPU_TESTS misses these files' gpu-marked cases"
+
+
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
 def test_dry_run_goes_through_every_step_within_budget(tmp_path):
     out = tmp_path / "out"

@@ -1,9 +1,13 @@
 """GPU-specific cases of the CUDA logprob kernels (on a GPU machine: `pytest -m gpu`).
 
-The op's general cases (odd shapes, dtypes, padding, ignored targets, -inf, NaN, strides, offsets) run on every
-device in test_logprob_op.py and test_logprob_errors.py. This file holds what only the CUDA kernels have: rows
-split across blocks and merged, the launch heuristic's boundaries, production shapes, offsets beyond 2^31
-elements, streams, several devices, and a random-layout fuzz against the plain-torch reference on the GPU.
+The ops' general cases run on every device through conftest's `device` fixture (the cuda case marked `gpu`):
+vocab_parallel_logprobs in test_logprob_op.py (odd shapes, dtypes, padding, ignored targets, -inf, NaN, strides,
+offsets), test_logprob_errors.py, test_logprob_filtered.py (top-k/top-p) and test_logprob_temperature.py
+(logit_scale); vocab_parallel_linear_logprobs in test_linear_logprobs.py and the loss-fused path in
+test_linear_loss.py. This file holds what only the CUDA kernels have: the raw partials, rows split across blocks
+and merged (also with logit_scale), the launch heuristic's boundaries, production shapes, offsets beyond 2^31
+elements, streams, several devices, a random-layout fuzz against the plain-torch reference at sizes where rows
+split, the exp mode's refusal, and the fused linear op at split-row and production shapes with its peak memory.
 
 Every call asks for `implementation="fused"`, which raises instead of falling back. Values are checked against
 the float64 anchor of `logprob_reference` on the CPU, or, in the fuzz, against `implementation="reference"`.
@@ -21,10 +25,7 @@ from logprob_reference import assert_grad_close, assert_matches_anchor, expected
 from megatron_grpo.ops import VocabShard, fused_supports, vocab_parallel_linear_logprobs, vocab_parallel_logprobs
 from test_linear_logprobs import Anchor, assert_matches  # its fp32 / bf16 tolerance model
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: torch.cuda.is_available() is False"),
-]
+pytestmark = pytest.mark.gpu  # conftest skips it, with the reason, where there is no CUDA device
 
 DEVICE = "cuda"  # every case runs here (a module constant, so that the helpers can be checked on the CPU too)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -86,8 +87,12 @@ def test_cuda_kernels_are_built():
     assert cuda_ops().compiled_with_cuda()
 
 
-@pytest.mark.parametrize("with_entropy", [False, True])
-@pytest.mark.parametrize("rows,vocab", [(257, 50257), (7, 50257), (1, 50257), (3, 131072)])
+# (rows, vocab, with_entropy); 1 and 7 rows of 50257 with entropy run as test_logprob_op's cuda cases.
+SPLIT_ROW_CASES = [(257, 50257, False), (257, 50257, True), (3, 131072, False), (3, 131072, True),
+                   (7, 50257, False), (1, 50257, False)]
+
+
+@pytest.mark.parametrize("rows,vocab,with_entropy", SPLIT_ROW_CASES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rows_split_across_blocks_match_anchor(dtype, rows, vocab, with_entropy):
     """Few rows of many columns: forward splits each row across blocks and merges their partials."""
@@ -351,12 +356,13 @@ def test_random_layouts_match_the_reference_on_the_gpu(seed):
 
 
 @pytest.mark.parametrize("top_k,top_p", [(None, None), (9, 0.8)])
-@pytest.mark.parametrize("rows,vocab", [(7, 50257), (1100, 1000)])  # rows split across blocks, and not
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_logit_scale_matches_the_tempered_anchor(dtype, rows, vocab, top_k, top_p):
-    """logit_scale inside the kernels (forward, split merge and backward) against softmax(scale * x) in float64."""
+def test_logit_scale_in_rows_split_across_blocks(dtype, top_k, top_p):
+    """logit_scale inside the kernels' split merge (7 rows of 50257 columns, each split across many blocks)
+    against softmax(scale * x) in float64; smaller shapes run as test_logprob_temperature's cuda cases."""
     from test_logprob_temperature import anchor, check
 
+    rows, vocab = 7, 50257
     scale, true_vocab = 1 / 0.7, vocab - vocab // 7
     logits, targets = gpu_case(rows, vocab, true_vocab, dtype, seed=rows + vocab)
     g_lp, g_h = upstream_grads(rows, seed=rows)
@@ -377,10 +383,11 @@ def test_exp_mode_is_refused_by_name_on_cuda():
 
 
 # ==================== fused linear logprobs (vocab_parallel_linear_logprobs) on CUDA ====================
-# The op's general cases (TP over gloo, bad inputs, collective counts) run on the CPU in test_linear_logprobs.py.
-# Here: the CUDA kernels inside the op's chunked GEMM loop against a float64 anchor computed on the GPU, a
-# production-like shape with its gradients, and the memory the op exists to save. Every test name starts with
-# `test_fused_linear_`: benchmarks/gpu_check.sh runs them as their own step (`-k fused_linear`).
+# The op's general cases run on every device in test_linear_logprobs.py (its one-rank anchor comparisons; TP over
+# gloo, bad inputs and collective counts on the CPU). Here: the CUDA kernels inside the op's chunked GEMM loop, at
+# shapes whose rows split across blocks, against a float64 anchor computed on the GPU, a production-like shape
+# with its gradients, the memory the op exists to save, and the loss-fused path in bf16. Every test name starts
+# with `test_fused_linear_`: benchmarks/gpu_check.sh runs them as their own step (`-k fused_linear`).
 
 
 def linear_case_on(device, rows: int, hidden_size: int, local_vocab: int, vocab_start: int, true_vocab: int,
@@ -494,14 +501,15 @@ def check_linear_case(rows, hidden_size, local_vocab, vocab_start, true_vocab, s
     return float((result[0].double() - expected.logprob).abs().max())
 
 
-# (T, H, V_local, vocab_start, true vocab, logit_scale, chunk_rows, entropy): chunk sizes that do not divide the
-# trained rows (750 trained rows in chunks of 333; 193 in chunks of 100), the default chunk, one-row chunks, a
-# shard with a padded tail at a vocab offset (TP rank 1 of 2), no padding, no entropy, logit_scale != 1.
+# (T, H, V_local, vocab_start, true vocab, logit_scale, chunk_rows, entropy), each with rows split across blocks
+# inside the chunk loop: chunk sizes that do not divide the trained rows (750 trained rows in chunks of 333; 193
+# in chunks of 100), the default chunk, a shard with a padded tail at a vocab offset (TP rank 1 of 2), no
+# padding, no entropy, logit_scale != 1. Small shapes (one-row chunks, ...) run as test_linear_logprobs's cuda
+# cases.
 FUSED_LINEAR_CASES = [
     (1000, 256, 5003, 0, 4990, 1 / 0.7, 333, True),
     (515, 128, 32771, 32771, 2 * 32771 - 71, 1.0, None, True),
     (257, 64, 50257, 0, 50257, 2.0, 100, False),
-    (5, 32, 7, 0, 7, 1.0, 1, True),
 ]
 
 
@@ -577,17 +585,15 @@ def test_fused_linear_peak_memory_stays_far_below_the_logits(ignore_every):
     assert fused_extra <= materialised_extra / 3, mib
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_linear_loss_fused_path_matches_the_materialised_loss(dtype):
-    """`ClippedPGLoss.on_hidden_states` with the CUDA kernels against the materialised loss in float64."""
+def test_fused_linear_loss_fused_path_in_bf16_matches_the_materialised_loss():
+    """`ClippedPGLoss.on_hidden_states` with the CUDA kernels in bf16 against the materialised loss in float64
+    (float32 runs as test_linear_loss's cuda cases)."""
     from _loss_inputs import loss_config
-    from test_linear_loss import SETTINGS, VOCAB, assert_same, fused, make_problem, materialised
+    from test_linear_loss import SETTINGS, VOCAB, assert_same, fused_on, make_problem, materialised
 
     cfg = loss_config(**SETTINGS["entropy, KL, VAPO"])
     hidden, weight, batch = make_problem(seed=9, dtype=torch.float64)
     shard = VocabShard(true_vocab_size=VOCAB)
     want = materialised(cfg, hidden, weight, batch, shard)
-    on_gpu = {key: value.to(DEVICE) for key, value in batch.items()}
-    got = fused(cfg, hidden.to(DEVICE, dtype), weight.to(DEVICE, dtype), on_gpu, shard, chunk_rows=7)
-    assert_same(tuple(t.cpu() if isinstance(t, torch.Tensor) else {k: v.cpu() for k, v in t.items()} for t in got),
-                want, 1e-4 if dtype == torch.float32 else 3e-2, f"loss-fused on CUDA {dtype}")
+    got = fused_on(DEVICE, cfg, hidden.to(torch.bfloat16), weight.to(torch.bfloat16), batch, shard, chunk_rows=7)
+    assert_same(got, want, 3e-2, "loss-fused on CUDA bf16")

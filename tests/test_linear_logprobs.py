@@ -1,7 +1,9 @@
 """vocab_parallel_linear_logprobs against an independent float64 anchor: logits = scale * hidden @ weight.T in
 float64, then `expected_logprobs` on the full, unpadded vocab, and float64 autograd for the gradients of hidden
 and weight. On 1, 2 and 4 gloo ranks, with padding, a rank that is all padding, ignored rows, entropy,
-logit_scale != 1, odd chunk sizes, fp32 and bf16, the collective count, and every bad input's message."""
+logit_scale != 1, odd chunk sizes, fp32 and bf16, the collective count, and every bad input's message.
+The one-rank comparisons with the anchor run on every device (conftest's `device`: the cpu case, and the cuda case
+marked `gpu`); the CUDA kernels at larger shapes, with rows split across blocks, are in test_gpu.py."""
 
 from __future__ import annotations
 
@@ -68,16 +70,18 @@ def anchor(hidden, weight, targets, true_vocab, scale, g_lp, g_h) -> Anchor:
     )
 
 
-def run_op(hidden, weight, targets, g_lp, g_h, **kwargs):
-    """Forward and backward of the op on fresh leaves: (logprob, entropy or None, grad hidden, grad weight)."""
-    hidden = hidden.clone().requires_grad_(True)
-    weight = weight.clone().requires_grad_(True)
+def run_op(hidden, weight, targets, g_lp, g_h, device="cpu", **kwargs):
+    """Forward and backward of the op on fresh leaves on `device`, from CPU inputs: (logprob, entropy or None,
+    grad hidden, grad weight), on the CPU."""
+    hidden = hidden.to(device, copy=True).requires_grad_(True)
+    weight = weight.to(device, copy=True).requires_grad_(True)
     with_entropy = g_h is not None
-    out = vocab_parallel_linear_logprobs(hidden, weight, targets, with_entropy=with_entropy, **kwargs)
+    out = vocab_parallel_linear_logprobs(hidden, weight, targets.to(device), with_entropy=with_entropy, **kwargs)
     logprob, entropy = out if with_entropy else (out, None)
-    objective = (logprob * g_lp).sum() + ((entropy * g_h).sum() if with_entropy else 0)
+    objective = (logprob * g_lp.to(device)).sum() + ((entropy * g_h.to(device)).sum() if with_entropy else 0)
     objective.backward()
-    return logprob.detach(), None if entropy is None else entropy.detach(), hidden.grad, weight.grad
+    return (logprob.detach().cpu(), None if entropy is None else entropy.detach().cpu(), hidden.grad.cpu(),
+            weight.grad.cpu())
 
 
 def assert_matches(logprob, entropy, grad_hidden, grad_weight, targets, true_vocab, dtype, expected: Anchor,
@@ -133,17 +137,16 @@ SINGLE_RANK_CASES = [
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", SINGLE_RANK_CASES, ids=lambda c: f"T{c[0]}-V{c[2]}-chunk{c[5]}")
-def test_single_rank_matches_float64_anchor(case, dtype, implementation):
+def test_single_rank_matches_float64_anchor(case, dtype, implementation, device):
     shape, hidden_size, vocab, true_vocab, scale, chunk_rows, entropy = case
     hidden, weight, targets, g_lp, g_h = make_linear_case(shape, hidden_size, vocab, true_vocab, dtype,
                                                            seed=SINGLE_RANK_CASES.index(case))
     g_h = g_h if entropy else None
     expected = anchor(hidden, weight, targets, true_vocab, scale, g_lp, g_h)
-    result = run_op(hidden, weight, targets, g_lp, g_h, shard=VocabShard(true_vocab_size=true_vocab),
-                    logit_scale=scale,
-                    chunk_rows=chunk_rows, implementation=implementation)
+    result = run_op(hidden, weight, targets, g_lp, g_h, device, shard=VocabShard(true_vocab_size=true_vocab),
+                    logit_scale=scale, chunk_rows=chunk_rows, implementation=implementation)
     assert result[0].shape == targets.shape and result[2].shape == hidden.shape
-    assert_matches(*result, targets, true_vocab, dtype, expected, label=f"{case} {dtype} {implementation}")
+    assert_matches(*result, targets, true_vocab, dtype, expected, label=f"{case} {dtype} {implementation} {device}")
 
 
 def test_float64_takes_the_reference_kernels_and_matches_tightly():
@@ -299,13 +302,16 @@ def test_top_level_export():
 FILTERS = [(1, None), (6, None), (None, 0.7), (4, 0.8)]
 
 
-def filtered_run(hidden, weight, targets, g_lp, g_h, shard, top_k, top_p, chunk_rows):
-    """The op with a sampling filter, forward and backward (a filtered target's -inf logprob passes no gradient)."""
-    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    logprob, entropy = vocab_parallel_linear_logprobs(h, w, targets, shard=shard, with_entropy=True, top_k=top_k,
-                                                      top_p=top_p, logit_scale=1.3, chunk_rows=chunk_rows)
+def filtered_run(hidden, weight, targets, g_lp, g_h, shard, top_k, top_p, chunk_rows, device="cpu"):
+    """The op with a sampling filter, forward and backward on `device` (a filtered target's -inf logprob passes
+    no gradient); results on the CPU."""
+    h, w = hidden.to(device, copy=True).requires_grad_(True), weight.to(device, copy=True).requires_grad_(True)
+    logprob, entropy = vocab_parallel_linear_logprobs(h, w, targets.to(device), shard=shard, with_entropy=True,
+                                                      top_k=top_k, top_p=top_p, logit_scale=1.3,
+                                                      chunk_rows=chunk_rows)
+    g_lp, g_h = g_lp.to(device), g_h.to(device)
     (torch.where(torch.isfinite(logprob), logprob, 0.0) * g_lp + entropy * g_h).sum().backward()
-    return logprob.detach(), entropy.detach(), h.grad, w.grad
+    return logprob.detach().cpu(), entropy.detach().cpu(), h.grad.cpu(), w.grad.cpu()
 
 
 def check_filtered(result, hidden, weight, targets, g_lp, g_h, true_vocab, top_k, top_p, label):
@@ -334,11 +340,12 @@ def check_filtered(result, hidden, weight, targets, g_lp, g_h, true_vocab, top_k
 
 
 @pytest.mark.parametrize("top_k, top_p", FILTERS)
-def test_filtered_logprobs_match_the_float64_reference(top_k, top_p):
+def test_filtered_logprobs_match_the_float64_reference(top_k, top_p, device):
     hidden, weight, targets, g_lp, g_h = make_linear_case((29,), 12, 40, 37, torch.float32, seed=31)
     result = filtered_run(hidden, weight, targets, g_lp, g_h, VocabShard(true_vocab_size=37), top_k, top_p,
-                          chunk_rows=6)
-    check_filtered(result, hidden, weight, targets, g_lp, g_h, 37, top_k, top_p, f"top_k={top_k} top_p={top_p}")
+                          chunk_rows=6, device=device)
+    check_filtered(result, hidden, weight, targets, g_lp, g_h, 37, top_k, top_p,
+                   f"{device} top_k={top_k} top_p={top_p}")
 
 
 def filtered_tp_worker(rank, world, v_local, true_vocab):

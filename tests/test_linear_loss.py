@@ -1,7 +1,8 @@
 """The loss-fused linear path (`ClippedPGLoss.on_hidden_states`) against the materialised loss (`logits = scale *
 hidden @ weight.T`, then `ClippedPGLoss`) in float64, across loss settings that couple a sequence's tokens (GSPO,
 sequence-mean aggregation) or add per-token terms (KL, entropy bonus, VAPO), with padded vocab, untrained tokens,
-several chunk sizes, and at TP = 2 against the full vocab."""
+several chunk sizes, and at TP = 2 against the full vocab. The float32 comparison runs on every device (conftest's
+`device`: the cpu case, and the cuda case marked `gpu`)."""
 
 from __future__ import annotations
 
@@ -81,13 +82,21 @@ def test_loss_fused_equals_the_materialised_loss_in_float64(setting, chunk_rows)
     assert_same(fused(cfg, hidden, weight, batch, shard, chunk_rows), want, 1e-10, f"{setting} chunk={chunk_rows}")
 
 
+def fused_on(device, cfg, hidden, weight, batch, shard, chunk_rows):
+    """`fused` on `device` from CPU inputs; its results on the CPU."""
+    on_device = {key: value.to(device) for key, value in batch.items()}
+    loss, metrics, grad_hidden, grad_weight = fused(cfg, hidden.to(device), weight.to(device), on_device, shard,
+                                                    chunk_rows)
+    return loss.cpu(), {name: value.cpu() for name, value in metrics.items()}, grad_hidden.cpu(), grad_weight.cpu()
+
+
 @pytest.mark.parametrize("setting", SETTINGS)
-def test_loss_fused_in_float32_matches_float64(setting):
+def test_loss_fused_in_float32_matches_float64(setting, device):
     cfg = loss_config(**SETTINGS[setting])
     hidden, weight, batch = make_problem(seed=5, dtype=torch.float32)
     shard = VocabShard(true_vocab_size=VOCAB)
     want = materialised(cfg, hidden.double(), weight.double(), batch, shard)
-    assert_same(fused(cfg, hidden, weight, batch, shard, chunk_rows=8), want, 1e-4, setting)
+    assert_same(fused_on(device, cfg, hidden, weight, batch, shard, chunk_rows=8), want, 1e-4, f"{setting} {device}")
 
 
 def tp_worker(rank, world, setting):

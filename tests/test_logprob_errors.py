@@ -1,16 +1,14 @@
 """Bad input to vocab_parallel_logprobs: a ValueError that names the problem, never a silent wrong answer.
 
-Each case runs on the CPU and, where CUDA is present, on the GPU (the cuda cases are marked `gpu`)."""
+Each case runs on the CPU and, where CUDA is present, on the GPU (conftest's `device`; the cuda cases are marked
+`gpu`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from logprob_reference import device_params
 from megatron_grpo.ops import VocabShard, vocab_parallel_logprobs
-
-pytestmark = pytest.mark.parametrize("device", device_params())
 
 
 def logits_and_targets(device, rows=4, vocab=10):

@@ -1,7 +1,8 @@
 """vocab_parallel_logprobs with top_k / top_p against an independent float64 reference of the filtered
 distribution (tests/logprob_reference.py sorts; the op uses thresholds), on one rank and on 2 and 4 gloo ranks,
 with padding, ties, ignored targets, k = 1, k >= V, p = 1 and odd shapes; plus the gradient buffer's
-alignment and the op's argument errors."""
+alignment and the op's argument errors. The one-rank cases that hold on any device run on every device
+(conftest's `device`: the cpu case, and the cuda case marked `gpu`)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,6 @@ from logprob_reference import (assert_grad_close, expected_filtered_logprobs, ex
                                upstream_grads)
 from megatron_grpo.ops import VocabShard, vocab_parallel_logprobs
 
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")),
-]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (top_k, top_p): k = 1 (greedy), k in the middle, k >= V, p = 1 (no filter), p alone, both.
 FILTERS = [(1, None), (7, None), (10_000, None), (None, 1.0), (None, 0.9), (None, 0.3), (5, 0.6), (10_000, 0.95)]
@@ -48,7 +45,6 @@ def check_against_reference(logprob, entropy, grad, full, targets, true_vocab, t
     return expected
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("implementation", ["fused", "reference"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_filtered_logprobs_match_the_float64_reference(device, implementation, dtype):
@@ -74,33 +70,37 @@ def test_filtered_logprobs_match_the_float64_reference(device, implementation, d
             torch.testing.assert_close(expected.logprob, unfiltered.logprob)
 
 
-def test_float64_logits_on_the_reference_path():
+def test_float64_logits_on_the_reference_path(device):
     """float64 logits select their top-p threshold over 64-bit patterns (8 radix passes)."""
     full, targets = tied_case(29, 70, 64, torch.float64, seed=9)
     full[:, :64] += torch.randn(29, 64, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 1e-9
+    g_lp, g_h = upstream_grads(29, 1)
     for top_k, top_p in [(None, 0.7), (9, 0.5), (1, None)]:
-        x = full.clone().requires_grad_(True)
-        logprob, entropy = vocab_parallel_logprobs(x, targets, shard=VocabShard(true_vocab_size=64), with_entropy=True,
-                                                   top_k=top_k, top_p=top_p, implementation="reference")
-        g_lp, g_h = upstream_grads(29, 1)
-        (torch.where(torch.isfinite(logprob), logprob, 0.0) * g_lp + entropy * g_h).sum().backward()
-        check_against_reference(logprob.detach(), entropy.detach(), x.grad, full, targets, 64, top_k, top_p,
-                                torch.float64, f"float64 top_k={top_k} top_p={top_p}")
+        x = full.to(device, copy=True).requires_grad_(True)
+        logprob, entropy = vocab_parallel_logprobs(x, targets.to(device), shard=VocabShard(true_vocab_size=64),
+                                                   with_entropy=True, top_k=top_k, top_p=top_p,
+                                                   implementation="reference")
+        objective = torch.where(torch.isfinite(logprob), logprob, 0.0) * g_lp.to(device) + entropy * g_h.to(device)
+        objective.sum().backward()
+        check_against_reference(logprob.detach(), entropy.detach(), x.grad.cpu(), full, targets, 64, top_k, top_p,
+                                torch.float64, f"{device} float64 top_k={top_k} top_p={top_p}")
 
 
 @pytest.mark.parametrize("implementation", ["fused", "reference"])
-def test_a_nan_logit_poisons_its_own_row_only_under_a_filter(implementation):
+def test_a_nan_logit_poisons_its_own_row_only_under_a_filter(implementation, device):
     full, targets = make_case(6, 20, 20, torch.float32, seed=3, ignore_every=0)
     full[2, 5] = float("nan")
     for top_k, top_p in [(4, None), (None, 0.8), (3, 0.9)]:
-        logprob = vocab_parallel_logprobs(full, targets, top_k=top_k, top_p=top_p, implementation=implementation)
+        logprob = vocab_parallel_logprobs(full.to(device), targets.to(device), top_k=top_k, top_p=top_p,
+                                          implementation=implementation).cpu()
         assert bool(torch.isnan(logprob[2])), (top_k, top_p)
         expected = expected_filtered_logprobs(full[[0, 1, 3, 4, 5]], targets[[0, 1, 3, 4, 5]], 20, top_k, top_p)
         torch.testing.assert_close(logprob[[0, 1, 3, 4, 5]].double(), expected.logprob, atol=2e-5, rtol=0)
 
 
-def test_filters_that_keep_everything_take_the_unfiltered_path_bit_for_bit():
+def test_filters_that_keep_everything_take_the_unfiltered_path_bit_for_bit(device):
     full, targets = make_case(9, 40, 33, torch.float32, seed=2)
+    full, targets = full.to(device), targets.to(device)
     plain = vocab_parallel_logprobs(full, targets, shard=VocabShard(true_vocab_size=33), with_entropy=True)
     for top_k, top_p in [(33, None), (None, 1.0), (10**6, 1.0)]:
         same = vocab_parallel_logprobs(full, targets, shard=VocabShard(true_vocab_size=33), with_entropy=True,

@@ -1,8 +1,8 @@
 """vocab_parallel_logprobs on one rank (TP shards emulated with vocab_start_index) against the float64 anchor.
 
-Every case that holds on any device runs on the CPU and, where CUDA is present, on the GPU (`device`; the cuda
-cases are marked `gpu`). Inputs are built on the CPU, run on the device, and compared on the CPU. GPU-only cases
-(split rows, launch boundaries, streams, production shapes) are in test_gpu.py.
+Every case that holds on any device runs on the CPU and, where CUDA is present, on the GPU (conftest's `device`;
+the cuda cases are marked `gpu`). Inputs are built on the CPU, run on the device, and compared on the CPU.
+GPU-only cases (split rows, launch boundaries, streams, production shapes) are in test_gpu.py.
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ import torch
 from logprob_reference import (
     assert_grad_close,
     assert_matches_anchor,
-    device_params,
     expected_logprobs,
     make_case,
 )
 from megatron_grpo.ops import VocabShard, extension_status, vocab_parallel_logprobs
 
-DEVICES = device_params()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 IMPLEMENTATIONS = ["fused", "reference"]
 # Odd shapes; the 50257-wide vocab runs with fewer rows to keep the float64 anchor cheap.
@@ -51,7 +49,6 @@ def run_op(logits, targets, implementation, device="cpu", *, with_entropy=True, 
 
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,vocab", SHAPES)
@@ -64,7 +61,6 @@ def test_matches_float64_anchor(rows, vocab, dtype, implementation, device):
     assert_matches_anchor(logits, targets, true_vocab, g_lp, g_h, logprob, entropy, grad)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_shard_at_an_offset_normalises_over_its_own_real_columns(implementation, device):
     """Without a group, a shard at vocab_start_index is its own softmax: owned targets finite, others -inf."""
@@ -83,7 +79,6 @@ def test_shard_at_an_offset_normalises_over_its_own_real_columns(implementation,
     assert bool((logprob[~owned] == float("-inf")).all())
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_shard_at_an_offset_gradient(dtype, device):
     """A shard at vocab_start_index with a padded tail: owned targets match the anchor over the shard's own
@@ -106,7 +101,6 @@ def test_shard_at_an_offset_gradient(dtype, device):
     assert bool((grad[:, valid:] == 0).all())
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_float64_gradcheck_with_padding_ignored_rows_and_entropy(device):
     logits, targets = make_case(5, 6, 4, torch.float64, seed=3, ignore_every=3, padding_value=0.5)
     x = logits.to(device).requires_grad_(True)
@@ -123,7 +117,6 @@ def test_float64_gradcheck_with_padding_ignored_rows_and_entropy(device):
     )
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fused_and_reference_agree(dtype, device):
     logits, targets = make_case(129, 2053, 2000, dtype, seed=11)
@@ -134,7 +127,6 @@ def test_fused_and_reference_agree(dtype, device):
     assert_grad_close(fused[2], ref[2].double(), dtype, roundings=2)  # both sides rounded into dtype
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_inplace_backward_gives_the_same_gradient(implementation, device):
     logits, targets = make_case(65, 1000, 990, torch.bfloat16, seed=2)
@@ -152,7 +144,6 @@ def test_inplace_backward_gives_the_same_gradient(implementation, device):
     torch.testing.assert_close(grads[0], grads[1], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_inplace_backward_fails_loudly_when_logits_are_still_needed(device):
     """x * x saves x for its own backward; if the op overwrites x first, autograd must refuse, not corrupt."""
     logits, targets = make_case(9, 31, 31, torch.float32, seed=4)
@@ -164,7 +155,6 @@ def test_inplace_backward_fails_loudly_when_logits_are_still_needed(device):
         (squares + logprob.sum()).backward()
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_inplace_backward_is_exact_when_other_users_of_the_logits_ran_first(device):
     logits, targets = make_case(9, 31, 31, torch.float32, seed=4)
     grads = []
@@ -177,7 +167,6 @@ def test_inplace_backward_is_exact_when_other_users_of_the_logits_ran_first(devi
     torch.testing.assert_close(grads[0], grads[1], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_input_logits_are_never_written(implementation, device):
     logits, targets = make_case(17, 300, 280, torch.float32, seed=6)
@@ -189,7 +178,6 @@ def test_input_logits_are_never_written(implementation, device):
     assert torch.equal(x.detach().cpu(), logits)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_padding_only_shard_is_legal_and_finite(implementation, device):
     logits, targets = make_case(8, 5, 5, torch.float32, seed=7, ignore_every=0)
@@ -204,7 +192,6 @@ def test_padding_only_shard_is_legal_and_finite(implementation, device):
     assert bool((x.grad == 0).all())
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_minus_inf_logits_are_masked_tokens(dtype, implementation, device):
@@ -222,7 +209,6 @@ def test_minus_inf_logits_are_masked_tokens(dtype, implementation, device):
     assert bool((grad[mask] == 0).all())
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
 def test_nan_or_inf_poisons_only_its_own_row(implementation, poison, device):
@@ -238,7 +224,6 @@ def test_nan_or_inf_poisons_only_its_own_row(implementation, poison, device):
     torch.testing.assert_close(grad[others], clean_grad[others], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_non_contiguous_and_batched_inputs(implementation, device):
     logits, targets = make_case(2 * 9, 401, 401, torch.float32, seed=10)
@@ -254,7 +239,6 @@ def test_non_contiguous_and_batched_inputs(implementation, device):
     torch.testing.assert_close(out_t.cpu().t().reshape(-1).double(), expected, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_strided_vocab_dim_with_gradient(dtype, device):
     """[B, S, V] logits whose vocab dim is strided (a permuted [V, S, B] buffer): values and gradient."""
@@ -267,7 +251,6 @@ def test_strided_vocab_dim_with_gradient(dtype, device):
                           entropy.reshape(-1), grad.reshape(-1, cols))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("inplace_backward", [False, True])
 @pytest.mark.parametrize("rows,cols", [(7, 1000), (257, 3), (3, 50257)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -289,7 +272,6 @@ def test_rows_not_16_byte_aligned(dtype, rows, cols, inplace_backward, device):
                           leaf.grad.cpu())
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_only_logprob_gradient_when_entropy_is_not_requested(device):
     logits, targets = make_case(31, 257, 250, torch.float16, seed=12)
     logprob, _, grad, g_lp, _ = run_op(logits, targets, "fused", device, with_entropy=False,

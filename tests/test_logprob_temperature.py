@@ -1,6 +1,7 @@
 """vocab_parallel_logprobs with `logit_scale` (1 / temperature) against the float64 anchor of softmax(scale * x),
 on one rank and on 2 gloo ranks: padded vocab, ignored rows, entropy, top-k/top-p on the tempered distribution,
-both implementations, fp32 and bf16. The anchor's gradient is d/dx = scale * d/dz (chain rule, by autograd)."""
+both implementations, fp32 and bf16. The anchor's gradient is d/dx = scale * d/dz (chain rule, by autograd).
+The one-rank cases run on every device (conftest's `device`: the cpu case, and the cuda case marked `gpu`)."""
 
 from __future__ import annotations
 
@@ -44,48 +45,52 @@ def check(logprob, entropy, grad, expected, targets, true_vocab, dtype, label=""
     assert_grad_close(grad, expected.grad, dtype, roundings)
 
 
-def run(full, targets, true_vocab, scale, *, implementation, top_k=None, top_p=None, inplace_backward=False,
-        seed=0):
+def run(full, targets, true_vocab, scale, *, implementation, device, top_k=None, top_p=None,
+        inplace_backward=False, seed=0):
+    """Forward and backward on `device` of CPU-built inputs; (logprob, entropy, grad) on the CPU, and the
+    upstream gradients."""
     gen = torch.Generator().manual_seed(seed)
     g_lp, g_h = torch.randn(targets.shape, generator=gen), torch.randn(targets.shape, generator=gen)
-    x = full.clone().requires_grad_(True)
+    x = full.to(device, copy=True).requires_grad_(True)
     logprob, entropy = vocab_parallel_logprobs(
-        x, targets, shard=VocabShard(true_vocab_size=true_vocab), with_entropy=True, implementation=implementation,
-        logit_scale=scale, top_k=top_k, top_p=top_p, inplace_backward=inplace_backward,
+        x, targets.to(device), shard=VocabShard(true_vocab_size=true_vocab), with_entropy=True,
+        implementation=implementation, logit_scale=scale, top_k=top_k, top_p=top_p, inplace_backward=inplace_backward,
     )
     finite = torch.isfinite(logprob)
-    ((torch.where(finite, logprob, 0.0) * g_lp).sum() + (entropy * g_h).sum()).backward()
-    return logprob.detach(), entropy.detach(), x.grad, g_lp, g_h
+    ((torch.where(finite, logprob, 0.0) * g_lp.to(device)).sum() + (entropy * g_h.to(device)).sum()).backward()
+    return logprob.detach().cpu(), entropy.detach().cpu(), x.grad.cpu(), g_lp, g_h
 
 
 @pytest.mark.parametrize("implementation", ["fused", "reference"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("rows,padded,true_vocab", [(7, 1000, 990), (33, 4099, 4000)])
-def test_scaled_logits_match_the_float64_anchor(rows, padded, true_vocab, scale, dtype, implementation):
+def test_scaled_logits_match_the_float64_anchor(rows, padded, true_vocab, scale, dtype, implementation, device):
     full, targets = make_case(rows, padded, true_vocab, dtype, seed=rows + padded)
-    logprob, entropy, grad, g_lp, g_h = run(full, targets, true_vocab, scale, implementation=implementation)
+    logprob, entropy, grad, g_lp, g_h = run(full, targets, true_vocab, scale, implementation=implementation,
+                                            device=device)
     check(logprob, entropy, grad, anchor(full, targets, true_vocab, scale, None, None, g_lp, g_h), targets,
           true_vocab, dtype)
 
 
 @pytest.mark.parametrize("inplace_backward", [False, True])
-def test_scale_one_is_the_unscaled_op_bit_for_bit(inplace_backward):
+def test_scale_one_is_the_unscaled_op_bit_for_bit(inplace_backward, device):
     full, targets = make_case(9, 515, 500, torch.float32, seed=3)
-    plain = run(full, targets, 500, 1.0, implementation="fused", inplace_backward=inplace_backward)
-    unscaled = vocab_parallel_logprobs(full, targets, shard=VocabShard(true_vocab_size=500), implementation="fused")
-    assert torch.equal(plain[0], unscaled)
+    plain = run(full, targets, 500, 1.0, implementation="fused", device=device, inplace_backward=inplace_backward)
+    unscaled = vocab_parallel_logprobs(full.to(device), targets.to(device), shard=VocabShard(true_vocab_size=500),
+                                       implementation="fused")
+    assert torch.equal(plain[0], unscaled.cpu())
 
 
 @pytest.mark.parametrize("implementation", ["fused", "reference"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("top_k,top_p", [(7, None), (None, 0.9), (5, 0.6)])
-def test_top_k_top_p_select_on_the_tempered_distribution(top_k, top_p, dtype, implementation):
+def test_top_k_top_p_select_on_the_tempered_distribution(top_k, top_p, dtype, implementation, device):
     rows, padded, true_vocab, scale = 37, 131, 120, 1 / 0.7
     full, targets = make_case(rows, padded, true_vocab, dtype, seed=11)
     targets[::2] = torch.where(targets[::2] >= 0, full[::2, :true_vocab].float().argmax(-1), targets[::2])
     logprob, entropy, grad, g_lp, g_h = run(full, targets, true_vocab, scale, implementation=implementation,
-                                            top_k=top_k, top_p=top_p)
+                                            device=device, top_k=top_k, top_p=top_p)
     expected = anchor(full, targets, true_vocab, scale, top_k, top_p, g_lp, g_h)
     check(logprob, entropy, grad, expected, targets, true_vocab, dtype, f"top_k={top_k} top_p={top_p}")
     if top_p is not None:  # the temperature changes which tokens top-p keeps
