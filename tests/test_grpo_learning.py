@@ -1,6 +1,9 @@
-"""The tiny config learns by RL alone: a bounded TP=1 run with a fixed seed raises the mean reward, on the fused
-linear path with the loss-fused training step (`policy.fused_linear_logprobs`, `policy.fused_linear_loss`); the
-materialised-logits path learns in the off-policy learning tests."""
+"""The tiny config learns by RL alone, under data and pipeline parallelism: with a fixed seed, the mean reward of
+the first 10 steps is at most 0.2, and some 10-step window reaches 0.9 within 120 steps, as the demo does.
+
+DP = 2 (TP 1) trains on the loss-fused path (`policy.fused_linear_loss`); TP = 2 × PP = 2 (4 ranks) on the fused
+op (the demo's path); the materialised-logits path learns in the off-policy learning tests.
+"""
 
 from __future__ import annotations
 
@@ -9,22 +12,28 @@ import pytest
 from megatron_grpo.grpo.reporting import read_metrics
 from grpo_workers.launch import run, torchrun_command, write_config
 
-STEPS = 60
+STEPS = 120
+WINDOW = 10
 pytestmark = pytest.mark.slow  # torchrun jobs, end to end
 
+LAYOUTS = {
+    "dp2": ({"policy.tensor_model_parallel_size": 1, "policy.fused_linear_loss": True}, 2),
+    "tp2_pp2": ({"policy.tensor_model_parallel_size": 2, "policy.pipeline_model_parallel_size": 2}, 4),
+}
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
+
+def window_means(values: list[float]) -> list[float]:
+    return [sum(values[end - WINDOW:end]) / WINDOW for end in range(WINDOW, len(values) + 1)]
 
 
-def test_reward_rises_within_sixty_steps(tmp_path):
-    config = write_config(tmp_path, **{"policy.tensor_model_parallel_size": 1, "grpo.max_num_steps": STEPS,
-                                       "checkpoint.every_n_steps": 0, "policy.fused_linear_logprobs": True,
-                                       "policy.fused_linear_loss": True})
-    code, output = run(torchrun_command(config, nproc=1), tmp_path / "log.txt")
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_reward_rises_from_at_most_0_2_to_0_9(tmp_path, name):
+    overrides, nproc = LAYOUTS[name]
+    config = write_config(tmp_path, **overrides, **{"grpo.max_num_steps": STEPS, "checkpoint.every_n_steps": 0})
+    code, output = run(torchrun_command(config, nproc=nproc), tmp_path / "log.txt", timeout=400)
     assert code == 0, output
     rewards = [record["reward_mean"] for record in read_metrics(tmp_path / "run")]
     assert len(rewards) == STEPS
-    first, last = _mean(rewards[:10]), _mean(rewards[-10:])
-    assert first <= 0.2, f"a random policy should start near 0, got {first:.3f}"
-    assert last >= first + 0.2, f"reward did not rise: first 10 steps {first:.3f}, last 10 steps {last:.3f}"
+    means = window_means(rewards)
+    assert means[0] <= 0.2, f"a random policy should start near 0, got {means[0]:.3f}"
+    assert max(means) >= 0.9, f"the best 10-step mean reward was {max(means):.3f}"

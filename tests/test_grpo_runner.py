@@ -1,4 +1,4 @@
-"""The GRPO runner end to end under torchrun (TP=2 over gloo): metrics, plan, resume, multi-node, faults.
+"""The GRPO runner end to end under torchrun (TP=2 over gloo): metrics, plan, resume, faults (PP=2 among them).
 
 One 6-step run of the tiny config is the reference the other runs are compared with. Every run is a few steps
 long, so the whole file stays around two minutes on 2 CPU cores.
@@ -19,7 +19,6 @@ import pytest
 from megatron_grpo.grpo import runner
 from megatron_grpo.grpo.checkpoint_dir import latest_checkpoint, saved_world_size, step_dir_name
 from megatron_grpo.grpo.reporting import METRICS_FILE, PLOT_FILE, read_metrics, without_timings
-from _dist import free_port
 from grpo_workers.launch import (
     REPO,
     job_processes,
@@ -76,23 +75,6 @@ def test_training_logprobs_use_the_sampling_temperature_and_filter(tmp_path):
     assert code == 0, output
     for record in read_metrics(tmp_path / "run"):
         assert 1.0 <= record["token_mult_prob_error"] < 1.0 + 1e-4 and abs(record["gen_kl_error"]) < 1e-5
-
-
-def test_two_torchrun_agents_on_loopback_match_the_single_agent_run(reference_run, tmp_path):
-    reference_dir, _ = reference_run
-    config = write_config(tmp_path, **{"grpo.max_num_steps": 3, "checkpoint.every_n_steps": 0})
-    rdzv = f"127.0.0.1:{free_port()}"
-    agents = [start(torchrun_command(config, nproc=1, rdzv=rdzv, nnodes=2), tmp_path / f"node{i}.txt")
-              for i in range(2)]
-    try:
-        codes = [agent.wait(timeout=240) for agent in agents]
-    finally:
-        for agent in agents:
-            stop_job(agent)
-    assert codes == [0, 0], [(tmp_path / f"node{i}.txt").read_text() for i in range(2)]
-    multi_node = [without_timings(r) for r in read_metrics(tmp_path / "run")]
-    single_node = [without_timings(r) for r in read_metrics(reference_dir / "run")][:3]
-    assert multi_node == single_node
 
 
 def _megatron_forks_checkpoint_writers() -> bool:
@@ -205,6 +187,29 @@ def test_a_hung_rank_fails_the_survivor_within_the_configured_timeout(tmp_path):
     assert survivor_code != 0 and job.returncode != 0, output
     assert elapsed < timeout_s + 10, f"survivor exited {elapsed:.1f} s after the hang\n{output}"
     assert "rank 0: lost contact with rank 1" in output, output
+
+
+def test_a_killed_last_pipeline_stage_ends_the_job_naming_the_rank(tmp_path):
+    """Under PP = 2, SIGKILL the last stage mid-run: the first stage, waiting on it in the pipeline schedule or
+    the sampling broadcast, ends within the timeout; the output names rank 1."""
+    timeout_s = 10
+    config = write_config(tmp_path, **{"policy.tensor_model_parallel_size": 1, "policy.pipeline_model_parallel_size": 2,
+                                       "grpo.max_num_steps": 500, "checkpoint.every_n_steps": 0,
+                                       "distributed.timeout_seconds": timeout_s})
+    job = start(torchrun_command(config, nproc=2), tmp_path / "log.txt")
+    try:
+        wait_for_lines(tmp_path / "run" / METRICS_FILE, 2, job)
+        rank_process(job, 1).kill()
+        killed_at = time.monotonic()
+        code = job.wait(timeout=timeout_s + 50)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        stop_job(job)
+    output = (tmp_path / "log.txt").read_text()
+    assert code != 0 and elapsed < timeout_s + 50, output
+    named_by_rank_0 = "rank 0: lost contact with rank 1" in output
+    named_by_torchrun = "rank 0: stopped by torchrun (SIGTERM)" in output and "rank       : 1" in output
+    assert named_by_rank_0 or named_by_torchrun, output
 
 
 def test_a_shard_with_flipped_bytes_is_an_error_naming_the_file_and_fresh_moves_the_run_aside(reference_run, tmp_path):
