@@ -2,6 +2,9 @@
 checkpoints in Megatron's distributed format."""
 
 from megatron_grpo.megatron.checkpointing import (
+    CheckpointMismatchError,
+    ModelCheckpointError,
+    load_model_weights,
     load_sharded,
     per_rank_object,
     save_sharded,
@@ -21,6 +24,8 @@ from megatron_grpo.megatron.train_step import (
 )
 
 __all__ = [
+    "CheckpointMismatchError",
+    "ModelCheckpointError",
     "ParallelLayout",
     "StepConfig",
     "TrainStepResult",
@@ -30,6 +35,7 @@ __all__ = [
     "compute_logprobs",
     "destroy_parallel",
     "init_parallel",
+    "load_model_weights",
     "load_sharded",
     "make_forward_step",
     "model_forward",
