@@ -125,7 +125,7 @@ def save_uniform_policy(directory: Path, rank: int) -> None:
     dist_checkpointing.save(model.sharded_state_dict(), str(directory))
 
 
-ERROR_CASES = ("other_ffn", "vocab_16", "no_position_embeddings", "not_a_checkpoint")
+ERROR_CASES = ("other_ffn", "vocab_16", "no_position_embeddings", "not_a_checkpoint", "metadata_json_only")
 
 
 def scenarios(rank: int, world_size: int, tmp: Path) -> dict:
@@ -141,6 +141,9 @@ def scenarios(rank: int, world_size: int, tmp: Path) -> dict:
         save_plain(NO_POSITION_EMBEDDINGS, tmp / "no_position_embeddings", rank)
         save_uniform_policy(tmp / "uniform_policy", rank)
         (tmp / "not_a_checkpoint").mkdir(exist_ok=True)
+        if rank == 0:  # a checkpoint's marker without its tensors' metadata; the loads below wait for rank 0
+            (tmp / "metadata_json_only").mkdir()
+            (tmp / "metadata_json_only" / "metadata.json").write_text((tmp / "plain" / "metadata.json").read_text())
 
         for name, layout in (("tp2", TP2), ("pp2", PP2)):
             model = build(layout)
@@ -214,6 +217,13 @@ def test_a_directory_that_is_not_a_checkpoint_is_named(report):
     message = report["errors"]["not_a_checkpoint"]
     assert message.startswith("ModelCheckpointError: ")
     assert "not_a_checkpoint is not a Megatron-Core dist_checkpointing checkpoint (no metadata.json there)" in message
+
+
+def test_unreadable_tensor_metadata_is_named(report):
+    message = report["errors"]["metadata_json_only"]
+    assert message.startswith(f"ModelCheckpointError: {report['directory']}/metadata_json_only: cannot read the "
+                              "checkpoint's tensor metadata: FileNotFoundError: "), message
+    assert "metadata_json_only/.metadata" in message
 
 
 def test_a_failed_load_leaves_the_weights_alone(report):

@@ -115,7 +115,11 @@ def _model_checkpoint_problem(model: torch.nn.Module, directory: Path) -> Option
         return ModelCheckpointError(f"{directory} is not a Megatron-Core dist_checkpointing checkpoint (no "
                                     "metadata.json there); save one with "
                                     "dist_checkpointing.save(model.sharded_state_dict(), directory)")
-    saved = dist_checkpointing.load_tensors_metadata(str(directory))
+    try:
+        saved = dist_checkpointing.load_tensors_metadata(str(directory))
+    except (CheckpointingException, CheckpointException, OSError) as err:  # e.g. the `.metadata` file missing
+        return ModelCheckpointError(f"{directory}: cannot read the checkpoint's tensor metadata: "
+                                    f"{type(err).__name__}: {_last_line(err)}")
     for tensor in _sharded_tensors(model.sharded_state_dict()):
         if tensor.key not in saved:
             return CheckpointMismatchError(f"{directory}: the model's tensor {tensor.key} (global shape "
