@@ -135,7 +135,7 @@ class OptimizerConfig(StrictSection):
 
 @dataclass(frozen=True, init=False)
 class PolicyConfig(StrictSection):
-    """The trained policy: parallel layout, batch sizes, precision, model and optimizer."""
+    """The trained policy: parallel layout, batch sizes, precision, initial weights, model and optimizer."""
 
     SECTION: ClassVar[str] = "policy"
 
@@ -146,6 +146,7 @@ class PolicyConfig(StrictSection):
     precision: Literal["fp32", "bf16"]  # no fp16: the train step does no loss scaling
     fused_linear_logprobs: bool  # logprobs from the final hidden states, no [tokens, vocab] logits
     fused_linear_loss: bool  # with fused_linear_logprobs: the training loss's gradient in forward (3 GEMMs, not 4)
+    initial_checkpoint: str | None  # a Megatron-Core dist_checkpointing model directory; None = random init
     model: ModelConfig
     optimizer: OptimizerConfig
 
@@ -155,6 +156,8 @@ class PolicyConfig(StrictSection):
         problems = _failing(self, positive, _positive, "must be > 0")
         if self.fused_linear_loss and not self.fused_linear_logprobs:
             problems.append(f"{self.key('fused_linear_loss')}: true needs {self.key('fused_linear_logprobs')}: true")
+        if self.initial_checkpoint is not None and not self.initial_checkpoint.strip():
+            problems.append(f"{self.key('initial_checkpoint')}: must be null or a directory, got an empty string")
         return problems + _divisibility([(self.key("train_micro_batch_size"), self.train_micro_batch_size,
                                           self.key("train_global_batch_size"), self.train_global_batch_size)])
 

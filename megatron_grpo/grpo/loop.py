@@ -38,6 +38,7 @@ from megatron_grpo.megatron import (
     build_optimizer,
     draws_from_last_stage,
     last_position_logits,
+    load_model_weights,
     train_step,
     wrap_in_ddp,
 )
@@ -77,6 +78,8 @@ class Trainer:
     def build(cls, cfg: Config, plan: LogprobPlan, layout: ParallelLayout) -> Trainer:
         tokenizer = DigitTokenizer()
         model = build_gpt_model(cfg, tokenizer.vocab_size)
+        if cfg.policy.initial_checkpoint is not None:  # also when resuming: the reference model copies it
+            load_model_weights(model, cfg.policy.initial_checkpoint)
         reference_model = None
         if plan.build_reference_model:  # a frozen copy of the initial policy
             reference_model = build_gpt_model(cfg, tokenizer.vocab_size)
@@ -96,7 +99,7 @@ class Trainer:
 
     def resume(self, step_dir: Path) -> int:
         """Loads a checkpoint; returns the number of steps it had done. The reference model is the initial policy,
-        rebuilt from the seed, so it is not saved."""
+        rebuilt from the seed or policy.initial_checkpoint, so it is not saved."""
         return load_checkpoint(step_dir, model=self.model, optimizer=self.optimizer, rank=self.layout.rank,
                                world_size=self.layout.world_size, verify=self.cfg.checkpoint.verify_checksums,
                                rollouts=self.rollouts)

@@ -38,6 +38,7 @@ EXIT_CONFIG = 2  # a bad config, or launched without torchrun
 EXIT_RUN_DIR = 3  # the run or checkpoint directory: unusable, nothing to resume, corrupt, or a failed save
 EXIT_PEER_LOST = 4  # another rank died or hung, or torchrun stopped this rank because one did
 EXIT_BAD_INPUT = EXIT_CONFIG
+DIST_CHECKPOINT_METADATA = "metadata.json"  # what megatron.core.dist_checkpointing.save writes into every checkpoint
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # gloo reports a dead or hung peer as a plain RuntimeError; these are its messages for it (NCCL raises DistError)
 PEER_FAILURE_MESSAGES = ("Connection closed by peer", "Connection reset by peer", "Read error", "Timed out waiting")
@@ -67,12 +68,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     _bind_process_lifetimes(rank, checkpoint_dir)
     _quiet_cpu_notices()
     from megatron_grpo.grpo.loop import train  # imports megatron.core: only once the input is known to be good
-    from megatron_grpo.megatron import destroy_parallel, init_parallel
+    from megatron_grpo.megatron import ModelCheckpointError, destroy_parallel, init_parallel
 
     layout = init_parallel(cfg)
     try:
         start = agree_on_start(start, layout.rank)
         train(cfg, plan, layout, resume_from=start.resume_from)
+    except ModelCheckpointError as err:  # every rank finds the same one: rank 0 says it
+        return _fail(f"error: policy.initial_checkpoint: {err}", EXIT_CONFIG, args.debug, show=layout.rank == 0)
     except (CheckpointError, MetricsFileError, OSError) as err:
         if isinstance(err, AgreedCheckpointError):  # every rank has it: rank 0 says it
             return _fail(f"error: {err}", EXIT_RUN_DIR, args.debug, show=layout.rank == 0)
@@ -133,6 +136,11 @@ def runner_config_problems(cfg: Config, *, world_size: int, cuda_available: bool
     elif cfg.grpo.num_prompts_per_step % (world_size // model_parallel):
         problems.append(f"grpo.num_prompts_per_step ({cfg.grpo.num_prompts_per_step}) must be a multiple of the "
                         f"data-parallel size ({world_size // model_parallel}): each DP rank samples whole groups")
+    initial = cfg.policy.initial_checkpoint
+    if initial is not None and not (Path(initial) / DIST_CHECKPOINT_METADATA).is_file():
+        what = "has no metadata.json" if Path(initial).is_dir() else "is not a directory"
+        problems.append(f"policy.initial_checkpoint: {initial} {what}: it must be a Megatron-Core dist_checkpointing "
+                        "checkpoint of the model (dist_checkpointing.save(model.sharded_state_dict(), directory))")
     if cfg.grpo.num_generations_per_prompt < 2:
         problems.append("grpo.num_generations_per_prompt: a group-relative baseline needs >= 2 samples per "
                         f"prompt, got {cfg.grpo.num_generations_per_prompt}")

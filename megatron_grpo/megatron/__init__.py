@@ -2,6 +2,9 @@
 checkpoints in Megatron's distributed format."""
 
 from megatron_grpo.megatron.checkpointing import (
+    CheckpointMismatchError,
+    ModelCheckpointError,
+    load_model_weights,
     load_sharded,
     per_rank_object,
     save_sharded,
@@ -23,6 +26,8 @@ from megatron_grpo.megatron.train_step import (
 )
 
 __all__ = [
+    "CheckpointMismatchError",
+    "ModelCheckpointError",
     "ParallelLayout",
     "StepConfig",
     "TrainStepResult",
@@ -34,6 +39,7 @@ __all__ = [
     "draws_from_last_stage",
     "init_parallel",
     "last_position_logits",
+    "load_model_weights",
     "load_sharded",
     "make_forward_step",
     "model_forward",

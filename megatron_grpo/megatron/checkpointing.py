@@ -9,6 +9,8 @@ What is saved, when, and how a step directory is published and verified is the r
   Megatron's FP32 optimizer does (Megatron's optimizer needs CUDA; the runner's Adam runs on the CPU).
 - `per_rank_object`: a value that belongs to one rank (its RNG, its rollouts in flight), one slot per rank.
 - `save_sharded` / `load_sharded`: a synchronous save with the `torch_dist` writer, and a load into a template.
+- `load_model_weights`: a pretrained model's weights (a plain `dist_checkpointing.save(model.sharded_state_dict(),
+  dir)`, or the model part of a runner step directory), saved at any TP/PP, checked against this model first.
 """
 
 from __future__ import annotations
@@ -16,16 +18,30 @@ from __future__ import annotations
 import logging
 import queue
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
-from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.optimizer import (
     get_param_id_to_sharded_param_map,
     optim_state_to_sharding_state,
 )
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+VOCAB_TENSOR_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")  # dim 0 is the padded vocab
+
+
+class ModelCheckpointError(ValueError):
+    """A model checkpoint that cannot be loaded into this model; the message names the directory."""
+
+
+class CheckpointMismatchError(ModelCheckpointError):
+    """The checkpoint does not hold this model: a tensor is missing or has another global shape."""
 
 from megatron_grpo.megatron.ddp import unwrapped
 
@@ -70,6 +86,93 @@ def load_sharded(template: dict[str, Any], directory: Path) -> dict[str, Any]:
     """Loads `directory` into the sharded `template` (the shape of what was saved, or a subset of it; tensors
     are resharded to the template's layout); returns the loaded state. Errors are Megatron's own."""
     return dist_checkpointing.load(template, str(directory))
+
+
+def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:
+    """Loads the model weights of the `dist_checkpointing` checkpoint `directory` into this rank's `model` (a
+    `build_gpt_model` GPTModel); every rank must call it together.
+
+    The checkpoint may have been saved at any TP/PP: `sharded_state_dict()` addresses tensors by global shape and
+    global layer index, so they are resharded to this rank's layout. Keys other than the model's (a runner step
+    directory's optimizer, RNG, rollouts) are not read. Before anything is loaded, the model's tensors are compared
+    with the checkpoint's metadata; the first missing or differently shaped one is a `CheckpointMismatchError`
+    (the same on every rank), and a directory that is not such a checkpoint a `ModelCheckpointError`."""
+    directory = Path(directory)
+    problem = _agreed(_model_checkpoint_problem(model, directory))
+    if problem is not None:
+        raise problem
+    template = model.sharded_state_dict()
+    try:
+        state = load_sharded(template, directory)
+    except (CheckpointingException, CheckpointException) as err:  # missing or garbled files
+        raise ModelCheckpointError(f"{directory}: cannot load the model weights: {type(err).__name__}: "
+                                   f"{_last_line(err)}") from err
+    model.load_state_dict({key: state[key] for key in template})  # without a step directory's other common keys
+
+
+def _model_checkpoint_problem(model: torch.nn.Module, directory: Path) -> Optional[ModelCheckpointError]:
+    """Why `directory` cannot load into `model` (not a checkpoint, or its first mismatching tensor); None if it
+    can. Reads only the checkpoint's metadata."""
+    if not directory.is_dir() or not dist_checkpointing.check_is_distributed_checkpoint(str(directory)):
+        return ModelCheckpointError(f"{directory} is not a Megatron-Core dist_checkpointing checkpoint (no "
+                                    "metadata.json there); save one with "
+                                    "dist_checkpointing.save(model.sharded_state_dict(), directory)")
+    try:
+        saved = dist_checkpointing.load_tensors_metadata(str(directory))
+    except (CheckpointingException, CheckpointException, OSError) as err:  # e.g. the `.metadata` file missing
+        return ModelCheckpointError(f"{directory}: cannot read the checkpoint's tensor metadata: "
+                                    f"{type(err).__name__}: {_last_line(err)}")
+    for tensor in _sharded_tensors(model.sharded_state_dict()):
+        if tensor.key not in saved:
+            return CheckpointMismatchError(f"{directory}: the model's tensor {tensor.key} (global shape "
+                                           f"{tuple(tensor.global_shape)}) is missing from the checkpoint")
+        saved_shape = tuple(saved[tensor.key].global_shape)
+        if saved_shape != tuple(tensor.global_shape):
+            return CheckpointMismatchError(
+                f"{directory}: tensor {tensor.key} has global shape {saved_shape} in the checkpoint and "
+                f"{tuple(tensor.global_shape)} in this model{_vocab_hint(model, tensor, saved_shape)}")
+    return None
+
+
+def _vocab_hint(model: torch.nn.Module, tensor: ShardedTensor, saved_shape: tuple[int, ...]) -> str:
+    """For a padded-vocab mismatch of the embedding or output layer: Megatron's padding rule and the setting that
+    gives the checkpoint's padded size; else nothing."""
+    shape = tuple(tensor.global_shape)
+    if tensor.key not in VOCAB_TENSOR_KEYS or len(shape) != len(saved_shape) or shape[1:] != saved_shape[1:]:
+        return ""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    vocab, saved_padded = model.true_vocab_size, saved_shape[0]
+    rule = (f". Dimension 0 is the padded vocabulary: Megatron pads the {vocab} tokens up to a multiple of "
+            f"policy.model.make_vocab_size_divisible_by × the tensor-parallel size ({tp} here), which gives "
+            f"{shape[0]} in this model and must give the checkpoint's {saved_padded}")
+    if saved_padded % tp or saved_padded < vocab:
+        return f"{rule}; no value does at TP {tp} with {vocab} tokens: the checkpoint has another vocabulary"
+    return f"{rule}: set policy.model.make_vocab_size_divisible_by to {saved_padded // tp}"
+
+
+def _sharded_tensors(state: Any) -> Iterator[ShardedTensor]:
+    """The ShardedTensors of a sharded state dict, in its order, factories built."""
+    for value in nested_values(state):
+        if isinstance(value, ShardedTensor):
+            yield value
+        elif isinstance(value, ShardedTensorFactory):
+            yield from _sharded_tensors(value.build())
+
+
+def _agreed(problem: Optional[ModelCheckpointError]) -> Optional[ModelCheckpointError]:
+    """The lowest rank's problem, on every rank (pipeline stages check different tensors, and a rank that found
+    nothing would otherwise wait in the load's collectives for peers that raised)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return problem
+    problems: list[Optional[ModelCheckpointError]] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p is not None), None)
+
+
+def _last_line(err: BaseException) -> str:
+    """The gist of an error; torch's CheckpointException carries every rank's whole traceback."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else ""
 
 
 def _keep_write_results_in_process() -> None:
