@@ -2,14 +2,16 @@
 
 The commands are read from the README's ```bash blocks, whoever wrote them. Each one is checked as far as can be
 without running it: a `make` target exists (`make -n`), a `python -m megatron_grpo ...` or `torchrun ... -m
-megatron_grpo ...` command gets through torchrun's and the subcommand's argument parsers, the repository files
-it names exist, and any other program is on the PATH or in `.venv/bin`. Nothing is trained.
+megatron_grpo ...` command gets through torchrun's and the subcommand's argument parsers, a `torchrun
+examples/...py ...` command through torchrun's and the script's own (`parse_args`), the repository files it names
+exist, and any other program is on the PATH or in `.venv/bin`. Nothing is trained.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import re
 import shlex
 import shutil
@@ -75,7 +77,7 @@ def _parse_subcommand(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _check_repo_paths(args: list[str]) -> None:
     for arg in args:
-        if re.fullmatch(r"(configs|benchmarks|csrc|tests|docs)/[\w./-]+", arg):
+        if re.fullmatch(r"(configs|benchmarks|csrc|tests|docs|examples)/[\w./-]+", arg):
             assert (REPO / arg).exists(), f"{arg} does not exist in the repository"
 
 
@@ -103,6 +105,22 @@ def test_the_readme_has_commands_and_says_to_activate_the_venv_before_them():
     assert "[--" not in "\n".join(SHELL_BLOCK.findall(text)), "a command with [optional] syntax does not run as written"
 
 
+def _check_repo_script(command: str) -> None:
+    """`torchrun ... examples/x.py ARGS`: the script is in the repository and its `parse_args` takes ARGS."""
+    from torch.distributed.run import get_args_parser
+
+    parsed = get_args_parser().parse_args(_program_and_args(command)[1])
+    script = REPO / parsed.training_script
+    assert script.is_file(), f"{command}: {parsed.training_script} is not a file of the repository"
+    spec = importlib.util.spec_from_file_location(f"readme_script_{script.stem}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        module.parse_args(parsed.training_script_args)
+    except SystemExit as exit_:
+        raise AssertionError(f"`{command}` does not parse (exit {exit_.code})") from None
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_each_readme_command_parses(command, monkeypatch):
     program, args = _program_and_args(command)
@@ -113,6 +131,8 @@ def test_each_readme_command_parses(command, monkeypatch):
         assert result.returncode == 0, f"{command}: {result.stderr}"
     elif program in {"python", "python3", "torchrun"} and "megatron_grpo" in args:
         _check_megatron_grpo(command, monkeypatch)
+    elif program == "torchrun":
+        _check_repo_script(command)
     elif program in {"python", "python3"}:
         _check_repo_paths(args)
     else:
@@ -133,3 +153,9 @@ def test_the_design_is_in_the_repository_and_nothing_points_outside_it():
     sources = [README, *sorted((REPO / "megatron_grpo").rglob("*.py")), *sorted((REPO / "csrc").glob("*.*"))]
     citing = [str(path.relative_to(REPO)) for path in sources if "DESIGN.md" in path.read_text()]
     assert citing == [], f"these files cite DESIGN.md, which is not in the repository: {citing}"
+
+
+def test_a_broken_script_command_is_caught():
+    """The checker itself: a misspelt flag of the example script fails."""
+    with pytest.raises(AssertionError, match="does not parse"):
+        _check_repo_script("torchrun --nproc-per-node 2 examples/megatron_training_loop.py --stpes 5")

@@ -1,0 +1,177 @@
+"""A minimal GRPO training loop in the style of a Megatron-LM training script, on megatron_grpo's pieces.
+
+    torchrun --nproc-per-node 2 examples/megatron_training_loop.py --steps 5
+
+Top to bottom: Megatron's own setup (process groups, model-parallel RNG, a GPTModel from a TransformerConfig,
+Megatron's DDP), then per step Megatron's `get_forward_backward_func()` driven by megatron_grpo's
+`make_forward_step` and `ClippedPGLoss`. No runner, no config file. Gloo on the CPU, NCCL with CUDA; the ranks
+not used by tensor parallelism are data-parallel.
+
+The rollout is synthetic and made once: prompts with ragged answers, random rewards, GRPO's group-relative
+advantages, and the logprobs of the policy that "sampled" it (the initial weights). Every step trains on that
+same rollout, as on a stale one: so the plan computes the prev pass (the proximal policy, these weights before
+the update), and truncated importance sampling weights each token by w = exp(prev - generation). The loss,
+-mean(A * w) since the ratio to prev is 1, falls as the policy moves toward the answers with positive advantage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_grpo.loss import ClippedPGLoss, ClippedPGLossConfig, aggregate_metrics, count_valid
+from megatron_grpo.megatron import (apply_cpu_support, compute_logprobs, make_forward_step, padded_vocab_size,
+                                    wrap_in_ddp)
+from megatron_grpo.megatron.cpu_support import AdamOverMainGrad
+from megatron_grpo.megatron.train_step import clip_grad_norm
+from megatron_grpo.megatron.vocab import vocab_shard_of
+from megatron_grpo.scheduler import PlanInputs, PlanKeys, plan_logprob_passes
+
+VOCAB, SEQ, PROMPT = 16, 12, 4  # real vocabulary, sequence length, prompt length
+PROMPTS, ANSWERS, MICRO_BATCH = 4, 4, 8  # per data-parallel rank: 4 prompts x 4 answers, 2 microbatches
+LR, CLIP_GRAD = 1e-3, 1.0
+LOSS_CONFIG = {  # every key of ClippedPGLossConfig, as in the `loss_fn:` section of configs/grpo_tiny_cpu.yaml
+    "ratio_clip_min": 0.2, "ratio_clip_max": 0.28, "ratio_clip_c": None, "disable_ppo_ratio": False,
+    "loss_agg_mode": "token-mean", "max_response_length": None,
+    "sequence_level_importance_ratio": False, "sequence_level_importance_weight": "product",
+    "reference_policy_kl_penalty": 0.0, "reference_policy_kl_type": "k3",
+    "kl_input_clamp_value": None, "kl_output_clamp_value": None,
+    "use_kl_in_reward": False, "use_on_policy_kl_approximation": False,
+    "use_importance_sampling_correction": True,
+    "truncated_importance_sampling": {"type": "tis", "ratio_min": None, "ratio_max": 2.0},
+    "force_on_policy_ratio": False, "use_cispo": False, "positive_example_nll_weight": 0.0, "entropy_coef": 0.0,
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="A minimal GRPO training loop on Megatron-Core (run under torchrun).")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1234)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.tensor_model_parallel_size < 1:
+        parser.error("--steps and --tensor-model-parallel-size must be >= 1")
+    world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None  # set by torchrun
+    if world_size is not None and world_size % args.tensor_model_parallel_size:
+        parser.error(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide the "
+                     f"world size {world_size}")
+    return args
+
+
+def initialize(tp: int, seed: int) -> torch.device:
+    """torch.distributed from torchrun's environment, then Megatron's groups (PP = 1) and its RNG tracker."""
+    on_cpu = apply_cpu_support()  # Megatron-Core without CUDA; a no-op with it
+    if not on_cpu:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend="gloo" if on_cpu else "nccl")  # rank and world from torchrun's environment
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+    torch.manual_seed(seed)
+    # On the CPU, Megatron's inference tracker: the CUDA RNG tracker needs CUDA (its forks are no-ops there).
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=on_cpu)
+    return torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+
+
+def build_model(tp: int, device: torch.device) -> GPTModel:
+    """A tiny GPTModel, vocab-parallel logits, the vocabulary padded as Megatron-LM pads it."""
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, init_method_std=0.1,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, use_cpu_initialization=device.type == "cpu",
+    )
+    padded = padded_vocab_size(VOCAB, 8, tp)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=padded,
+                     max_sequence_length=SEQ, parallel_output=True, position_embedding_type="learned_absolute")
+    # megatron_grpo reads where the padding columns start from these two attributes (`vocab_shard_of`).
+    model.true_vocab_size, model.padded_vocab_size = VOCAB, padded
+    return model.to(device)
+
+
+def synthetic_rollout(seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """This data-parallel rank's rollout, keyed as docs/design.md's batch contract: PROMPTS prompts x ANSWERS
+    ragged answers, random rewards and the group-relative advantages (r - group mean) / (group std + eps)."""
+    gen = torch.Generator().manual_seed(seed + parallel_state.get_data_parallel_rank())
+    rows = PROMPTS * ANSWERS
+    prompts = torch.randint(0, VOCAB, (PROMPTS, PROMPT), generator=gen).repeat_interleave(ANSWERS, dim=0)
+    answers = torch.randint(0, VOCAB, (rows, SEQ - PROMPT), generator=gen)
+    lengths = torch.randint(2, SEQ - PROMPT + 1, (rows, 1), generator=gen)
+    positions = torch.arange(SEQ)
+    rewards = torch.rand(PROMPTS, ANSWERS, generator=gen)
+    advantages = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)
+    batch = {
+        "input_ids": torch.cat([prompts, answers], dim=1),
+        "token_mask": ((positions >= PROMPT) & (positions < PROMPT + lengths)).float(),  # trained answer tokens
+        "sample_mask": torch.ones(rows),
+        "advantages": advantages.flatten(),
+    }
+    return {key: value.to(device) for key, value in batch.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = initialize(args.tensor_model_parallel_size, args.seed)
+    model = wrap_in_ddp(build_model(args.tensor_model_parallel_size, device))  # Megatron's DDP, main_grad buffers
+    # Torch's AdamW over DDP's main_grad (Megatron's own optimizer allocates on "cuda"; see cpu_support).
+    optimizer = AdamOverMainGrad(model.parameters(), lr=LR, weight_decay=0.0)
+    loss_config = ClippedPGLossConfig.from_mapping(LOSS_CONFIG)
+    loss_fn = ClippedPGLoss(loss_config)
+    dp_group = parallel_state.get_data_parallel_group()
+    rows = PROMPTS * ANSWERS * dp_group.size()
+    plan = plan_logprob_passes(PlanInputs(
+        rollout_batch=rows, global_batch=rows,  # one optimizer step per use of the rollout...
+        staleness=args.steps - 1,  # ...but the one rollout is reused: at the last step it is steps - 1 updates old
+        error_threshold=None, dropout=model.config.hidden_dropout > 0 or model.config.attention_dropout > 0,
+        kl_penalty=loss_config.reference_policy_kl_penalty,
+        kl_in_reward=loss_config.use_kl_in_reward, force_on_policy=loss_config.force_on_policy_ratio,
+        reference_mode="auto", prev_mode="auto", skip_reference=False,
+        keys=PlanKeys(rollout_batch="rollout rows", global_batch="rows per optimizer step",
+                      staleness="--steps - 1 (the rollout's age at the last step)",
+                      dropout="TransformerConfig dropouts"),
+    ))
+    if dist.get_rank() == 0:
+        print("logprob plan:\n" + "\n".join(f"  - {reason}" for reason in plan.reasons), flush=True)
+
+    batch = synthetic_rollout(args.seed, device)
+    batch["generation_logprobs"] = compute_logprobs(model, batch, micro_batch_size=MICRO_BATCH)  # the "sampler"'s
+    counts = torch.stack(count_valid(batch))  # the loss normalises by the trained tokens and sequences of the step
+    dist.all_reduce(counts, group=dp_group)
+    microbatches = [{key: value[i:i + MICRO_BATCH] for key, value in batch.items()}
+                    for i in range(0, PROMPTS * ANSWERS, MICRO_BATCH)]
+
+    for step in range(1, args.steps + 1):
+        if plan.compute_prev_logprobs:  # the proximal policy: these weights, before this step's update
+            prev = compute_logprobs(model, batch, micro_batch_size=MICRO_BATCH)
+            for i, microbatch in enumerate(microbatches):
+                microbatch["prev_logprobs"] = prev[i * MICRO_BATCH:(i + 1) * MICRO_BATCH]
+        forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches),
+                                         global_valid_tokens=counts[0], global_valid_seqs=counts[1],
+                                         vocab=vocab_shard_of(model))
+        model.zero_grad_buffer()  # DDP's main_grad buffers...
+        optimizer.zero_grad()  # ...and the .grad views of them the optimizer set
+        model.train()
+        per_microbatch = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(microbatches), model=model,
+            num_microbatches=len(microbatches), seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False,
+        )  # ends in Megatron's finalize_model_grads: the DP all-reduce of the gradients
+        grad_norm = clip_grad_norm(model, CLIP_GRAD)  # over the model-parallel model, TP duplicates once
+        optimizer.step()
+        metrics = aggregate_metrics(per_microbatch, group=dp_group if dp_group.size() > 1 else None,
+                                    aggregation=loss_fn.metric_aggregation)
+        if dist.get_rank() == 0:
+            print(f"step {step}: loss {metrics['loss']:.6f} grad_norm {grad_norm:.4f} "
+                  f"is_weight {metrics['sampling_importance_ratio']:.4f} "
+                  f"prev_pass {'ran' if plan.compute_prev_logprobs else 'skipped'}", flush=True)
+
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
