@@ -28,11 +28,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_grpo.loss import ClippedPGLoss, ClippedPGLossConfig, aggregate_metrics, count_valid
-from megatron_grpo.megatron import (apply_cpu_support, compute_logprobs, make_forward_step, padded_vocab_size,
-                                    wrap_in_ddp)
+from megatron_grpo.megatron import (apply_cpu_support, clip_grad_norm, compute_logprobs, make_forward_step,
+                                    padded_vocab_size, wrap_in_ddp)
 from megatron_grpo.megatron.cpu_support import AdamOverMainGrad
-from megatron_grpo.megatron.train_step import clip_grad_norm
-from megatron_grpo.megatron.vocab import vocab_shard_of
+from megatron_grpo.ops import VocabShard
 from megatron_grpo.scheduler import PlanInputs, PlanKeys, plan_logprob_passes
 
 VOCAB, SEQ, PROMPT = 16, 12, 4  # real vocabulary, sequence length, prompt length
@@ -79,8 +78,9 @@ def initialize(tp: int, seed: int) -> torch.device:
     return torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
 
 
-def build_model(tp: int, device: torch.device) -> GPTModel:
-    """A tiny GPTModel, vocab-parallel logits, the vocabulary padded as Megatron-LM pads it."""
+def build_model(tp: int, device: torch.device) -> tuple[GPTModel, VocabShard]:
+    """A tiny GPTModel, vocab-parallel logits, the vocabulary padded as Megatron-LM pads it; and this rank's
+    vocab shard (which padded-vocab columns its output layer holds, and where the real vocabulary ends)."""
     config = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, init_method_std=0.1,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
@@ -89,9 +89,9 @@ def build_model(tp: int, device: torch.device) -> GPTModel:
     padded = padded_vocab_size(VOCAB, 8, tp)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=padded,
                      max_sequence_length=SEQ, parallel_output=True, position_embedding_type="learned_absolute")
-    # megatron_grpo reads where the padding columns start from these two attributes (`vocab_shard_of`).
-    model.true_vocab_size, model.padded_vocab_size = VOCAB, padded
-    return model.to(device)
+    vocab = VocabShard(start_index=parallel_state.get_tensor_model_parallel_rank() * (padded // tp),
+                       true_vocab_size=VOCAB, group=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None)
+    return model.to(device), vocab
 
 
 def synthetic_rollout(seed: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -117,7 +117,8 @@ def synthetic_rollout(seed: int, device: torch.device) -> dict[str, torch.Tensor
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = initialize(args.tensor_model_parallel_size, args.seed)
-    model = wrap_in_ddp(build_model(args.tensor_model_parallel_size, device))  # Megatron's DDP, main_grad buffers
+    model, vocab = build_model(args.tensor_model_parallel_size, device)
+    model = wrap_in_ddp(model)  # Megatron's DDP: main_grad buffers, finalize_model_grads after the last microbatch
     # Torch's AdamW over DDP's main_grad (Megatron's own optimizer allocates on "cuda"; see cpu_support).
     optimizer = AdamOverMainGrad(model.parameters(), lr=LR, weight_decay=0.0)
     loss_config = ClippedPGLossConfig.from_mapping(LOSS_CONFIG)
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
         print("logprob plan:\n" + "\n".join(f"  - {reason}" for reason in plan.reasons), flush=True)
 
     batch = synthetic_rollout(args.seed, device)
-    batch["generation_logprobs"] = compute_logprobs(model, batch, micro_batch_size=MICRO_BATCH)  # the "sampler"'s
+    # the "sampler"'s logprobs: the initial policy's
+    batch["generation_logprobs"] = compute_logprobs(model, batch, micro_batch_size=MICRO_BATCH, vocab=vocab)
     counts = torch.stack(count_valid(batch))  # the loss normalises by the trained tokens and sequences of the step
     dist.all_reduce(counts, group=dp_group)
     microbatches = [{key: value[i:i + MICRO_BATCH] for key, value in batch.items()}
@@ -147,14 +149,13 @@ def main(argv: list[str] | None = None) -> None:
 
     for step in range(1, args.steps + 1):
         if plan.compute_prev_logprobs:  # the proximal policy: these weights, before this step's update
-            prev = compute_logprobs(model, batch, micro_batch_size=MICRO_BATCH)
+            prev = compute_logprobs(model, batch, micro_batch_size=MICRO_BATCH, vocab=vocab)
             for i, microbatch in enumerate(microbatches):
                 microbatch["prev_logprobs"] = prev[i * MICRO_BATCH:(i + 1) * MICRO_BATCH]
         forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches),
                                          global_valid_tokens=counts[0], global_valid_seqs=counts[1],
-                                         vocab=vocab_shard_of(model))
-        model.zero_grad_buffer()  # DDP's main_grad buffers...
-        optimizer.zero_grad()  # ...and the .grad views of them the optimizer set
+                                         vocab=vocab)
+        model.zero_grad_buffer()  # DDP's main_grad buffers (the optimizer leaves no .grad behind)
         model.train()
         per_microbatch = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(microbatches), model=model,

@@ -124,3 +124,37 @@ def unwrapped_train_step(rank: int, world_size: int) -> str:
 def test_an_unwrapped_model_under_data_parallelism_is_an_error_naming_ddp():
     for message in run_on_ranks(2, unwrapped_train_step):
         assert "model: data parallelism needs the model wrapped in Megatron-Core's DistributedDataParallel" in message
+
+
+def two_backwards_around_a_step(rank: int, world_size: int) -> dict:
+    """The gradient of one backward, after an AdamOverMainGrad step, with only DDP's buffer zeroed between."""
+    from megatron_grpo.megatron import build_optimizer, destroy_parallel, init_parallel, model_forward, wrap_in_ddp
+
+    cfg = config_with(DP_MODEL)
+    init_parallel(cfg)
+    try:
+        model = wrap_in_ddp(build(cfg))
+        optimizer = build_optimizer(model, cfg.policy.optimizer)
+        input_ids = make_batch(seed=3)["input_ids"]
+        grads = []
+        for _ in range(2):
+            model.zero_grad_buffer()
+            model_forward(model, input_ids).square().mean().backward()
+            model.finish_grad_sync()
+            grads.append([p.main_grad.clone() for p in model.parameters()])
+            left_behind = [p.grad for p in model.parameters() if p.grad is not None]
+            with torch.no_grad():
+                optimizer.step()
+            left_behind += [p.grad for p in model.parameters() if p.grad is not None]
+        return {"grads": grads, "left_behind": len(left_behind)}
+    finally:
+        destroy_parallel()
+
+
+def test_adam_over_main_grad_leaves_no_grad_alias_that_would_double_the_next_gradient():
+    (result,) = run_on_ranks(1, two_backwards_around_a_step)
+    assert result["left_behind"] == 0
+    first, second = result["grads"]
+    # the second backward runs on updated weights, so its gradient differs a little, but it is not doubled
+    ratios = [(b.norm() / a.norm()).item() for a, b in zip(first, second) if a.norm() > 0]
+    assert all(0.5 < ratio < 1.5 for ratio in ratios), ratios

@@ -22,8 +22,6 @@ import types
 
 import torch
 
-from megatron_grpo.megatron.ddp import gradient
-
 _applied = False
 
 
@@ -76,11 +74,21 @@ def _on_cpu(factory):
 
 class AdamOverMainGrad(torch.optim.AdamW):
     """torch's AdamW over the gradients DDP reduced: each parameter's `.grad` is pointed at its `main_grad`
-    (a view, no copy) before the step, as Megatron's own FP32 optimizer does. Unwrapped models keep `.grad`."""
+    (a view, no copy) for the step, as Megatron's own FP32 optimizer does. Unwrapped models keep `.grad`.
+
+    After the step the views are dropped again: left in place, the next backward would accumulate into
+    `main_grad` through `.grad` and DDP's hook would then add that sum to itself."""
 
     @torch.no_grad()
     def step(self, closure=None):
+        wrapped = []
         for group in self.param_groups:
             for param in group["params"]:
-                param.grad = gradient(param)
-        return super().step(closure)
+                if getattr(param, "main_grad", None) is not None:
+                    param.grad = param.main_grad
+                    wrapped.append(param)
+        try:
+            return super().step(closure)
+        finally:
+            for param in wrapped:
+                param.grad = None

@@ -192,18 +192,22 @@ def make_forward_step(
 
 def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int,
                      logits_temperature: float = 1.0, top_k: int | None = None,
-                     top_p: float | None = None, fused_linear: bool = False) -> torch.Tensor:
+                     top_p: float | None = None, fused_linear: bool = False,
+                     vocab: VocabShard | None = None) -> torch.Tensor:
     """float32 `[B, S]` logprobs of `batch["input_ids"]` under softmax(logits / `logits_temperature`) of `model`,
     filtered by `top_k` / `top_p` (-inf outside the kept set), in eval mode; position 0 is 0.
 
     `fused_linear`: from the final hidden states and the output weight (`vocab_parallel_linear_logprobs`),
     without materialising the logits.
 
+    `vocab`: this rank's vocab shard; by default the one `megatron.model.build_gpt_model` recorded on the model
+    (`vocab_shard_of`), so a model built elsewhere passes its own.
+
     A forward-only pass through Megatron's schedule; with pipeline parallelism the last stage broadcasts the
     result to the other stages.
     """
     input_ids = batch["input_ids"]
-    vocab = vocab_shard_of(model)
+    vocab = vocab if vocab is not None else vocab_shard_of(model)
     microbatches = _split(batch, micro_batch_size)
 
     def logprob_func(ids: torch.Tensor, output_tensor: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
