@@ -21,7 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
-STEPS = ["machine", "wheels", "registers", "build", "tests", "linear", "roofline", "bench"]
+STEPS = ["machine", "wheels", "registers", "build", "tests", "linear", "runner", "roofline", "bench"]
 
 
 def test_step_budgets_sum_to_under_480_s_and_every_step_has_one():
@@ -64,12 +64,13 @@ def test_dry_run_goes_through_every_step_within_budget(tmp_path):
     summary = (out / "summary.txt").read_text()
     status = dict(re.findall(r"^(\w+)\s+(ok|skipped|FAILED.*?|TIMED OUT.*?)\s+\d+ s$", summary, flags=re.M))
     assert list(status) == STEPS, summary
-    expected = {"machine": "ok", "build": "skipped", "tests": "ok", "linear": "ok", "roofline": "skipped",
+    expected = {"machine": "ok", "build": "skipped", "tests": "ok", "linear": "ok", "runner": "skipped",
+                "roofline": "skipped",
                 "bench": "ok", "registers": "ok" if shutil.which("nvcc") else "skipped"}
     assert {step: status[step] for step in expected} == expected, summary
     log = (out / "gpu_check.log").read_text()
     assert "skipped (dry run): no CUDA build" in log and "skipped (dry run): needs a CUDA device" in log
-    linear = log.split("linear (budget")[1].split("roofline (budget")[0]
+    linear = log.split("linear (budget")[1].split("runner (budget")[0]
     skipped = re.search(r"(\d+) skipped", linear)
     assert skipped and int(skipped.group(1)) >= 4, linear  # collected, and every one skipped without CUDA
     assert " passed" not in linear and " failed" not in linear and "error" not in linear.lower(), linear

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_grpo.grpo.statistics import rollout_statistics
-from megatron_grpo.megatron.train_step import grad_norm_after_clipping, learning_rate
+from megatron_grpo.megatron.optimizer import grad_norm_after_clipping, learning_rate
 from megatron_grpo.timing import PHASES, StepTimer, format_time_breakdown, time_breakdown_rows
 from tests._dist import run_on_ranks
 
@@ -78,7 +78,7 @@ def _dp_worker(rank: int, world_size: int, rows: list[int]) -> dict:
     """Each DP rank holds its share of the rows; also checks grad_norm_after_clipping against the real clip."""
     from megatron.core import parallel_state
 
-    from megatron_grpo.megatron.train_step import clip_grad_norm
+    from megatron_grpo.megatron.optimizer import clip_grad_norm
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     try:

@@ -2,9 +2,9 @@
 
 Megatron's side (sharded state dicts, the `dist_checkpointing` writer and reader) is
 `megatron_grpo.megatron.checkpointing`; this module decides what is saved, publishes and verifies it, and
-resumes. The checkpoint holds the model's `sharded_state_dict()` and the plain `torch.optim` Adam that runs on
-the CPU (Megatron's optimizer needs CUDA), its moments sharded like their parameters; Adam's step count is
-shared by every parameter and saved once. Each rank's RNG state is a per-rank object, and so are its rollouts in
+resumes. The checkpoint holds the model's `sharded_state_dict()` and the optimizer's state: on CUDA Megatron's
+distributed optimizer shards its own (fully reshardable); on the CPU the plain `torch.optim` Adam has its
+moments sharded like their parameters, and its step count, shared by every parameter, saved once. Each rank's RNG state is a per-rank object, and so are its rollouts in
 flight when `grpo.max_rollout_staleness` > 0 (the queue is part of the checkpoint, not regenerated: the older
 weights that made it are gone). A checkpoint therefore loads into another tensor-parallel size too (unless
 rollouts are in flight: they belong to the saved ranks), and resumes bit-exactly into the same one.
@@ -41,6 +41,8 @@ from megatron_grpo.grpo.checkpoint_dir import (
 )
 from megatron_grpo.grpo.rollout_queue import RolloutQueue
 from megatron_grpo.megatron import (
+    Optimizer,
+    is_megatron_optimizer,
     load_sharded,
     per_rank_object,
     save_sharded,
@@ -56,7 +58,7 @@ def save_checkpoint(
     *,
     steps_done: int,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizer,
     rank: int,
     world_size: int,
     barrier: Callable[[], None],
@@ -134,7 +136,7 @@ def find_os_error(err: BaseException) -> Optional[OSError]:
 
 
 def load_checkpoint(
-    step_dir: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world_size: int,
+    step_dir: Path, *, model: torch.nn.Module, optimizer: Optimizer, rank: int, world_size: int,
     verify: bool = True, rollouts: Optional[RolloutQueue] = None,
 ) -> int:
     """Restores model, optimizer, this rank's RNG and (into `rollouts`) its rollouts in flight from `step_dir`;
@@ -146,8 +148,10 @@ def load_checkpoint(
     """
     if verify:
         verify_shared(step_dir, rank, world_size)
-    _materialise_adam_state(optimizer)  # the sharded templates need tensors to load into
-    template = _sharded_training_state(model, optimizer, rank, world_size)
+    megatron_optimizer = is_megatron_optimizer(optimizer)
+    if not megatron_optimizer:
+        _materialise_adam_state(optimizer)  # the sharded templates need tensors to load into
+    template = _sharded_training_state(model, optimizer, rank, world_size, is_loading=True)
     template["steps_done"] = 0
     same_world = saved_world_size(step_dir) == world_size
     template.update(_rollout_state(rollouts.state_dict() if rollouts is not None else None, rank, world_size))
@@ -156,7 +160,8 @@ def load_checkpoint(
     try:
         state = load_sharded(template, step_dir)
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(_with_adam_step(state["optimizer"], state["adam_step"]))
+        optimizer.load_state_dict(state["optimizer"] if megatron_optimizer
+                                  else _with_adam_step(state["optimizer"], state["adam_step"]))
     except (Exception, CheckpointException) as err:  # many types for missing, truncated or garbled files
         raise CheckpointError(f"cannot resume: {step_dir} is corrupt or does not fit this model: "
                               f"{type(err).__name__}: {_last_line(err)}") from err
@@ -208,15 +213,18 @@ def verify_shared(step_dir: Path, rank: int, world_size: int) -> None:
 
 
 def _sharded_training_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world_size: int
+    model: torch.nn.Module, optimizer: Optimizer, rank: int, world_size: int, *, is_loading: bool = False
 ) -> dict[str, Any]:
-    """The sharded state dict of model, optimizer (moments sharded like their parameters, the shared Adam step
-    once) and this rank's RNG."""
-    adam_step = _common_adam_step(optimizer.state_dict())
+    """The sharded state dict of model, optimizer and this rank's RNG. A `torch.optim` Adam's moments are sharded
+    like their parameters and its step, shared by every parameter, saved once; Megatron's optimizer shards
+    itself, its step included."""
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if is_megatron_optimizer(optimizer):
+        return {**sharded_model_and_optimizer(model, optimizer, is_loading=is_loading),
+                "rng": per_rank_object("rng", rng, rank, world_size)}
     return {
         **sharded_model_and_optimizer(model, optimizer, unsharded_keys=("step",)),
-        "adam_step": adam_step,
+        "adam_step": _common_adam_step(optimizer.state_dict()),
         "rng": per_rank_object("rng", rng, rank, world_size),
     }
 

@@ -32,6 +32,7 @@ from megatron_grpo.grpo.tensorboard_log import MetricWriters
 from megatron_grpo.timing import StepTimer
 from megatron_grpo.loss import ClippedPGLoss
 from megatron_grpo.megatron import (
+    Optimizer,
     ParallelLayout,
     StepConfig,
     build_gpt_model,
@@ -40,6 +41,7 @@ from megatron_grpo.megatron import (
     last_position_logits,
     load_model_weights,
     train_step,
+    uses_distributed_optimizer,
     wrap_in_ddp,
 )
 from megatron_grpo.scheduler import LogprobPlan
@@ -67,7 +69,7 @@ class Trainer:
     task: DigitTask
     model: torch.nn.Module
     reference_model: Optional[torch.nn.Module]
-    optimizer: torch.optim.Optimizer
+    optimizer: Optimizer
     loss_fn: ClippedPGLoss
     rollouts: RolloutQueue = field(init=False)
 
@@ -85,7 +87,7 @@ class Trainer:
             reference_model = build_gpt_model(cfg, tokenizer.vocab_size)
             reference_model.load_state_dict(model.state_dict())
             reference_model.requires_grad_(False)
-        model = wrap_in_ddp(model)
+        model = wrap_in_ddp(model, use_distributed_optimizer=uses_distributed_optimizer())
         return cls(
             cfg=cfg,
             plan=plan,

@@ -15,12 +15,18 @@ from megatron_grpo.megatron.ddp import unwrapped, wrap_in_ddp
 from megatron_grpo.megatron.forward import model_forward
 from megatron_grpo.megatron.generation import draws_from_last_stage, last_position_logits
 from megatron_grpo.megatron.model import build_gpt_model, padded_vocab_size
+from megatron_grpo.megatron.optimizer import (
+    Optimizer,
+    build_optimizer,
+    clip_grad_norm,
+    is_megatron_optimizer,
+    optimizer_step,
+    uses_distributed_optimizer,
+)
 from megatron_grpo.megatron.parallel import ParallelLayout, destroy_parallel, init_parallel
 from megatron_grpo.megatron.train_step import (
     StepConfig,
     TrainStepResult,
-    build_optimizer,
-    clip_grad_norm,
     compute_logprobs,
     make_forward_step,
     train_step,
@@ -29,6 +35,7 @@ from megatron_grpo.megatron.train_step import (
 __all__ = [
     "CheckpointMismatchError",
     "ModelCheckpointError",
+    "Optimizer",
     "ParallelLayout",
     "StepConfig",
     "TrainStepResult",
@@ -40,16 +47,19 @@ __all__ = [
     "destroy_parallel",
     "draws_from_last_stage",
     "init_parallel",
+    "is_megatron_optimizer",
     "last_position_logits",
     "load_model_weights",
     "load_sharded",
     "make_forward_step",
     "model_forward",
+    "optimizer_step",
     "padded_vocab_size",
     "per_rank_object",
     "save_sharded",
     "sharded_model_and_optimizer",
     "train_step",
     "unwrapped",
+    "uses_distributed_optimizer",
     "wrap_in_ddp",
 ]

@@ -4,9 +4,9 @@ and loaded with `megatron.core.dist_checkpointing`.
 What is saved, when, and how a step directory is published and verified is the runner's business
 (`megatron_grpo.grpo.checkpoint`); this module only speaks Megatron's format:
 
-- `sharded_model_and_optimizer`: the model's `sharded_state_dict()`, and a plain `torch.optim` optimizer's
-  state with each per-parameter tensor sharded like its parameter, with Megatron's own helpers, exactly as
-  Megatron's FP32 optimizer does (Megatron's optimizer needs CUDA; the runner's Adam runs on the CPU).
+- `sharded_model_and_optimizer`: the model's `sharded_state_dict()`, and the optimizer's: Megatron's own
+  (CUDA) shards itself; a plain `torch.optim` optimizer's state (the CPU) has each per-parameter tensor sharded
+  like its parameter, with Megatron's own helpers, exactly as Megatron's FP32 optimizer does.
 - `per_rank_object`: a value that belongs to one rank (its RNG, its rollouts in flight), one slot per rank.
 - `save_sharded` / `load_sharded`: a synchronous save with the `torch_dist` writer, and a load into a template.
 - `load_model_weights`: a pretrained model's weights (a plain `dist_checkpointing.save(model.sharded_state_dict(),
@@ -31,7 +31,10 @@ from megatron.core.dist_checkpointing.optimizer import (
     optim_state_to_sharding_state,
 )
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.optimizer import MegatronOptimizer
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+from megatron_grpo.megatron.ddp import unwrapped
 
 VOCAB_TENSOR_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")  # dim 0 is the padded vocab
 
@@ -43,18 +46,21 @@ class ModelCheckpointError(ValueError):
 class CheckpointMismatchError(ModelCheckpointError):
     """The checkpoint does not hold this model: a tensor is missing or has another global shape."""
 
-from megatron_grpo.megatron.ddp import unwrapped
-
 
 def sharded_model_and_optimizer(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, unsharded_keys: tuple[str, ...] = ()
+    model: torch.nn.Module, optimizer: Any, *, unsharded_keys: tuple[str, ...] = (), is_loading: bool = False
 ) -> dict[str, Any]:
-    """`{"model": ..., "optimizer": ...}`: the model's sharded state dict, and the optimizer's state dict with
-    every per-parameter tensor (Adam's moments) sharded like its parameter.
+    """`{"model": ..., "optimizer": ...}`: the model's sharded state dict, and the optimizer's.
 
-    The per-parameter entries named in `unsharded_keys` (Adam's `step`, a scalar every parameter shares) are
-    left out: the caller saves them some other way. The result loads into another tensor-parallel size too."""
+    A `torch.optim` optimizer's state dict has every per-parameter tensor (Adam's moments) sharded like its
+    parameter; the per-parameter entries named in `unsharded_keys` (Adam's `step`, a scalar every parameter
+    shares) are left out: the caller saves them some other way. Megatron's optimizer shards its own state
+    (`sharded_state_dict`; the distributed optimizer in its fully reshardable form), and `is_loading` tells it
+    that the result is a template to load into. Either result loads into another TP/PP/DP layout too."""
     model_state = unwrapped(model).sharded_state_dict()  # the GPTModel's keys, wrapped in DDP or not
+    if isinstance(optimizer, MegatronOptimizer):
+        return {"model": model_state, "optimizer": optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})}
     optimizer_state = optimizer.state_dict()
     params = [param for group in optimizer.param_groups for param in group["params"]]
     optim_state_to_sharding_state(

@@ -23,9 +23,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-from megatron_grpo.config import Config, OptimizerConfig  # noqa: F401  (Config: StepConfig.of only)
+from megatron_grpo.config import Config
 from megatron_grpo.loss import (
     METRIC_AGGREGATION,
     aggregate_metrics,
@@ -33,8 +32,7 @@ from megatron_grpo.loss import (
     trained_token_mask,
     trained_token_targets,
 )
-from megatron_grpo.megatron.cpu_support import AdamOverMainGrad
-from megatron_grpo.megatron.ddp import gradient, is_ddp, zero_grads
+from megatron_grpo.megatron.ddp import is_ddp
 from megatron_grpo.megatron.forward import (
     Batch,
     ForwardStep,
@@ -44,6 +42,13 @@ from megatron_grpo.megatron.forward import (
     run_schedule,
 )
 from megatron_grpo.megatron.hidden_states import output_weight
+from megatron_grpo.megatron.optimizer import (
+    Optimizer,
+    grad_norm_after_clipping,
+    learning_rate,
+    optimizer_step,
+    zero_optimizer_grads,
+)
 from megatron_grpo.megatron.vocab import vocab_shard_of
 from megatron_grpo.ops import VocabShard, vocab_parallel_linear_logprobs, vocab_parallel_logprobs
 from megatron_grpo.scheduler import LogprobPlan
@@ -247,7 +252,7 @@ def _linear_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torc
 def train_step(
     step: StepConfig,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizer,
     loss_fn: LossFn,
     plan: LogprobPlan,
     batch: Batch,
@@ -301,9 +306,8 @@ def train_step(
             metrics = _forward_backward(model, optimizer, loss_fn, plan, step_batch, micro_batch_size, temperature,
                                         fused_linear=fused, fused_loss=step.fused_linear_loss, **sampling)
         with timer.section("optimizer"):
-            grad_norm = clip_grad_norm(model, clip)
-            lr = learning_rate(optimizer)  # the rate this optimizer.step() uses
-            optimizer.step()
+            lr = learning_rate(optimizer)  # the rate this step uses
+            grad_norm = optimizer_step(model, optimizer, clip)
         step_metrics.append({**metrics_from_last_stage(_aggregate(metrics, loss_fn)), "grad_norm": grad_norm,
                              "grad_norm_after_clip": grad_norm_after_clipping(grad_norm, clip), "lr": lr})
         microbatch_metrics.extend(metrics)
@@ -320,21 +324,9 @@ def train_step(
     )
 
 
-def build_optimizer(model: torch.nn.Module, optim: OptimizerConfig) -> torch.optim.Optimizer:
-    """Adam with decoupled weight decay, as Megatron's optimizer, over the gradients DDP reduced (`main_grad`)
-    when the model is wrapped (see cpu_support, item 6)."""
-    return AdamOverMainGrad(
-        model.parameters(),
-        lr=optim.lr,
-        betas=(optim.adam_beta1, optim.adam_beta2),
-        eps=optim.adam_eps,
-        weight_decay=optim.weight_decay,
-    )
-
-
 def _forward_backward(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizer,
     loss_fn: LossFn,
     plan: LogprobPlan,
     batch: Batch,
@@ -359,7 +351,7 @@ def _forward_backward(
                                      global_valid_seqs=seqs, vocab=vocab_shard_of(model),
                                      logits_temperature=logits_temperature, top_k=top_k, top_p=top_p,
                                      fused_linear=fused_linear, fused_loss=fused_loss)
-    zero_grads(model)
+    zero_optimizer_grads(model, optimizer)
     model.train()
     return run_schedule(forward_step, model, microbatches, forward_only=False)
 
@@ -372,41 +364,6 @@ def _aggregate(microbatch_metrics: list[dict[str, torch.Tensor]], loss_fn: LossF
     group = parallel_state.get_data_parallel_group()
     aggregation = getattr(loss_fn, "metric_aggregation", METRIC_AGGREGATION)  # a plain callable has none
     return aggregate_metrics(microbatch_metrics, group=group if group.size() > 1 else None, aggregation=aggregation)
-
-
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Clips to a total norm over the whole model-parallel model (TP duplicates counted once); 0 = no clipping.
-
-    Returns the norm before clipping.
-    """
-    grads = [(p, gradient(p)) for p in model.parameters() if gradient(p) is not None]
-    squares = [grad.float().square().sum() for p, grad in grads if param_is_not_tensor_parallel_duplicate(p)]
-    total = torch.stack(squares).sum() if squares else torch.zeros((), device=_device(model))
-    if parallel_state.get_model_parallel_group().size() > 1:
-        dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
-    norm = total.sqrt().item()
-    scale = clip_coefficient(norm, max_norm)
-    if scale != 1.0:
-        for _, grad in grads:
-            grad.mul_(scale)
-    return norm
-
-
-def clip_coefficient(norm: float, max_norm: float) -> float:
-    """The factor `clip_grad_norm` scales the gradients by: 1 when `max_norm` is 0 (no clipping) or the norm is
-    within it, else `max_norm / (norm + 1e-6)`, Megatron's and torch's clip coefficient."""
-    return max_norm / (norm + 1e-6) if 0 < max_norm < norm else 1.0
-
-
-def grad_norm_after_clipping(norm: float, max_norm: float) -> float:
-    """The gradient norm `clip_grad_norm` leaves, from the norm before clipping that it returned."""
-    return norm * clip_coefficient(norm, max_norm)
-
-
-def learning_rate(optimizer: torch.optim.Optimizer) -> float:
-    """The learning rate of the optimizer's first parameter group (one that every group shares in this runner;
-    Megatron logs the first group's likewise): the rate the next `optimizer.step()` uses."""
-    return float(optimizer.param_groups[0]["lr"])
 
 
 def _split(batch: Batch, micro_batch_size: int) -> list[Batch]:
@@ -445,7 +402,3 @@ def _sum_over_data_parallel(tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.clone()
         dist.all_reduce(tensor, group=group)
     return tensor
-
-
-def _device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device

@@ -1,0 +1,127 @@
+"""The policy's optimizer, and one optimizer step of it: clip to `clip_grad`, step, report the norm and the rate.
+
+On CUDA it is Megatron-Core's own (`get_megatron_optimizer`, Adam, with the distributed optimizer: ZeRO-1, each
+DP rank keeps the Adam state of its slice of DDP's buffers), as Megatron training scripts build it; it clips
+inside its `step()`. On the CPU, where Megatron's optimizer cannot be built (cpu_support, item 6), it is
+`AdamOverMainGrad`, torch's AdamW over the gradients DDP reduced, clipped here by `clip_grad_norm`. Both use
+Megatron's parameter groups: no weight decay on biases and other 1-D parameters (norms).
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+from megatron_grpo.config import OptimizerConfig
+from megatron_grpo.megatron.cpu_support import AdamOverMainGrad
+from megatron_grpo.megatron.ddp import gradient, zero_grads
+
+Optimizer = Union[torch.optim.Optimizer, MegatronOptimizer]
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimizerConfig) -> Optimizer:
+    """Adam with decoupled weight decay for `model` (wrapped in DDP with the distributed optimizer's buffer
+    layout on CUDA, see `ddp.wrap_in_ddp`): Megatron's optimizer on CUDA, `AdamOverMainGrad` on the CPU."""
+    if torch.cuda.is_available():
+        return _megatron_optimizer(model, optim)
+    decayed, not_decayed = [], []
+    for name, param in model.named_parameters():
+        (not_decayed if _no_weight_decay(name, param) else decayed).append(param)
+    groups = [{"params": params, "weight_decay": decay} for params, decay in
+              ((decayed, optim.weight_decay), (not_decayed, 0.0)) if params]
+    return AdamOverMainGrad(groups, lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
+
+
+def uses_distributed_optimizer() -> bool:
+    """Whether `build_optimizer` builds Megatron's distributed optimizer here (which DDP must be told of)."""
+    return torch.cuda.is_available()
+
+
+def is_megatron_optimizer(optimizer: Optimizer) -> bool:
+    return isinstance(optimizer, MegatronOptimizer)
+
+
+def zero_optimizer_grads(model: torch.nn.Module, optimizer: Optimizer) -> None:
+    """Fresh gradients for the next optimizer step: DDP's buffers, and Megatron's optimizer's own copies."""
+    zero_grads(model)
+    if is_megatron_optimizer(optimizer):
+        optimizer.zero_grad()
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: Optimizer, clip_grad: float) -> float:
+    """Clips the reduced gradients to total norm `clip_grad` (0: no clipping) and steps; returns the norm before
+    clipping. Megatron's optimizer clips to its own `config.clip_grad`, which must be `clip_grad`."""
+    if not is_megatron_optimizer(optimizer):
+        norm = clip_grad_norm(model, clip_grad)
+        optimizer.step()
+        return norm
+    if optimizer.config.clip_grad != clip_grad:
+        raise ValueError(f"clip_grad: the step clips to {clip_grad}, the Megatron optimizer to its "
+                         f"config.clip_grad = {optimizer.config.clip_grad}; build both from one value")
+    updated, norm, _ = optimizer.step()
+    if not updated:  # only a loss scaler skips a step, and the train step uses none
+        raise RuntimeError("optimizer: Megatron's optimizer skipped the step (non-finite gradients)")
+    return float(norm)
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Clips to a total norm over the whole model-parallel model (TP duplicates counted once); 0 = no clipping.
+
+    Returns the norm before clipping.
+    """
+    grads = [(p, gradient(p)) for p in model.parameters() if gradient(p) is not None]
+    squares = [grad.float().square().sum() for p, grad in grads if param_is_not_tensor_parallel_duplicate(p)]
+    total = torch.stack(squares).sum() if squares else torch.zeros((), device=next(model.parameters()).device)
+    if parallel_state.get_model_parallel_group().size() > 1:
+        dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
+    norm = total.sqrt().item()
+    scale = clip_coefficient(norm, max_norm)
+    if scale != 1.0:
+        for _, grad in grads:
+            grad.mul_(scale)
+    return norm
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """The factor `clip_grad_norm` scales the gradients by: 1 when `max_norm` is 0 (no clipping) or the norm is
+    within it, else `max_norm / (norm + 1e-6)`, Megatron's and torch's clip coefficient."""
+    return max_norm / (norm + 1e-6) if 0 < max_norm < norm else 1.0
+
+
+def grad_norm_after_clipping(norm: float, max_norm: float) -> float:
+    """The gradient norm `clip_grad_norm` leaves, from the norm before clipping that it returned."""
+    return norm * clip_coefficient(norm, max_norm)
+
+
+def learning_rate(optimizer: Optimizer) -> float:
+    """The learning rate of the optimizer's first parameter group (one that every group shares in this runner;
+    Megatron logs the first group's likewise): the rate the next `optimizer.step()` uses."""
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    """Megatron's default rule: biases and 1-D parameters (norm weights) take no weight decay."""
+    return name.endswith(".bias") or param.dim() == 1
+
+
+def _megatron_optimizer(model: torch.nn.Module, optim: OptimizerConfig) -> MegatronOptimizer:
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    config = MegatronOptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        params_dtype=torch.float32,  # fp32 master weights in every precision (bf16 runs under autocast)
+        use_distributed_optimizer=True,
+    )
+    return get_megatron_optimizer(config, [model])
