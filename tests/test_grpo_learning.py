@@ -1,8 +1,9 @@
 """The tiny config learns by RL alone, under data and pipeline parallelism: with a fixed seed, the mean reward of
 the first 10 steps is at most 0.2, and some 10-step window reaches 0.9 within 120 steps, as the demo does.
 
-DP = 2 (TP 1) trains on the loss-fused path (`policy.fused_linear_loss`); TP = 2 × PP = 2 (4 ranks) on the fused
-op (the demo's path); the materialised-logits path learns in the off-policy learning tests.
+DP = 2 (TP 1) trains on the loss-fused path (`policy.fused_linear_loss`); TP = 2 × PP = 2 (4 ranks) is the shipped
+configs/grpo_tiny_cpu_tp2_pp2.yaml, on the fused op (the demo's path); the materialised-logits path learns in the
+off-policy learning tests.
 """
 
 from __future__ import annotations
@@ -10,15 +11,15 @@ from __future__ import annotations
 import pytest
 
 from megatron_grpo.grpo.reporting import read_metrics
-from grpo_workers.launch import run, torchrun_command, write_config
+from grpo_workers.launch import REPO, TINY_CONFIG, run, torchrun_command, write_config
 
 STEPS = 120
 WINDOW = 10
 pytestmark = pytest.mark.slow  # torchrun jobs, end to end
 
-LAYOUTS = {
-    "dp2": ({"policy.tensor_model_parallel_size": 1, "policy.fused_linear_loss": True}, 2),
-    "tp2_pp2": ({"policy.tensor_model_parallel_size": 2, "policy.pipeline_model_parallel_size": 2}, 4),
+LAYOUTS = {  # name: base config, overrides, ranks
+    "dp2": (TINY_CONFIG, {"policy.tensor_model_parallel_size": 1, "policy.fused_linear_loss": True}, 2),
+    "tp2_pp2": (REPO / "configs" / "grpo_tiny_cpu_tp2_pp2.yaml", {}, 4),
 }
 
 
@@ -28,8 +29,9 @@ def window_means(values: list[float]) -> list[float]:
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_reward_rises_from_at_most_0_2_to_0_9(tmp_path, name):
-    overrides, nproc = LAYOUTS[name]
-    config = write_config(tmp_path, **overrides, **{"grpo.max_num_steps": STEPS, "checkpoint.every_n_steps": 0})
+    base, overrides, nproc = LAYOUTS[name]
+    config = write_config(tmp_path, base=base, **overrides,
+                          **{"grpo.max_num_steps": STEPS, "checkpoint.every_n_steps": 0})
     code, output = run(torchrun_command(config, nproc=nproc), tmp_path / "log.txt", timeout=400)
     assert code == 0, output
     rewards = [record["reward_mean"] for record in read_metrics(tmp_path / "run")]

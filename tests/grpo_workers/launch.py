@@ -26,9 +26,10 @@ TINY_CONFIG = REPO / "configs" / "grpo_tiny_cpu.yaml"
 JOB_TOKEN_VARIABLE = "MEGATRON_GRPO_TEST_JOB"
 
 
-def write_config(directory: Path, name: str = "config.yaml", **overrides: Any) -> Path:
-    """The tiny config with run and checkpoint dirs under `directory` and dotted-key overrides applied."""
-    data = yaml.safe_load(TINY_CONFIG.read_text())
+def write_config(directory: Path, name: str = "config.yaml", base: Path = TINY_CONFIG, **overrides: Any) -> Path:
+    """The tiny config (or another shipped one, `base`) with run and checkpoint dirs under `directory` and
+    dotted-key overrides applied."""
+    data = yaml.safe_load(base.read_text())
     data["run_dir"] = str(directory / "run")
     data["checkpoint"]["dir"] = str(directory / "run" / "checkpoints")
     data["logging"]["progress_bar"] = False
