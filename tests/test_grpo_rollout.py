@@ -154,32 +154,9 @@ def test_non_positive_temperature_is_rejected_by_name():
         sampling_log_probs(torch.zeros(2, 5), 0.0, None)
 
 
-def _tp_rollout(rank: int, world_size: int) -> dict:
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    shard_width = PADDED_VOCAB // world_size
-    rollout = generate(
-        _toy_logits_fn(_toy_logits_table(), slice(rank * shard_width, (rank + 1) * shard_width)),
-        _prompts(),
-        _params(temperature=0.9, top_k=5),
-        true_vocab_size=TRUE_VOCAB,
-        generators=_generators(7),
-        tp_group=dist.group.WORLD,
-    )
-    return {"ids": rollout.input_ids, "logprobs": rollout.generation_logprobs, "mask": rollout.token_mask}
-
-
-def test_tensor_parallel_sampling_matches_single_rank_sampling():
-    single = _sample(_params(temperature=0.9, top_k=5))
-    for result in run_on_ranks(2, _tp_rollout):
-        assert torch.equal(result["ids"], single.input_ids)
-        assert torch.equal(result["mask"], single.token_mask)
-        torch.testing.assert_close(result["logprobs"], single.generation_logprobs, rtol=0, atol=1e-6)
-
-
-def _pipelined_rollout(rank: int, world_size: int) -> dict:
-    """Rank 1 holds the logits (the last pipeline stage), rank 0 none; rank 1's draws reach rank 0."""
+def _distributed_rollout(rank: int, world_size: int, split: str) -> dict:
+    """Two ranks sampling together: `"tensor"`, each holding half the vocab shard, gathered over TP; or
+    `"pipeline"`, only rank 1 holding logits (the last pipeline stage), its draws broadcast to rank 0."""
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -187,21 +164,27 @@ def _pipelined_rollout(rank: int, world_size: int) -> dict:
         dist.broadcast(draws, src=1)
         return draws
 
-    logits_fn = _toy_logits_fn(_toy_logits_table())
+    shard_width = PADDED_VOCAB // world_size
+    own_shard = _toy_logits_fn(_toy_logits_table(), slice(rank * shard_width, (rank + 1) * shard_width))
+    whole = _toy_logits_fn(_toy_logits_table())
     rollout = generate(
-        logits_fn if rank == 1 else (lambda input_ids: None),
+        own_shard if split == "tensor" else whole if rank == 1 else (lambda input_ids: None),
         _prompts(),
         _params(temperature=0.9, top_k=5),
         true_vocab_size=TRUE_VOCAB,
         generators=_generators(7),
-        share_draws=share_draws,
+        tp_group=dist.group.WORLD if split == "tensor" else None,
+        share_draws=share_draws if split == "pipeline" else None,
     )
     return {"ids": rollout.input_ids, "logprobs": rollout.generation_logprobs, "mask": rollout.token_mask}
 
 
-def test_ranks_without_logits_receive_the_sampling_ranks_draws():
+@pytest.mark.parametrize("split, tolerance", [("tensor", 1e-6), ("pipeline", 0.0)])
+def test_two_ranks_sample_what_one_rank_samples(split, tolerance):
+    """TP: the same tokens, logprobs to 1e-6 (the gathered shards are summed in another order); PP: the ranks
+    without logits receive the sampling rank's draws exactly."""
     single = _sample(_params(temperature=0.9, top_k=5))
-    for result in run_on_ranks(2, _pipelined_rollout):
+    for result in run_on_ranks(2, _distributed_rollout, split):
         assert torch.equal(result["ids"], single.input_ids)
         assert torch.equal(result["mask"], single.token_mask)
-        assert torch.equal(result["logprobs"], single.generation_logprobs)
+        torch.testing.assert_close(result["logprobs"], single.generation_logprobs, rtol=0, atol=tolerance)

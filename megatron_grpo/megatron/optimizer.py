@@ -14,7 +14,8 @@ from typing import Union
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 from megatron_grpo.config import OptimizerConfig
@@ -110,9 +111,6 @@ def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
 
 
 def _megatron_optimizer(model: torch.nn.Module, optim: OptimizerConfig) -> MegatronOptimizer:
-    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
-    from megatron.core.optimizer import get_megatron_optimizer
-
     config = MegatronOptimizerConfig(
         optimizer="adam",
         lr=optim.lr,
