@@ -7,12 +7,14 @@ Every workaround lives here, with its reason (docs/design.md, "Platforms and Meg
 2. `forward_backward_no_pipelining` creates `torch.zeros([], device="cuda")` for its token count. The tensor
    factories of that one module are redirected to the CPU, so the Megatron schedule stays the only code path.
 3. `dist_checkpointing` calls `torch.cuda.synchronize()`; with no device there is nothing to wait for: no-op.
+4. Megatron-Core 0.19's DDP asks `torch.cuda.current_stream()` for the stream that waits on CUDA-graph events
+   before each gradient reduction; without a device it gets a stream that has nothing to wait for.
 
 Handled where they arise rather than by patching:
-4. The RNG tracker: `model_parallel_cuda_manual_seed` needs CUDA RNG state, so `parallel.init_parallel` asks
+5. The RNG tracker: `model_parallel_cuda_manual_seed` needs CUDA RNG state, so `parallel.init_parallel` asks
    for Megatron's inference tracker on CPU (its forks are no-ops; dropout then draws from the CPU generator).
-5. `sequence_parallel` needs TE's LayerNorm: `model.build_gpt_model` keeps it off on CPU.
-6. `megatron.core.optimizer` allocates on "cuda" in its constructor: on the CPU the policy's optimizer is
+6. `sequence_parallel` needs TE's LayerNorm: `model.build_gpt_model` keeps it off on CPU.
+7. `megatron.core.optimizer` allocates on "cuda" in its constructor: on the CPU the policy's optimizer is
    `AdamOverMainGrad`, torch's AdamW reading the gradients Megatron's DDP reduced into `main_grad`.
 """
 
@@ -26,13 +28,14 @@ _applied = False
 
 
 def apply_cpu_support() -> bool:
-    """Applies workarounds 1-3 once if CUDA is unavailable; returns whether the process runs on the CPU."""
+    """Applies workarounds 1-4 once if CUDA is unavailable; returns whether the process runs on the CPU."""
     global _applied
     if torch.cuda.is_available():
         return False
     if not _applied:
         torch.cuda.current_device = _cpu_device
         torch.cuda.synchronize = _no_synchronize
+        torch.cuda.current_stream = _CpuStream
         from megatron.core.pipeline_parallel import schedules
 
         schedules.torch = _CpuFactoryTorch()
@@ -46,6 +49,22 @@ def _cpu_device() -> str:
 
 def _no_synchronize(device: object = None) -> None:
     """There is no device stream to wait for."""
+
+
+class _CpuStream:
+    """The current "stream" of a process without a device: work is already done when it is issued."""
+
+    def __init__(self, device: object = None) -> None:
+        pass
+
+    def wait_event(self, event: object) -> None:
+        """Nothing is pending."""
+
+    def wait_stream(self, stream: object) -> None:
+        """Nothing is pending."""
+
+    def synchronize(self) -> None:
+        """Nothing is pending."""
 
 
 class _CpuFactoryTorch(types.ModuleType):

@@ -65,7 +65,7 @@ def transformer_config(cfg: Config) -> TransformerConfig:
         enable_autocast=policy.precision in AUTOCAST_DTYPES,
         autocast_dtype=AUTOCAST_DTYPES.get(policy.precision),
         use_cpu_initialization=on_cpu,  # CPU init is also what makes TP=1 and TP=2 start from the same weights
-        sequence_parallel=False,  # the local spec's torch LayerNorm does not support it (cpu_support, item 5)
+        sequence_parallel=False,  # the local spec's torch LayerNorm does not support it (cpu_support, item 6)
     )
 
 
