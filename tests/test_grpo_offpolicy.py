@@ -128,6 +128,7 @@ def train_and_resume(rank: int, world_size: int, overrides: dict, root: str) -> 
     return {"uninterrupted": uninterrupted, "resumed": resumed, "staleness_error": staleness_error}
 
 
+@pytest.mark.slow  # three torchrun jobs per case
 @pytest.mark.parametrize("staleness", [1, 2])
 def test_a_resume_with_rollouts_in_flight_repeats_the_uninterrupted_run(tmp_path, staleness):
     (result,) = run_on_ranks(1, train_and_resume, {**OFF_POLICY, "grpo.max_rollout_staleness": staleness},
