@@ -1,9 +1,10 @@
 """The tiny config learns by RL alone, under data and pipeline parallelism: with a fixed seed, the mean reward of
-the first 10 steps is at most 0.2, and some 10-step window reaches 0.9 within 120 steps, as the demo does.
+the first 10 steps is at most 0.2, and some 10-step window reaches 0.9 within 100 steps, as the demo does.
 
-DP = 2 (TP 1) trains on the loss-fused path (`policy.fused_linear_loss`); TP = 2 × PP = 2 (4 ranks) is the shipped
-configs/grpo_tiny_cpu_tp2_pp2.yaml, on the fused op (the demo's path); the materialised-logits path learns in the
-off-policy learning tests.
+DP = 2 (TP 1) trains on the loss-fused path (`policy.fused_linear_loss`). TP = 2 × PP = 2 is the shipped
+configs/grpo_tiny_cpu_tp2_pp2.yaml on the fused op (the demo's path), launched as the README's two "nodes": two
+torchrun agents with `--nnodes 2` on loopback, a TP pair each, PP across them. The materialised-logits path
+learns in the off-policy learning tests.
 """
 
 from __future__ import annotations
@@ -11,15 +12,16 @@ from __future__ import annotations
 import pytest
 
 from megatron_grpo.grpo.reporting import read_metrics
-from grpo_workers.launch import REPO, TINY_CONFIG, run, torchrun_command, write_config
+from _dist import free_port
+from grpo_workers.launch import REPO, TINY_CONFIG, run, start, stop_job, torchrun_command, write_config
 
-STEPS = 120
+STEPS = 100
 WINDOW = 10
 pytestmark = pytest.mark.slow  # torchrun jobs, end to end
 
-LAYOUTS = {  # name: base config, overrides, ranks
-    "dp2": (TINY_CONFIG, {"policy.tensor_model_parallel_size": 1, "policy.fused_linear_loss": True}, 2),
-    "tp2_pp2": (REPO / "configs" / "grpo_tiny_cpu_tp2_pp2.yaml", {}, 4),
+LAYOUTS = {  # name: base config, overrides, torchrun agents, ranks per agent
+    "dp2": (TINY_CONFIG, {"policy.tensor_model_parallel_size": 1, "policy.fused_linear_loss": True}, 1, 2),
+    "tp2_pp2_two_agents": (REPO / "configs" / "grpo_tiny_cpu_tp2_pp2.yaml", {}, 2, 2),
 }
 
 
@@ -29,11 +31,22 @@ def window_means(values: list[float]) -> list[float]:
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_reward_rises_from_at_most_0_2_to_0_9(tmp_path, name):
-    base, overrides, nproc = LAYOUTS[name]
+    base, overrides, agents, nproc = LAYOUTS[name]
     config = write_config(tmp_path, base=base, **overrides,
                           **{"grpo.max_num_steps": STEPS, "checkpoint.every_n_steps": 0})
-    code, output = run(torchrun_command(config, nproc=nproc), tmp_path / "log.txt", timeout=400)
-    assert code == 0, output
+    if agents == 1:
+        code, output = run(torchrun_command(config, nproc=nproc), tmp_path / "log.txt", timeout=400)
+        assert code == 0, output
+    else:
+        rdzv = f"127.0.0.1:{free_port()}"
+        jobs = [start(torchrun_command(config, nproc=nproc, rdzv=rdzv, nnodes=agents), tmp_path / f"node{i}.txt")
+                for i in range(agents)]
+        try:
+            codes = [job.wait(timeout=400) for job in jobs]
+        finally:
+            for job in jobs:
+                stop_job(job)
+        assert codes == [0] * agents, [(tmp_path / f"node{i}.txt").read_text() for i in range(agents)]
     rewards = [record["reward_mean"] for record in read_metrics(tmp_path / "run")]
     assert len(rewards) == STEPS
     means = window_means(rewards)

@@ -28,11 +28,19 @@ def one_train_step(rank: int, world_size: int) -> dict:
     cfg = config_with(DP_MODEL)
     layout = init_parallel(cfg)
     try:
-        model = wrap_in_ddp(build(cfg))
-        initial = [p.detach().clone() for p in model.parameters()]
         rows = ROWS // layout.dp_size
         batch = {key: value[layout.dp_rank * rows:(layout.dp_rank + 1) * rows] for key, value in
                  make_batch(seed=21).items()}
+        unwrapped_error = ""
+        if layout.dp_size > 1:  # first, the same step on a model without DDP
+            plain = build(cfg)
+            try:
+                train_step(StepConfig.of(cfg), plain, build_optimizer(plain, cfg.policy.optimizer),
+                           ClippedPGLoss(cfg.loss_fn), plan_logprob_passes(cfg), batch)
+            except ValueError as err:
+                unwrapped_error = str(err)
+        model = wrap_in_ddp(build(cfg))
+        initial = [p.detach().clone() for p in model.parameters()]
         all_reduce_sizes = []
         all_reduce = dist.all_reduce
 
@@ -54,6 +62,8 @@ def one_train_step(rank: int, world_size: int) -> dict:
             "step_metrics": result.step_metrics,
             "curr_logprobs": result.curr_logprobs,
             "all_reduce_sizes": all_reduce_sizes,
+            "unwrapped_error": unwrapped_error,
+            **(two_backwards_around_a_step(cfg) if layout.dp_size == 1 else {}),
         }
     finally:
         destroy_parallel()
@@ -102,59 +112,34 @@ def test_dp_gradient_reduction_is_one_all_reduce_of_all_gradients(runs):
         assert len(large) == 1, half["all_reduce_sizes"]  # DDP's one buffer, not one collective per parameter
 
 
-def unwrapped_train_step(rank: int, world_size: int) -> str:
-    from megatron_grpo.loss import ClippedPGLoss
-    from megatron_grpo.megatron import StepConfig, build_optimizer, destroy_parallel, init_parallel, train_step
-    from megatron_grpo.scheduler import plan_logprob_passes
-
-    cfg = config_with(DP_MODEL)
-    layout = init_parallel(cfg)
-    try:
-        model = build(cfg)
-        rows = ROWS // layout.dp_size
-        batch = {key: value[:rows] for key, value in make_batch(seed=21).items()}
-        with pytest.raises(ValueError) as raised:
-            train_step(StepConfig.of(cfg), model, build_optimizer(model, cfg.policy.optimizer),
-                       ClippedPGLoss(cfg.loss_fn), plan_logprob_passes(cfg), batch)
-        return str(raised.value)
-    finally:
-        destroy_parallel()
+def test_an_unwrapped_model_under_data_parallelism_is_an_error_naming_ddp(runs):
+    for half in runs["dp2"]:
+        assert ("model: data parallelism needs the model wrapped in Megatron-Core's DistributedDataParallel"
+                in half["unwrapped_error"])
 
 
-def test_an_unwrapped_model_under_data_parallelism_is_an_error_naming_ddp():
-    for message in run_on_ranks(2, unwrapped_train_step):
-        assert "model: data parallelism needs the model wrapped in Megatron-Core's DistributedDataParallel" in message
-
-
-def two_backwards_around_a_step(rank: int, world_size: int) -> dict:
+def two_backwards_around_a_step(cfg) -> dict:
     """The gradient of one backward, after an AdamOverMainGrad step, with only DDP's buffer zeroed between."""
-    from megatron_grpo.megatron import build_optimizer, destroy_parallel, init_parallel, model_forward, wrap_in_ddp
+    from megatron_grpo.megatron import build_optimizer, model_forward, wrap_in_ddp
 
-    cfg = config_with(DP_MODEL)
-    init_parallel(cfg)
-    try:
-        model = wrap_in_ddp(build(cfg))
-        optimizer = build_optimizer(model, cfg.policy.optimizer)
-        input_ids = make_batch(seed=3)["input_ids"]
-        grads = []
-        for _ in range(2):
-            model.zero_grad_buffer()
-            model_forward(model, input_ids).square().mean().backward()
-            model.finish_grad_sync()
-            grads.append([p.main_grad.clone() for p in model.parameters()])
-            left_behind = [p.grad for p in model.parameters() if p.grad is not None]
-            with torch.no_grad():
-                optimizer.step()
-            left_behind += [p.grad for p in model.parameters() if p.grad is not None]
-        return {"grads": grads, "left_behind": len(left_behind)}
-    finally:
-        destroy_parallel()
+    model = wrap_in_ddp(build(cfg))
+    optimizer = build_optimizer(model, cfg.policy.optimizer)
+    input_ids = make_batch(seed=3)["input_ids"]
+    grads, left_behind = [], 0
+    for _ in range(2):
+        model.zero_grad_buffer()
+        model_forward(model, input_ids).square().mean().backward()
+        model.finish_grad_sync()
+        grads.append([p.main_grad.clone() for p in model.parameters()])
+        optimizer.step()
+        left_behind += sum(p.grad is not None for p in model.parameters())
+    return {"grads_around_a_step": grads, "grads_left_behind": left_behind}
 
 
-def test_adam_over_main_grad_leaves_no_grad_alias_that_would_double_the_next_gradient():
-    (result,) = run_on_ranks(1, two_backwards_around_a_step)
-    assert result["left_behind"] == 0
-    first, second = result["grads"]
+def test_adam_over_main_grad_leaves_no_grad_alias_that_would_double_the_next_gradient(runs):
+    (result,) = runs["dp1"]
+    assert result["grads_left_behind"] == 0
+    first, second = result["grads_around_a_step"]
     # the second backward runs on updated weights, so its gradient differs a little, but it is not doubled
     ratios = [(b.norm() / a.norm()).item() for a, b in zip(first, second) if a.norm() > 0]
     assert all(0.5 < ratio < 1.5 for ratio in ratios), ratios

@@ -2,15 +2,16 @@
 
 - `make_forward_step` returns a Megatron-compatible `forward_step(data_iterator, model)` for
   `get_forward_backward_func()` (and for Megatron-LM training scripts). Its loss is normalised over the whole
-  optimizer step; the schedule divides each microbatch's loss by the number of microbatches, so the loss
-  handed to it is scaled up by exactly that number.
+  optimizer step; the schedule divides each microbatch's loss by the number of microbatches and Megatron's DDP
+  averages the gradients over the DP ranks, so the loss handed to it is scaled up by exactly those numbers.
 - `compute_logprobs` is a forward-only logprob pass through the same schedule (for prev or reference).
 - `train_step` runs the logprob passes the plan asks for, then one optimizer step per global batch of the
-  rollout, and returns curr logprobs, prev logprobs (backfilled from curr when the pass was skipped) and
-  the passes it ran. The sync and async loops both call it.
+  rollout (`optimizer.optimizer_step`), and returns curr logprobs, prev logprobs (backfilled from curr when the
+  pass was skipped) and the passes it ran, the same on every rank. The sync and async loops both call it.
 
 Batches follow the contract in docs/design.md: dicts of `[B, S]` tensors aligned with `input_ids` (position 0 has no
-logprob). A batch given to these functions is this data-parallel rank's share.
+logprob). A batch given to these functions is this data-parallel rank's share; with DP > 1 the model is wrapped
+in Megatron's DistributedDataParallel (`ddp.wrap_in_ddp`), which reduces the gradients.
 """
 
 from __future__ import annotations
