@@ -43,6 +43,7 @@ from megatron_grpo.grpo.rollout_queue import RolloutQueue
 from megatron_grpo.megatron import (
     Optimizer,
     is_megatron_optimizer,
+    last_error_line,
     load_sharded,
     per_rank_object,
     save_sharded,
@@ -164,7 +165,7 @@ def load_checkpoint(
                                   else _with_adam_step(state["optimizer"], state["adam_step"]))
     except (Exception, CheckpointException) as err:  # many types for missing, truncated or garbled files
         raise CheckpointError(f"cannot resume: {step_dir} is corrupt or does not fit this model: "
-                              f"{type(err).__name__}: {_last_line(err)}") from err
+                              f"{type(err).__name__}: {last_error_line(err)}") from err
     _check_rollout_staleness(step_dir, state["rollout_staleness"], rollouts, same_world)
     if same_world:
         torch.set_rng_state(state["rng"]["torch"])
@@ -253,8 +254,3 @@ def _materialise_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 for moment in ADAM_MOMENTS:
                     state[moment] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
-
-def _last_line(err: BaseException) -> str:
-    """The gist of an error; torch's CheckpointException carries every rank's whole traceback."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return lines[-1] if lines else ""

@@ -4,6 +4,7 @@ checkpoints in Megatron's distributed format."""
 from megatron_grpo.megatron.checkpointing import (
     CheckpointMismatchError,
     ModelCheckpointError,
+    last_error_line,
     load_model_weights,
     load_sharded,
     per_rank_object,
@@ -48,6 +49,7 @@ __all__ = [
     "draws_from_last_stage",
     "init_parallel",
     "is_megatron_optimizer",
+    "last_error_line",
     "last_position_logits",
     "load_model_weights",
     "load_sharded",

@@ -112,7 +112,7 @@ def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:
         state = load_sharded(template, directory)
     except (CheckpointingException, CheckpointException) as err:  # missing or garbled files
         raise ModelCheckpointError(f"{directory}: cannot load the model weights: {type(err).__name__}: "
-                                   f"{_last_line(err)}") from err
+                                   f"{last_error_line(err)}") from err
     model.load_state_dict({key: state[key] for key in template})  # without a step directory's other common keys
 
 
@@ -127,7 +127,7 @@ def _model_checkpoint_problem(model: torch.nn.Module, directory: Path) -> Option
         saved = dist_checkpointing.load_tensors_metadata(str(directory))
     except (CheckpointingException, CheckpointException, OSError) as err:  # e.g. the `.metadata` file missing
         return ModelCheckpointError(f"{directory}: cannot read the checkpoint's tensor metadata: "
-                                    f"{type(err).__name__}: {_last_line(err)}")
+                                    f"{type(err).__name__}: {last_error_line(err)}")
     for tensor in _sharded_tensors(model.sharded_state_dict()):
         if tensor.key not in saved:
             return CheckpointMismatchError(f"{directory}: the model's tensor {tensor.key} (global shape "
@@ -175,7 +175,7 @@ def _agreed(problem: Optional[ModelCheckpointError]) -> Optional[ModelCheckpoint
     return next((p for p in problems if p is not None), None)
 
 
-def _last_line(err: BaseException) -> str:
+def last_error_line(err: BaseException) -> str:
     """The gist of an error; torch's CheckpointException carries every rank's whole traceback."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return lines[-1] if lines else ""

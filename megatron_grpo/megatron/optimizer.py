@@ -75,7 +75,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 
     Returns the norm before clipping.
     """
-    grads = [(p, gradient(p)) for p in model.parameters() if gradient(p) is not None]
+    grads = [(p, grad) for p in model.parameters() if (grad := gradient(p)) is not None]
     squares = [grad.float().square().sum() for p, grad in grads if param_is_not_tensor_parallel_duplicate(p)]
     total = torch.stack(squares).sum() if squares else torch.zeros((), device=next(model.parameters()).device)
     if parallel_state.get_model_parallel_group().size() > 1:
