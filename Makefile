@@ -25,7 +25,7 @@ MEGATRON_TESTS := tests/test_megatron_hooks.py tests/test_megatron_fused_linear.
 	$(filter-out %_learning.py,$(wildcard tests/test_grpo_*.py))
 MCORE_NEW_SLOW := tests/test_grpo_layouts.py tests/test_example_training_loop.py
 
-.PHONY: install demo test test-mcore-new bench bench-linear cuda-check clean
+.PHONY: install demo test test-fast test-mcore-new bench bench-linear cuda-check clean
 
 $(STAMP): $(SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q tests
+
+# The edit loop: everything but the end-to-end multi-process runs (marked `slow`).
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" tests
 
 test-mcore-new: install
 	test -d $(MCORE_NEW_DIR)/megatron || $(BIN)/pip install -q --ignore-requires-python --no-deps \

@@ -1,7 +1,7 @@
-"""Every shell command of the README works as written, after `make demo` and `source .venv/bin/activate`.
+"""Every shell command of the README and docs/ works as written, after `make demo` and `source .venv/bin/activate`.
 
-The commands are read from the README's ```bash blocks, whoever wrote them. Each one is checked as far as can be
-without running it: a `make` target exists (`make -n`), a `python -m megatron_grpo ...` or `torchrun ... -m
+The commands are read from the ```bash blocks of README.md and docs/*.md, whoever wrote them. Each one is
+checked as far as can be without running it: a `make` target exists (`make -n`), a `python -m megatron_grpo ...` or `torchrun ... -m
 megatron_grpo ...` command gets through torchrun's and the subcommand's argument parsers, a `torchrun
 examples/...py ...` command through torchrun's and the script's own (`parse_args`), the repository files it names
 exist, and any other program is on the PATH or in `.venv/bin`. Nothing is trained.
@@ -22,6 +22,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
+DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
 VENV_BIN = REPO / ".venv" / "bin"
 SHELL_BLOCK = re.compile(r"^```(?:bash|sh|shell)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 ACTIVATE = "source .venv/bin/activate"
@@ -44,6 +45,7 @@ def readme_commands(text: str) -> list[str]:
 
 
 COMMANDS = readme_commands(README.read_text())
+DOC_COMMANDS = sorted({command for doc in DOCS for command in readme_commands(doc.read_text())})
 
 
 def _program_and_args(command: str) -> tuple[str, list[str]]:
@@ -121,8 +123,8 @@ def _check_repo_script(command: str) -> None:
         raise AssertionError(f"`{command}` does not parse (exit {exit_.code})") from None
 
 
-@pytest.mark.parametrize("command", COMMANDS)
-def test_each_readme_command_parses(command, monkeypatch):
+@pytest.mark.parametrize("command", DOC_COMMANDS)
+def test_each_documented_command_parses(command, monkeypatch):
     program, args = _program_and_args(command)
     if command == ACTIVATE:
         assert (VENV_BIN / "activate").is_file() or shutil.which("python"), "no .venv/bin/activate"
