@@ -97,5 +97,5 @@ setup(
         "test": ["pytest>=8"],
         "bench": ["matplotlib"],
     },
-    entry_points={"console_scripts": ["megatron-grpo=megatron_grpo.__main__:main"]},
+    entry_points={"console_scripts": ["megatron-grpo=megatron_grpo.__main__:console_main"]},
 )

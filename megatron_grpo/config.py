@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator, Literal, Mapping
 
@@ -34,6 +35,7 @@ __all__ = [
     "PassMode",
     "PolicyConfig",
     "TaskConfig",
+    "ConfigLoader",
     "load_config",
     "read_yaml",
 ]
@@ -303,11 +305,23 @@ def load_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> Config:
     return build_section(Config, read_yaml(path_or_dict))
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading numbers as OmegaConf (NeMo-RL's and Hydra's loader) and YAML 1.2 do: `1e-3`,
+    `5e-7` and `1E+3` are floats. PyYAML follows YAML 1.1, whose floats need a dot and a signed exponent
+    (`1.0e-3`), and reads `1e-3` as a string. Everything else, `.inf` and `.nan` included, resolves as before."""
+
+
+ConfigLoader.add_implicit_resolver(  # copies the inherited resolvers first: yaml.SafeLoader is left as it is
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
 def read_yaml(path: str | os.PathLike) -> Any:
-    """The parsed YAML file; an unreadable file, invalid YAML or a key given twice is a ConfigError naming it.
+    """The parsed YAML file (`ConfigLoader`); an unreadable file, invalid YAML or a key given twice is a
+    ConfigError naming it. The one loader of this project's configs and of NeMo-RL's (`plan --nemo-rl-config`).
 
     PyYAML silently keeps the last of two equal keys, so a duplicated key would hide the value the user reads
-    first; the node tree is checked for duplicates before anything is built from it.
+    first; the node tree is checked for duplicates before anything is built from it. Non-finite numbers load
+    (`.inf`), and every numeric key of a config rejects them.
     """
     name = os.fspath(path)
     try:
@@ -316,10 +330,10 @@ def read_yaml(path: str | os.PathLike) -> Any:
     except OSError as err:
         raise ConfigError(f"{name}: cannot read the config file: {err.strerror or err}") from err
     try:
-        duplicates = list(_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), ""))
+        duplicates = list(_duplicate_keys(yaml.compose(text, Loader=ConfigLoader), ""))
         if duplicates:
             raise ConfigError([f"{name}: {problem}" for problem in duplicates])
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=ConfigLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as err:
         raise ConfigError(f"{name}: not valid YAML: {err}") from err
 

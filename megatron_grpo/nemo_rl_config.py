@@ -5,11 +5,13 @@ file that names them) are loaded recursively and merged in order, then the file 
 key by key, anything else (lists included) is replaced, and a section holding `_override_: true` replaces its
 parent's section whole. Keys the file leaves out take NeMo-RL's code defaults. Only the keys the plan reads are
 mapped; `${a.b}` references among them are resolved, and any other interpolation is an error naming the key.
-Never imports torch.
+Dropout is read from every place a NeMo-RL config sets it (`DROPOUT_SOURCES`); any dropout > 0 makes the plan
+compute the prev pass. Never imports torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -42,7 +44,7 @@ NEMO_RL_KEYS = PlanKeys(
     global_batch="policy.train_global_batch_size",
     staleness="grpo.async_grpo age (max_trajectory_age_steps when enabled, else 0)",
     error_threshold="grpo.seq_logprob_error_threshold",
-    dropout="policy.hf_config_overrides dropout",
+    dropout="every policy dropout",
     kl_penalty="loss_fn.reference_policy_kl_penalty",
     kl_in_reward="loss_fn.use_kl_in_reward",
     force_on_policy="loss_fn.force_on_policy_ratio",
@@ -51,6 +53,18 @@ NEMO_RL_KEYS = PlanKeys(
     skip_reference="grpo.skip_reference_policy_logprobs_calculation",
 )
 _REFERENCE = re.compile(r"^\$\{([A-Za-z0-9_.]+)\}$")
+# Where a NeMo-RL config sets dropout: (the section, its switch or None, the keys read in it). Model overrides go
+# to the model's config (Hugging Face's for the DTensor policy, Megatron Bridge's provider for the Megatron
+# policy), whose dropout keys are named `*dropout*` (attention_dropout, hidden_dropout, ...) or `*pdrop`
+# (GPT-2's resid_pdrop, ...), at any depth; LoRA adapters have one `dropout` each, applied when enabled. The
+# pretrained model's own config.json is not part of the file, so it is not read.
+DROPOUT_SOURCES = (
+    ("policy.hf_config_overrides", None, "any"),
+    ("policy.megatron_cfg.model_overrides", None, "any"),
+    ("policy.dtensor_cfg.lora_cfg", "enabled", "dropout"),
+    ("policy.megatron_cfg.peft", "enabled", "dropout"),
+)
+_DROPOUT_KEY = re.compile(r"dropout|pdrop$")
 
 
 @dataclass(frozen=True)
@@ -82,20 +96,20 @@ def nemo_rl_plan_view(path: str | os.PathLike) -> NemoRlPlanView:
     if problems:
         raise ConfigError(problems)
     async_enabled = bool(value("grpo.async_grpo.enabled"))
-    overrides = value("policy.hf_config_overrides") or {}
+    dropouts = dropout_settings(value)
     inputs = PlanInputs(
         rollout_batch=int(value("grpo.num_prompts_per_step")) * int(value("grpo.num_generations_per_prompt")),
         global_batch=int(value("policy.train_global_batch_size")),
         staleness=int(value("grpo.async_grpo.max_trajectory_age_steps")) if async_enabled else 0,
         error_threshold=_optional_float(value("grpo.seq_logprob_error_threshold")),
-        dropout=any("dropout" in str(key) and _positive(v) for key, v in overrides.items()),
+        dropout=bool(dropouts),
         kl_penalty=float(value("loss_fn.reference_policy_kl_penalty")),
         kl_in_reward=bool(value("loss_fn.use_kl_in_reward")),
         force_on_policy=bool(value("loss_fn.force_on_policy_ratio")),
         reference_mode="auto",
         prev_mode="auto",
         skip_reference=bool(value("grpo.skip_reference_policy_logprobs_calculation")),
-        keys=NEMO_RL_KEYS,
+        keys=dataclasses.replace(NEMO_RL_KEYS, dropout=" / ".join(dropouts) if dropouts else NEMO_RL_KEYS.dropout),
     )
     if value.problems:
         raise ConfigError(value.problems)
@@ -107,6 +121,22 @@ def nemo_rl_plan_view(path: str | os.PathLike) -> NemoRlPlanView:
     ignored = tuple(section for section in config if section not in (*PLAN_SECTIONS, "policy"))
     reference, prev, rejects = nemo_rl_decisions(inputs)
     return NemoRlPlanView(inputs, files, tuple(unmapped), ignored, reference, prev, tuple(rejects))
+
+
+def dropout_settings(value: _Lookup) -> list[str]:
+    """The dotted keys of every dropout > 0 the config sets (`DROPOUT_SOURCES`), in source order."""
+    found = []
+    for section, switch, keys in DROPOUT_SOURCES:
+        if not value.has(section) or not isinstance(value(section), Mapping):
+            continue
+        if switch is not None and not (value.has(f"{section}.{switch}") and value(f"{section}.{switch}") is True):
+            continue
+        if keys == "any":
+            dotted = [key for key in _leaf_keys(value(section), section) if _DROPOUT_KEY.search(key.rsplit(".", 1)[1])]
+        else:
+            dotted = [f"{section}.{keys}"] if value.has(f"{section}.{keys}") else []
+        found += [key for key in dotted if _positive(value(key))]
+    return found
 
 
 def nemo_rl_decisions(inputs: PlanInputs) -> tuple[bool, bool, list[str]]:

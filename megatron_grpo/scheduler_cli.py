@@ -80,12 +80,32 @@ def _plan_nemo_rl(path: str) -> int:
         format_plan(plan, view.inputs),
         "compared with NeMo-RL:",
         _bullets(comparison_lines(view, plan.compute_reference_logprobs, plan.compute_prev_logprobs)),
-        "not mapped (no say in the plan): " + (", ".join(view.unmapped_keys) or "none"),
-        "read from policy: train_global_batch_size, and any *dropout* in hf_config_overrides; other policy keys and "
-        "these sections do not concern the plan: " + (", ".join(view.ignored_sections) or "none"),
+        "not mapped (no say in the plan):",
+        _key_list(view.unmapped_keys),
+        "read from policy:",
+        _key_list(["policy.train_global_batch_size", *dropout_source_lines()]),
+        "sections that do not concern the plan:",
+        _key_list(view.ignored_sections),
     ]
     print("\n".join(report))
     return 0
+
+
+def dropout_source_lines() -> list[str]:
+    """Where `plan --nemo-rl-config` looks for dropout, one line per source."""
+    from megatron_grpo.nemo_rl_config import DROPOUT_SOURCES
+
+    lines = []
+    for section, switch, keys in DROPOUT_SOURCES:
+        what = f"{section}: every key named *dropout* or *pdrop*" if keys == "any" else f"{section}.{keys}"
+        lines.append(what + (f" (when {section}.{switch} is true)" if switch else ""))
+    return lines + ["(the pretrained model's own config.json is not read: set its dropout in "
+                    "policy.hf_config_overrides to count it)"]
+
+
+def _key_list(keys) -> str:
+    """One key per line, or `  - none`."""
+    return "\n".join(f"  - {key}" for key in keys) if keys else "  - none"
 
 
 def _bullets(lines: list[str]) -> str:

@@ -148,6 +148,36 @@ def test_non_finite_number_in_a_yaml_file_is_rejected(tmp_path):
         load_config(path)
 
 
+@pytest.mark.parametrize(("written", "value"), [
+    ("1e-3", 1e-3), ("5e-7", 5e-7), ("1E+3", 1e3), ("2.5e-4", 2.5e-4), ("1.e-3", 1e-3), ("0.001", 1e-3),
+])
+def test_numbers_load_as_omegaconf_reads_them(tmp_path, written, value):
+    """`lr: 1e-3` is a float, as in OmegaConf (NeMo-RL) and YAML 1.2; PyYAML alone reads it as a string."""
+    text = TINY.read_text()
+    assert "    lr: 1.0e-3\n" in text
+    path = tmp_path / "lr.yaml"
+    path.write_text(text.replace("    lr: 1.0e-3\n", f"    lr: {written}\n"))
+    assert load_config(path).policy.optimizer.lr == value
+    assert isinstance(yaml.safe_load(f"lr: {written}")["lr"], str if "." not in written else float)
+
+
+@pytest.mark.parametrize("written", ["1e999", "-1e999", ".nan"])
+def test_a_number_that_overflows_or_is_nan_is_still_rejected_by_key(tmp_path, written):
+    path = tmp_path / "big.yaml"
+    path.write_text(TINY.read_text().replace("    lr: 1.0e-3\n", f"    lr: {written}\n"))
+    with pytest.raises(ConfigError, match=r"policy.optimizer.lr: must be a finite number"):
+        load_config(path)
+
+
+def test_the_float_rule_leaves_pyyaml_alone_and_strings_strings():
+    from megatron_grpo.config import ConfigLoader
+
+    assert yaml.safe_load("x: 1e-3")["x"] == "1e-3"  # the global SafeLoader is untouched
+    loaded = yaml.load("a: 1e3\nb: e3\nc: 1e\nd: v1e3\ne: '1e-3'\nf: 10\n", Loader=ConfigLoader)
+    assert loaded == {"a": 1000.0, "b": "e3", "c": "1e", "d": "v1e3", "e": "1e-3", "f": 10}
+    assert isinstance(loaded["f"], int)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 123456789, 2**31 - 1, 2**46, 2**63 - 1])
 def test_every_seed_up_to_2_63_minus_1_is_accepted(seed):
     assert load_config(set_key(tiny(), "seed", seed)).seed == seed

@@ -1,4 +1,5 @@
-"""Process lifetime: children forked by a rank die with it, and torchrun's SIGTERM gets a sentence, not silence."""
+"""Process lifetime: children forked by a rank die with it, and a signal that stops a rank gets one sentence (or
+none), never a traceback."""
 
 from __future__ import annotations
 
@@ -42,21 +43,51 @@ def test_a_process_forked_by_a_rank_dies_when_the_rank_is_killed():
         rank.kill()
 
 
-def test_sigterm_prints_the_sentence_and_exits_with_the_given_code():
-    rank = _python("""
-        import time
-        from megatron_grpo.grpo.lifetime import on_sigterm
-        on_sigterm(lambda: "error: rank 0: stopped by torchrun (SIGTERM)", 4)
+@pytest.mark.parametrize(("sig", "sentence", "code"), [
+    (signal.SIGTERM, "error: rank 0: stopped by torchrun (SIGTERM)", 4),
+    (signal.SIGINT, "interrupted at step 3", 130),
+    (signal.SIGINT, None, 130),  # a rank that stays quiet
+])
+def test_a_signal_prints_its_sentence_and_exits_at_once_with_the_given_code(sig, sentence, code):
+    rank = _python(f"""
+        import signal, time
+        from megatron_grpo.grpo.lifetime import on_signal
+        on_signal(signal.{sig.name}, lambda: {sentence!r}, {code})
         print("ready", flush=True)
-        time.sleep(600)
+        while True:
+            time.sleep(0.01)  # Python code runs between the sleeps, as in a training loop
     """)
     try:
         assert rank.stdout.readline() == "ready\n"
-        rank.send_signal(signal.SIGTERM)
-        assert rank.wait(timeout=10) == 4
-        assert rank.stderr.read() == "error: rank 0: stopped by torchrun (SIGTERM)\n"
+        rank.send_signal(sig)
+        assert rank.wait(timeout=10) == code
+        assert rank.stderr.read() == (f"{sentence}\n" if sentence else "")
     finally:
         rank.kill()
+
+
+def test_a_forked_child_leaves_the_ranks_signal_handlers_behind():
+    """A checkpoint writer forked by rank 0 must not print rank 0's Ctrl-C sentence a second time."""
+    rank = _python("""
+        import multiprocessing, signal, time
+        from megatron_grpo.grpo.lifetime import bind_forked_children, on_signal
+        bind_forked_children()
+        on_signal(signal.SIGINT, lambda: "rank's sentence", 130)
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+        child.start()
+        print(child.pid, flush=True)
+        child.join()
+        print("child exit code", child.exitcode, flush=True)
+        time.sleep(600)
+    """)
+    try:
+        child = psutil.Process(int(rank.stdout.readline()))
+        child.send_signal(signal.SIGINT)
+        assert rank.stdout.readline() == f"child exit code {-signal.SIGINT}\n"
+    finally:
+        rank.kill()
+        rank.wait(timeout=10)
+    assert "rank's sentence" not in rank.stderr.read()
 
 
 def test_a_process_whose_parent_is_gone_exits_when_it_binds_its_life_to_it():

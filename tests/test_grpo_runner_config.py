@@ -43,7 +43,7 @@ def test_a_bad_config_is_a_config_error_naming_the_key(tmp_path, capsys, torchru
     config = write_config(tmp_path, **overrides)
     code, err = _run_main(["--config", str(config)], capsys)
     assert code == runner.EXIT_BAD_INPUT
-    assert "invalid configuration" in err and key in err
+    assert err.startswith(f"error: {config}: ") and key in err
 
 
 @pytest.mark.parametrize(
@@ -71,11 +71,18 @@ def test_an_unknown_key_is_named(tmp_path, capsys, torchrun_env):
     assert code == runner.EXIT_BAD_INPUT and "grpo.num_epochs: unknown key" in err
 
 
-def test_resume_without_a_checkpoint_is_a_clear_error_not_a_fresh_start(tmp_path, capsys, torchrun_env):
+def test_resume_without_a_checkpoint_is_a_clear_error_that_creates_nothing(tmp_path, capsys, torchrun_env):
     config = write_config(tmp_path)
     code, err = _run_main(["--config", str(config), "--resume"], capsys)
     assert code == runner.EXIT_RUN_DIR
+    assert err == (f"error: --resume: checkpoint directory {tmp_path / 'run' / 'checkpoints'} (checkpoint.dir) does "
+                   "not exist; run without --resume to start from scratch\n")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["config.yaml"]  # no run directory appeared
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    code, err = _run_main(["--config", str(config), "--resume"], capsys)
+    assert code == runner.EXIT_RUN_DIR
     assert f"--resume: nothing to resume: {tmp_path / 'run' / 'checkpoints'} (checkpoint.dir) holds no" in err
+    assert [path.name for path in (tmp_path / "run").rglob("*")] == ["checkpoints"]
 
 
 def test_resume_and_fresh_exclude_each_other(tmp_path, capsys):
@@ -100,8 +107,7 @@ def test_a_config_error_is_printed_by_rank_0_only(tmp_path, capsys, torchrun_env
     assert code == runner.EXIT_CONFIG and err == ""
     monkeypatch.setenv("RANK", "0")
     code, err = _run_main(["--config", str(config)], capsys)
-    assert code == runner.EXIT_CONFIG and err.count("grpo.num_prompts_per_step: must be > 0") == 1
-    assert err.startswith(f"error: {config}: invalid configuration:")
+    assert err == f"error: {config}: grpo.num_prompts_per_step: must be > 0, got 0\n"  # one problem, one line
 
 
 def test_running_outside_torchrun_says_how_to_launch(tmp_path, capsys, monkeypatch):

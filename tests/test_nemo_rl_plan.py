@@ -43,8 +43,8 @@ def test_recipe_situations_get_our_plan_and_the_comparison(name, reference, prev
     comparison_part = out.split("compared with NeMo-RL:")[1]
     for words in comparison:
         assert words in comparison_part, out
-    assert "not mapped (no say in the plan): grpo.max_num_steps" in out
-    assert "cluster, data, logger" in out
+    assert "not mapped (no say in the plan):\n  - grpo.max_num_steps\n" in out
+    assert "sections that do not concern the plan:\n  - cluster\n  - data\n  - logger\n" in out
 
 
 def test_the_reference_skip_switch_is_named_as_the_reason(capsys):
@@ -96,6 +96,56 @@ def test_nemo_rl_decisions_follow_its_setup_rules():
     assert nemo_rl_decisions(inputs) == (True, False, [])  # KL on: reference runs; forced ratio: prev skipped
     dapo = nemo_rl_plan_view(NEMO / "dapo_reference_skip.yaml").inputs
     assert nemo_rl_decisions(dapo) == (False, True, [])  # NeMo-RL computes prev unless the ratio is forced
+
+
+# Each place a NeMo-RL config sets dropout: (YAML on top of grpo_base.yaml, the key the plan must name).
+DROPOUT_SOURCES = [
+    ("policy: {hf_config_overrides: {attention_dropout: 0.1}}", "policy.hf_config_overrides.attention_dropout"),
+    ("policy: {hf_config_overrides: {text_config: {resid_pdrop: 0.1}}}",
+     "policy.hf_config_overrides.text_config.resid_pdrop"),
+    ("policy: {megatron_cfg: {enabled: true, model_overrides: {hidden_dropout: 0.1}}}",
+     "policy.megatron_cfg.model_overrides.hidden_dropout"),
+    ("policy: {dtensor_cfg: {enabled: true, lora_cfg: {enabled: true, dim: 8, dropout: 0.1}}}",
+     "policy.dtensor_cfg.lora_cfg.dropout"),
+    ("policy: {megatron_cfg: {enabled: true, peft: {enabled: true, dim: 8, dropout: 5e-2}}}",
+     "policy.megatron_cfg.peft.dropout"),
+]
+
+
+@pytest.mark.parametrize("text, key", DROPOUT_SOURCES, ids=[key for _, key in DROPOUT_SOURCES])
+def test_any_dropout_of_a_nemo_rl_config_computes_the_prev_pass(tmp_path, text, key, capsys):
+    (tmp_path / "grpo_base.yaml").write_text((NEMO / "grpo_base.yaml").read_text())
+    path = tmp_path / "dropout.yaml"
+    path.write_text(f"defaults: grpo_base.yaml\n{text}\n")
+    plan = plan_logprob_passes(nemo_rl_plan_view(path).inputs)
+    assert plan.compute_prev_logprobs
+    assert f"{key} > 0 makes the train-mode forward differ" in plan.reasons[1]
+    assert plan_main(["--nemo-rl-config", str(path)]) == 0
+    assert "prev logprobs:      compute" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text", [
+    "policy: {hf_config_overrides: {attention_dropout: 0.0, dropout_position: post}}",
+    "policy: {dtensor_cfg: {enabled: true, lora_cfg: {enabled: false, dim: 8, dropout: 0.1}}}",  # LoRA off
+    "policy: {megatron_cfg: {enabled: true, peft: {enabled: false, dim: 8, dropout: 0.1}}}",
+], ids=["zero", "dtensor-lora-off", "megatron-peft-off"])
+def test_a_dropout_that_does_not_apply_leaves_the_step_on_policy(tmp_path, text):
+    (tmp_path / "grpo_base.yaml").write_text((NEMO / "grpo_base.yaml").read_text())
+    path = tmp_path / "no_dropout.yaml"
+    path.write_text(f"defaults: grpo_base.yaml\n{text}\n")
+    assert not plan_logprob_passes(nemo_rl_plan_view(path).inputs).compute_prev_logprobs
+
+
+def test_lists_print_one_key_per_line(capsys):
+    _code, out, _err = run_plan("dapo_reference_skip.yaml", capsys)
+    view = nemo_rl_plan_view(NEMO / "dapo_reference_skip.yaml")
+    lines = out.splitlines()
+    unmapped = lines[lines.index("not mapped (no say in the plan):") + 1:lines.index("read from policy:")]
+    assert unmapped == [f"  - {key}" for key in view.unmapped_keys] and len(unmapped) > 3
+    ignored = lines[lines.index("sections that do not concern the plan:") + 1:]
+    assert ignored == [f"  - {section}" for section in view.ignored_sections]
+    assert "  - policy.dtensor_cfg.lora_cfg.dropout (when policy.dtensor_cfg.lora_cfg.enabled is true)" in lines
+    assert "  - policy.megatron_cfg.peft.dropout (when policy.megatron_cfg.peft.enabled is true)" in lines
 
 
 @pytest.mark.parametrize(

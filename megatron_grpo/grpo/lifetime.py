@@ -9,7 +9,8 @@ results queue in the rank, so no Manager is spawned; this module covers the rest
 
 On Linux the kernel can send a signal to a process when its parent dies (`PR_SET_PDEATHSIG`). The runner sets
 it in each rank under torchrun (it dies with its agent) and, through an at-fork hook, in every process the rank
-forks (they die with the rank). Elsewhere these are no-ops.
+forks (they die with the rank). Elsewhere these are no-ops. `on_signal` makes a rank stopped by a signal say why
+in one line and exit at once.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import ctypes
 import os
 import signal
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 PR_SET_PDEATHSIG = 1
 _hooked = False
@@ -51,17 +52,25 @@ def bind_forked_children() -> None:
 
 
 def _in_forked_child() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the rank's handler below is not the child's business
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the rank's handlers (`on_signal`) are not the child's business
+        signal.signal(sig, signal.SIG_DFL)
     die_with_parent()
 
 
-def on_sigterm(describe: Callable[[], str], exit_code: int) -> None:
-    """On SIGTERM (torchrun stopping the ranks after one failed), prints `describe()` to stderr and exits."""
+def on_signal(sig: signal.Signals, describe: Callable[[], Optional[str]], exit_code: int) -> None:
+    """On `sig`, prints `describe()` to stderr (nothing when it is None) and exits at once with `exit_code`.
+
+    Used for torchrun's SIGTERM (it stops every rank once one has failed) and for Ctrl-C (SIGINT, which torchrun
+    forwards to every rank). The exit is immediate (no unwinding, so no traceback and no second message from a
+    collective that fails because a peer left first): a checkpoint being written then has no COMPLETE marker
+    and is skipped on resume, and a metrics line is either whole or absent."""
 
     def handler(signum: int, frame: object) -> None:
         try:
-            print(describe(), file=sys.stderr, flush=True)
+            message = describe()
+            if message:
+                print(message, file=sys.stderr, flush=True)
         finally:
             os._exit(exit_code)
 
-    signal.signal(signal.SIGTERM, handler)
+    signal.signal(sig, handler)

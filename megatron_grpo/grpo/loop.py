@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -231,8 +231,10 @@ def mean_over_optimizer_steps(step_metrics: list[dict[str, float]]) -> dict[str,
     return {name: sum(m[name] for m in step_metrics) / len(step_metrics) for name in step_metrics[0]}
 
 
-def train(cfg: Config, plan: LogprobPlan, layout: ParallelLayout, *, resume_from: Optional[Path]) -> str:
-    """Runs steps until `grpo.max_num_steps`, from scratch or from `resume_from`; returns the summary table."""
+def train(cfg: Config, plan: LogprobPlan, layout: ParallelLayout, *, resume_from: Optional[Path],
+          on_step: Optional[Callable[[int], None]] = None) -> str:
+    """Runs steps until `grpo.max_num_steps`, from scratch or from `resume_from`; returns the summary table.
+    `on_step(step)` is told each step (0-based) as it begins."""
     trainer = Trainer.build(cfg, plan, layout)
     first_step = trainer.resume(resume_from) if resume_from is not None else 0
     if layout.rank == 0:
@@ -249,6 +251,8 @@ def train(cfg: Config, plan: LogprobPlan, layout: ParallelLayout, *, resume_from
     every = cfg.checkpoint.every_n_steps
     try:
         for step in range(first_step, cfg.grpo.max_num_steps):
+            if on_step is not None:
+                on_step(step)
             record = trainer.step(step)
             steps_done = step + 1
             if every and (steps_done % every == 0 or steps_done == cfg.grpo.max_num_steps):
