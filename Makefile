@@ -25,7 +25,7 @@ MEGATRON_TESTS := tests/test_megatron_hooks.py tests/test_megatron_fused_linear.
 	$(filter-out %_learning.py,$(wildcard tests/test_grpo_*.py))
 MCORE_NEW_SLOW := tests/test_grpo_layouts.py tests/test_example_training_loop.py
 
-.PHONY: install demo test test-fast test-mcore-new bench bench-linear cuda-check clean
+.PHONY: install demo demo-figure test test-fast test-mcore-new bench bench-linear cuda-check clean
 
 $(STAMP): $(SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,7 +40,12 @@ install: $(STAMP)
 TRAIN_ARGS ?=
 
 demo: install
-	$(BIN)/torchrun --nproc-per-node $(NPROC) -m megatron_grpo train --config configs/grpo_tiny_cpu.yaml $(TRAIN_ARGS)
+	$(BIN)/megatron-grpo --nproc-per-node $(NPROC) train --config configs/grpo_tiny_cpu.yaml $(TRAIN_ARGS)
+
+# docs/demo_on_and_off_policy.png, from the runs of the demo and its two off-policy configs (docs/runner.md).
+demo-figure: install
+	$(BIN)/megatron-grpo report runs/grpo_tiny_cpu runs/grpo_tiny_cpu_stale runs/grpo_tiny_cpu_ppo \
+	  --out docs/demo_on_and_off_policy.png
 
 test: install
 	$(BIN)/python -m pytest -q tests
@@ -55,16 +60,19 @@ test-mcore-new: install
 	PYTHONPATH=$(MCORE_NEW_DIR) $(BIN)/python -m pytest -q -m "not slow" $(MEGATRON_TESTS)
 	PYTHONPATH=$(MCORE_NEW_DIR) $(BIN)/python -m pytest -q $(MCORE_NEW_SLOW)
 
+# The benchmarks write under runs/bench unless told otherwise; these targets refresh the committed results.
+RESULTS := benchmarks/results
+
 bench: install
-	$(BIN)/python -m megatron_grpo bench logprob
-	$(BIN)/torchrun --nproc-per-node $(NPROC) -m megatron_grpo bench scheduler --config configs/grpo_tiny_cpu.yaml
+	$(BIN)/megatron-grpo bench logprob --out $(RESULTS)
+	$(BIN)/megatron-grpo --nproc-per-node $(NPROC) bench scheduler --config configs/grpo_tiny_cpu.yaml --out $(RESULTS)
 
 # The fused linear + logprob op against its peers (TP 1 and 2, fp32 and bf16, 100% and 25% response rows).
 # Cut-Cross-Entropy and Liger-Kernel, when installed outside the venv with `pip install --no-deps --target DIR`,
 # are found through PEER_PATH (directories, space-separated); a peer that is missing or cannot run is skipped.
 PEER_PATH ?=
 bench-linear: install
-	$(BIN)/python -m megatron_grpo bench linear $(foreach dir,$(PEER_PATH),--peer-path $(dir))
+	$(BIN)/megatron-grpo bench linear --out $(RESULTS) $(foreach dir,$(PEER_PATH),--peer-path $(dir))
 
 # Compile-check the CUDA kernels with plain nvcc (no torch headers needed); runs nothing.
 cuda-check:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 # The commands this launcher starts under torchrun; any other runs in one process (`megatron-grpo plan ...`).
-LAUNCHED = ("train", "bench")
+LAUNCHED = (("train",), ("bench", "scheduler"))
 # torchrun's options that choose another program than `-m megatron_grpo`
 FOREIGN_PROGRAM_OPTIONS = ("module", "no_python", "run_path")
 # torchrun's modules that log through loggers of their own, some imported only when a job starts
@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     command, command_args = args.training_script, list(args.training_script_args)
     foreign = [name for name in FOREIGN_PROGRAM_OPTIONS if getattr(args, name, False)]
-    if foreign or command not in LAUNCHED:
+    if foreign or not any([command, *command_args][:len(launched)] == list(launched) for launched in LAUNCHED):
         what = f"--{foreign[0].replace('_', '-')}" if foreign else f"`{command}`"
         print(f"error: megatron-grpo launches `train` and `bench scheduler` under torchrun, not {what}; run other "
               "commands without torchrun options (`megatron-grpo plan ...`), and other programs with torchrun",
@@ -145,7 +145,7 @@ def stopped_outcome(sig: signal.Signals, checkpoint_dir: Optional[Path]) -> tupl
     launcher. Ctrl-C gets no line here: rank 0 has said where the run stopped."""
     if sig == signal.SIGINT:
         return 128 + sig, None
-    return 128 + sig, f"error: stopped by {sig.name}. {_resumable_sentence(checkpoint_dir)}"
+    return 128 + sig, f"error: stopped by {sig.name}. {_resumable_sentence(checkpoint_dir)}".rstrip()
 
 
 def _resumable_sentence(checkpoint_dir: Optional[Path]) -> str:

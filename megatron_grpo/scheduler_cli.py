@@ -1,4 +1,4 @@
-"""`python -m megatron_grpo plan --config X.yaml | --nemo-rl-config Y.yaml`: the logprob-pass plan before launching.
+"""`megatron-grpo plan --config X.yaml | --nemo-rl-config Y.yaml`: the logprob-pass plan before launching.
 
 Prints which extra forward passes each step runs, why, and how many are saved. With `--nemo-rl-config` it reads
 a NeMo-RL GRPO config in NeMo-RL's own layout (with its `defaults:` inheritance), prints our plan for it, the
@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 from megatron_grpo.config import ConfigError, load_config
+from megatron_grpo.helptext import DefaultsHelpFormatter
 from megatron_grpo.scheduler import LogprobPlan, PlanInputs, plan_logprob_passes
 
 EXIT_BAD_CONFIG = 2
@@ -20,11 +21,15 @@ WRAP = 112  # columns of the comparison with NeMo-RL
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_grpo plan", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="megatron-grpo plan", description=__doc__.splitlines()[0],
+                                     formatter_class=DefaultsHelpFormatter,
+                                     epilog="Exactly one of --config and --nemo-rl-config is required.")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--config", help="this project's YAML config, e.g. configs/grpo_tiny_cpu.yaml")
+    source.add_argument("--config", metavar="FILE",
+                        help="this project's YAML config, e.g. configs/grpo_tiny_cpu.yaml (no default)")
     source.add_argument("--nemo-rl-config", metavar="FILE",
-                        help="a NeMo-RL GRPO config (NeMo-RL's layout; `defaults:` files are followed)")
+                        help="a NeMo-RL GRPO config in NeMo-RL's own layout; its `defaults:` files are followed "
+                             "(no default)")
     args = parser.parse_args(argv)
     if args.nemo_rl_config is not None:
         return _plan_nemo_rl(args.nemo_rl_config)

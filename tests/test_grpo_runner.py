@@ -19,6 +19,7 @@ import pytest
 from megatron_grpo.grpo import runner
 from megatron_grpo.grpo.checkpoint_dir import latest_checkpoint, saved_world_size, step_dir_name
 from megatron_grpo.grpo.reporting import METRICS_FILE, PLOT_FILE, read_metrics, without_timings
+from megatron_grpo.grpo.tensorboard_log import demo_record
 from grpo_workers.launch import (
     REPO,
     job_processes,
@@ -49,6 +50,9 @@ def test_a_run_writes_finite_metrics_that_follow_the_plan(reference_run):
     directory, output = reference_run
     records = read_metrics(directory / "run")
     assert [r["step"] for r in records] == list(range(STEPS))
+    # `tensorboard_log --measure` times records of the demo's shape: the scalars this run of its config writes
+    assert {key: type(value) for key, value in demo_record(0).items()} == {
+        key: type(value) for key, value in records[0].items()}
     for record in records:
         assert math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]) and record["grad_norm"] > 0
         assert 0.0 <= record["reward_mean"] <= 1.0

@@ -1,8 +1,9 @@
 """Every shell command of the README and docs/ works as written, after `make demo` and `source .venv/bin/activate`.
 
 The commands are read from the ```bash blocks of README.md and docs/*.md, whoever wrote them. Each one is
-checked as far as can be without running it: a `make` target exists (`make -n`), a `python -m megatron_grpo ...` or `torchrun ... -m
-megatron_grpo ...` command gets through torchrun's and the subcommand's argument parsers, a `torchrun
+checked as far as can be without running it: a `make` target exists (`make -n`), a `megatron-grpo ...`, `python -m
+megatron_grpo ...` or `torchrun ... -m megatron_grpo ...` command gets through torchrun's and the subcommand's
+argument parsers, a `torchrun
 examples/...py ...` command through torchrun's and the script's own (`parse_args`), the repository files it names
 exist, and any other program is on the PATH or in `.venv/bin`. Nothing is trained.
 """
@@ -85,6 +86,14 @@ def _check_repo_paths(args: list[str]) -> None:
 
 def _check_megatron_grpo(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
     program, args = _program_and_args(command)
+    if program == "megatron-grpo":
+        args = ["-m", "megatron_grpo", *args]
+        program = "python"
+    if program == "python" and args[2:3] and args[2].startswith("-"):  # torchrun's options before the command
+        from torch.distributed.run import get_args_parser
+
+        parsed = get_args_parser().parse_args(args[2:])
+        args = ["-m", "megatron_grpo", parsed.training_script, *parsed.training_script_args]
     if program == "torchrun":
         from torch.distributed.run import get_args_parser
 
@@ -102,7 +111,8 @@ def test_the_readme_has_commands_and_says_to_activate_the_venv_before_them():
     text = README.read_text()
     assert len(COMMANDS) >= 5, COMMANDS
     assert ACTIVATE in COMMANDS, f"the README must tell the reader to run `{ACTIVATE}`"
-    first_bare = next(i for i, c in enumerate(COMMANDS) if _program_and_args(c)[0] in {"python", "torchrun"})
+    first_bare = next(i for i, c in enumerate(COMMANDS)
+                      if _program_and_args(c)[0] in {"python", "torchrun", "megatron-grpo"})
     assert COMMANDS.index(ACTIVATE) < first_bare, "activate the venv before the first python/torchrun command"
     assert "[--" not in "\n".join(SHELL_BLOCK.findall(text)), "a command with [optional] syntax does not run as written"
 
@@ -131,7 +141,7 @@ def test_each_documented_command_parses(command, monkeypatch):
     elif program == "make":
         result = subprocess.run(["make", "-n", *args], cwd=REPO, capture_output=True, text=True)
         assert result.returncode == 0, f"{command}: {result.stderr}"
-    elif program in {"python", "python3", "torchrun"} and "megatron_grpo" in args:
+    elif program == "megatron-grpo" or program in {"python", "python3", "torchrun"} and "megatron_grpo" in args:
         _check_megatron_grpo(command, monkeypatch)
     elif program == "torchrun":
         _check_repo_script(command)

@@ -1,4 +1,7 @@
-"""Benchmarks: `python -m megatron_grpo bench logprob|scheduler|linear ...` (results under benchmarks/results/)."""
+"""Benchmarks: `megatron-grpo bench logprob|linear|scheduler ...`.
+
+Each writes its report, data and plot under runs/bench unless `--out` names a place; `make bench` and
+`make bench-linear` refresh the committed results in benchmarks/results/."""
 
 from __future__ import annotations
 
@@ -7,15 +10,17 @@ import sys
 
 BENCHMARKS = {
     "logprob": ("megatron_grpo.bench.logprob", "the logprob kernels against their peers, per TP size and dtype"),
-    "scheduler": ("megatron_grpo.bench.scheduler", "the auto logprob plan against computing every pass (torchrun)"),
+    "scheduler": ("megatron_grpo.bench.scheduler", "the auto logprob plan against computing every pass (under "
+                                                   "torchrun: `megatron-grpo --nproc-per-node 2 bench scheduler`)"),
     "linear": ("megatron_grpo.bench.linear", "the fused linear + logprob op against its peers, per TP, dtype, rows"),
 }
 
 
 def usage() -> str:
     lines = [f"  {name:<10} {help_}" for name, (_module, help_) in BENCHMARKS.items()]
-    return (f"usage: python -m megatron_grpo bench {{{','.join(BENCHMARKS)}}} [--help]\n" + "\n".join(lines)
-            + "\n`python -m megatron_grpo bench NAME --help` lists a benchmark's options.")
+    return (f"usage: megatron-grpo bench {{{','.join(BENCHMARKS)}}} [options]\n" + "\n".join(lines)
+            + "\n`megatron-grpo bench NAME --help` lists a benchmark's options; each writes under runs/bench unless "
+              "--out names a place.")
 
 
 def main(argv: list[str]) -> int:

@@ -1,4 +1,4 @@
-"""Fused linear + logprob benchmark: `python -m megatron_grpo bench linear [--quick] [--tp ..] [--dtypes ..] ...`.
+"""Fused linear + logprob benchmark: `megatron-grpo bench linear [--quick] [--tp ..] [--dtypes ..] ...`.
 
 `vocab_parallel_linear_logprobs(hidden, weight, targets)` against its peers, forward + backward w.r.t. the hidden
 states and this rank's shard of the output weight, for each case (TP size, dtype, T x H x V_local per rank, the
@@ -6,12 +6,16 @@ fraction of response rows: the others are prompt rows with target -1). Per case:
 against the materialised path and against Megatron-Core measured in the same run, the peak memory beyond the
 inputs and their gradients, and the fused op's error against a float64 reference.
 
-The candidates are a registry (`CANDIDATES`) of named builders: each takes the case and its inputs and returns a
-`Step` (a forward on `(hidden, weight)` and its upstream gradient), or raises with the reason it cannot run here,
-which the report prints; no candidate can fail the run. Peers installed outside the venv (Cut-Cross-Entropy,
-Liger-Kernel) are found through `--peer-path DIR`, appended to sys.path (after the venv, so its torch is kept).
-The ranks run in child processes (`measure.run_ranks`), as in `bench logprob`.
+The candidates: the materialised path (`hidden @ weight.T`, then `vocab_parallel_logprobs`), the fused op with
+and without entropy, Megatron's cross entropy after the same linear, Cut-Cross-Entropy and Liger-Kernel where they
+run, and the GRPO loss step three ways (materialised, the fused op then `ClippedPGLoss`, and the loss-fused
+`ClippedPGLoss.on_hidden_states`). A candidate that cannot run here is reported with the reason, and never fails
+the run. Peers installed outside the venv are found through `--peer-path DIR`. The ranks run in child processes,
+as in `bench logprob`.
 """
+# In the code: the candidates are a registry (`CANDIDATES`) of named builders, each returning a `Step` (a forward
+# on `(hidden, weight)` and its upstream gradient) or raising with the reason it cannot run; the ranks run through
+# `measure.run_ranks`. Peer paths are appended to sys.path after the venv, so its torch is kept.
 
 from __future__ import annotations
 
@@ -27,16 +31,18 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.helptext import DefaultsHelpFormatter
 from megatron_grpo.ops import VocabShard, vocab_parallel_linear_logprobs, vocab_parallel_logprobs
 from megatron_grpo.ops.linear_logprobs import chunk_rows_for
 
-from .measure import PeakMemory, grouped_bar_plot, machine_description, median_seconds, run_ranks, write_results
+from .measure import (DEFAULT_OUT, OUT_HELP, PeakMemory, grouped_bar_plot, machine_description, median_seconds,
+                      run_ranks, write_results)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SEQUENCE_ROWS = 1024  # rows per "sequence": its prompt rows come first, then its response rows
 LOGIT_STD = 3.0
 
-# The issue's targets, printed next to the results.
+# The targets the op was built to, printed next to the results.
 TARGET_SPEED_ALL_ROWS = 0.75      # materialised ms / fused ms at 100% response rows
 TARGET_SPEED_QUARTER_ROWS = 2.5   # ... at 25% response rows
 TARGET_PEAK_FRACTION = 0.10       # fused extra peak / materialised extra peak
@@ -457,7 +463,7 @@ def _verdict(ok: bool) -> str:
 
 
 def case_summary(result: dict) -> dict:
-    """The issue's figures for one case: fused speed and extra peak memory relative to the materialised path."""
+    """The targets' figures for one case: fused speed and extra peak memory relative to the materialised path."""
     by_name = {r["candidate"]: r for r in result["rows"]}
     fused, materialised = by_name.get(FUSED), by_name.get(MATERIALISED)
     if fused is None or materialised is None:
@@ -490,7 +496,7 @@ def report(results: list[dict], device: torch.device, repeats: int, warmup: int,
         "before it (the inputs), less the size of the hidden and weight gradients the step must return.",
         "- TP > 1: every candidate's hidden gradient is this rank's partial sum over its vocab shard (Megatron's "
         "output layer all-reduces it afterwards, for all of them alike, so no candidate's time includes it).",
-        f"- targets (issue 11): fused extra peak <= {100 * TARGET_PEAK_FRACTION:.0f}% of the materialised "
+        f"- targets: fused extra peak <= {100 * TARGET_PEAK_FRACTION:.0f}% of the materialised "
         f"path's; materialised/fused time >= {TARGET_SPEED_ALL_ROWS}x at 100% response rows, >= "
         f"{TARGET_SPEED_QUARTER_ROWS}x at 25%; materialised loss step / loss-fused >= {TARGET_LOSS_FUSED}x at "
         "100% response rows.",
@@ -569,34 +575,39 @@ def plot(results: list[dict], path: Path) -> None:
 # ---- command line ----
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_grpo bench linear", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser = argparse.ArgumentParser(prog="megatron-grpo bench linear", description=__doc__.split("\n\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the ranks run: cpu (gloo) or cuda (NCCL, one GPU per rank)")
     parser.add_argument("--quick", action="store_true",
                         help="small shapes (T=256, H=64, V_local=1024 unless given), 1 run, 32 accuracy rows; "
                              "writes linear_<device>_quick.*")
     parser.add_argument("--tp", type=int, nargs="+", default=None,
-                        help="TP sizes; default 1 and 2 (on CUDA, 2 only with two GPUs)")
-    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+                        help="tensor-parallel sizes (default: 1 and 2; on CUDA, 2 only with two GPUs)")
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"],
+                        help="dtypes of the hidden states and weight")
     parser.add_argument("--response", type=float, nargs="+", default=[1.0, 0.25],
-                        help="fractions of response rows (the others have target -1); default 1.0 0.25")
-    parser.add_argument("--tokens", type=int, default=None, help="rows T; default 4096 (256 quick)")
-    parser.add_argument("--hidden", type=int, default=None, help="hidden size H; default 512 (64 quick)")
-    parser.add_argument("--v-local", type=int, default=None, help="vocab columns per rank; default 32768 (1024 quick)")
+                        help="fractions of rows that are response tokens (the others are prompt rows, not scored)")
+    parser.add_argument("--tokens", type=int, default=None, help="rows T per rank (default: 4096; 256 with --quick)")
+    parser.add_argument("--hidden", type=int, default=None, help="hidden size H (default: 512; 64 with --quick)")
+    parser.add_argument("--v-local", type=int, default=None,
+                        help="vocab columns per rank (default: 32768; 1024 with --quick)")
     parser.add_argument("--chunk-rows", type=int, default=None,
-                        help="rows per chunk of the fused candidates; default: the op's own (chunk_rows_for)")
+                        help="rows per chunk of the fused candidates (default: the op's own choice)")
     parser.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), default=list(CANDIDATES),
-                        help="the candidates to run (default: all)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed steps per candidate; default 5 (1 quick)")
-    parser.add_argument("--warmup", type=int, default=1)
+                        help="the candidates to run")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed steps per candidate (default: 5; 1 with --quick)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per candidate first")
     parser.add_argument("--accuracy-rows", type=int, default=None,
-                        help="rows of the float64 accuracy check (0: skip); default 256 (32 quick)")
-    parser.add_argument("--peer-path", type=Path, action="append", default=[],
-                        help="a directory holding optional peers installed with pip --target (appended to "
-                             "sys.path; repeatable)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+                        help="rows of the float64 accuracy check, 0 to skip it (default: 256; 32 with --quick)")
+    parser.add_argument("--peer-path", type=Path, action="append", default=[], metavar="DIR",
+                        help="a directory holding optional peers (Cut-Cross-Entropy, Liger-Kernel) installed with "
+                             "`pip install --target DIR`; repeatable")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     parser.add_argument("--timeout", type=float, default=3600.0,
-                        help="seconds to wait for each TP size's ranks before giving up (default 3600)")
+                        help="seconds to wait for each TP size's ranks before giving up")
+    parser.add_argument("--verbose", action="store_true", help="show Megatron-Core's notices, filtered by default")
     args = parser.parse_args(argv)
     for fraction in args.response:
         if not 0.0 < fraction <= 1.0:
@@ -617,12 +628,12 @@ def main(argv: list[str]) -> int:
                  for d in args.dtypes for f in args.response]
         work = functools.partial(_run_cases, cases=cases, names=args.candidates, repeats=repeats,
                                  warmup=args.warmup, accuracy_rows=accuracy_rows)
-        tp_results, _ = run_ranks(tp, work, args.device, args.timeout, name="bench linear")
+        tp_results, _ = run_ranks(tp, work, args.device, args.timeout, name="bench linear", verbose=args.verbose)
         results += tp_results
     skipped = {(name, why) for result in results for name, why in result["skipped"].items()}
     for name, why in sorted(skipped):
         print(f"bench linear: {name} skipped in some cases: {why}", file=sys.stderr)
-    command = "python -m megatron_grpo bench linear" + ("" if not argv else " " + " ".join(argv))
+    command = "megatron-grpo bench linear" + ("" if not argv else " " + " ".join(argv))
     text = report(results, torch.device(args.device), repeats, args.warmup, command)
     stem = f"linear_{args.device}{'_quick' if args.quick else ''}"
     path = write_results(args.out, stem, text, {"results": results}, lambda png: plot(results, png))

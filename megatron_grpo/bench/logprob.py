@@ -1,4 +1,4 @@
-"""Kernel benchmark: `python -m megatron_grpo bench logprob [--quick] [--device cpu|cuda] [--out DIR]`.
+"""Kernel benchmark: `megatron-grpo bench logprob [--quick] [--device cpu|cuda] [--out DIR]`.
 
 In one run, for each setup (TP size, dtype, T x V_local per rank), it times forward and forward+backward of the
 fused op (default and in-place backward modes), the plain-torch reference, naive torch (TP=1), and the optional
@@ -24,11 +24,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.helptext import DefaultsHelpFormatter
 from megatron_grpo.ops import VocabShard, vocab_parallel_logprobs
 from megatron_grpo.ops.backends import cpu_kernel_isa
 
-from .measure import (copy_bandwidth_bytes_per_s, grouped_bar_plot, machine_description, median_seconds,
-                      peak_extra_bytes, run_ranks, write_results)
+from .measure import (DEFAULT_OUT, OUT_HELP, copy_bandwidth_bytes_per_s, grouped_bar_plot, machine_description,
+                      median_seconds, peak_extra_bytes, run_ranks, write_results)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -194,10 +195,10 @@ def _run_setups(device: torch.device, group, setups: list[Setup], repeats: int) 
 
 
 def run_tp(tp: int, setups: list[Setup], device_type: str, repeats: int,
-           timeout_s: float = 3600.0) -> tuple[list[dict], dict[str, str]]:
+           timeout_s: float = 3600.0, verbose: bool = False) -> tuple[list[dict], dict[str, str]]:
     """Runs the setups on `tp` fresh processes (a gloo or NCCL group, even for TP=1): results and missing peers."""
     work = functools.partial(_run_setups, setups=setups, repeats=repeats)
-    return run_ranks(tp, work, device_type, timeout_s, name="bench logprob")
+    return run_ranks(tp, work, device_type, timeout_s, name="bench logprob", verbose=verbose)
 
 
 def speedup(peer_ms: float | None, ms: float) -> str:
@@ -266,18 +267,24 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_grpo bench logprob", description=__doc__)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--quick", action="store_true", help="small shapes, TP=1 and 2, fp32 and bf16, 3 runs")
+    parser = argparse.ArgumentParser(prog="megatron-grpo bench logprob", description=__doc__.split("\n\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the ranks run: cpu (gloo) or cuda (NCCL, one GPU per rank)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small shapes (T=1024, V_local=4096), 3 runs; writes logprob_<device>_quick.*")
     parser.add_argument("--tp", type=int, nargs="+", default=None,
-                        help="TP sizes; default 1 and 2 (on CUDA, 2 only with two GPUs)")
-    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--v-local", type=int, default=32768)
-    parser.add_argument("--repeats", type=int, default=None, help="default: 5, or 3 with --quick")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+                        help="tensor-parallel sizes (default: 1 and 2; on CUDA, 2 only with two GPUs)")
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"],
+                        help="dtypes of the logits")
+    parser.add_argument("--tokens", type=int, default=8192, help="rows T of logits per rank (ignored with --quick)")
+    parser.add_argument("--v-local", type=int, default=32768,
+                        help="vocab columns per rank (ignored with --quick)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per method (default: 5; 3 with --quick)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     parser.add_argument("--timeout", type=float, default=3600.0,
-                        help="seconds to wait for each TP size's ranks before giving up (default 3600)")
+                        help="seconds to wait for each TP size's ranks before giving up")
+    parser.add_argument("--verbose", action="store_true", help="show Megatron-Core's notices, filtered by default")
     args = parser.parse_args(argv)
     tokens, v_local = (1024, 4096) if args.quick else (args.tokens, args.v_local)
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 5)
@@ -286,13 +293,13 @@ def main(argv: list[str]) -> int:
     tp_sizes = args.tp or ([1, 2] if args.device == "cpu" or torch.cuda.device_count() >= 2 else [1])
     for tp in tp_sizes:
         setups = [Setup(tp=tp, dtype=d, tokens=tokens, v_local=v_local) for d in args.dtypes]
-        tp_results, tp_missing = run_tp(tp, setups, args.device, repeats, args.timeout)
+        tp_results, tp_missing = run_tp(tp, setups, args.device, repeats, args.timeout, verbose=args.verbose)
         results += tp_results
         missing.update(tp_missing)
     for name, why in missing.items():
         print(f"bench logprob: {name} not measured: {why}", file=sys.stderr)
     bandwidth = copy_bandwidth_bytes_per_s(device, 2**30 if not args.quick else 2**27, repeats)
-    command = "python -m megatron_grpo bench logprob " + " ".join(argv) if argv else None
+    command = "megatron-grpo bench logprob " + " ".join(argv) if argv else None
     text = report(results, device, bandwidth, repeats, args.quick, missing, command)
     stem = f"logprob_{args.device}{'_quick' if args.quick else ''}"
     write_results(args.out, stem, text, {"missing_peers": missing, "results": results},

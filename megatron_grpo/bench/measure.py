@@ -22,6 +22,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.notices import quiet_megatron_notices
+
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -117,6 +119,13 @@ def machine_description(device: torch.device) -> str:
             f"CPU ISA {cpu_kernel_isa()}")
 
 
+# Where a benchmark writes when `--out` names no place: ignored by git, so a run never changes the committed
+# results in benchmarks/results/, which `make bench` and `make bench-linear` refresh (they pass --out).
+DEFAULT_OUT = Path("runs") / "bench"
+OUT_HELP = ("directory for the report (.md), data (.json) and plot (.png) (default: runs/bench; `make bench` and "
+            "`make bench-linear` write the committed benchmarks/results)")
+
+
 def write_results(out: Path, stem: str, markdown: str, payload: dict, plot: Callable[[Path], None]) -> Path:
     """Writes `<stem>.md` (linking the plot), `<stem>.json` and `<stem>.png` under `out`; returns the .md path."""
     import json
@@ -167,9 +176,11 @@ def megatron_tp_group(world: int):
     return parallel_state.get_tensor_model_parallel_group(), parallel_state
 
 
-def _rank_main(rank: int, world: int, port: int, device_type: str, threads: int, work: RankWork, queue) -> None:
+def _rank_main(rank: int, world: int, port: int, device_type: str, threads: int, work: RankWork, queue,
+               verbose: bool = False) -> None:
     """One TP rank: joins the group, runs `work`; rank 0 reports (or any rank its error)."""
     try:
+        quiet_megatron_notices(verbose=verbose, cuda_available=device_type == "cuda")
         torch.set_num_threads(threads)
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -226,9 +237,10 @@ def collect(queue, procs, timeout_s: float, poll_s: float = 1.0):
 
 
 def run_ranks(world: int, work: RankWork, device_type: str, timeout_s: float = 3600.0,
-              name: str = "benchmark") -> tuple[list, dict]:
+              name: str = "benchmark", verbose: bool = False) -> tuple[list, dict]:
     """Runs `work` (picklable: a module-level function or a functools.partial of one) on `world` fresh processes,
-    a gloo or NCCL group even for world 1, each with its share of the CPU threads; returns rank 0's results."""
+    a gloo or NCCL group even for world 1, each with its share of the CPU threads; returns rank 0's results.
+    Megatron-Core's known notices are filtered in the ranks unless `verbose`."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -237,7 +249,7 @@ def run_ranks(world: int, work: RankWork, device_type: str, timeout_s: float = 3
     threads = max(1, torch.get_num_threads() // world) if device_type == "cpu" else 1
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, device_type, threads, work, queue))
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, device_type, threads, work, queue, verbose))
              for r in range(world)]
     for p in procs:
         p.start()

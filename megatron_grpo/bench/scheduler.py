@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.bench.measure import PeakMemory, machine_description
+from megatron_grpo.bench.measure import DEFAULT_OUT, PeakMemory, machine_description
 from megatron_grpo.config import Config, ConfigError, load_config
+from megatron_grpo.helptext import DefaultsHelpFormatter
 from megatron_grpo.scheduler import LogprobPlan, plan_logprob_passes
 
 EXIT_BAD_INPUT = 2
@@ -139,9 +140,13 @@ def write_report(summary: dict, out: Path) -> None:
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m megatron_grpo bench scheduler", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=Path("configs/grpo_tiny_cpu.yaml"))
+    parser = argparse.ArgumentParser(prog="megatron-grpo [torchrun options] bench scheduler",
+                                     description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--config", type=Path, default=Path("configs/grpo_tiny_cpu.yaml"),
+                        help="the run config both variants train with (its TP and PP must fit the ranks launched)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant, run first")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="directory for scheduler_cpu.md and scheduler_cpu.json (default: runs/bench; `make "
+                             "bench` writes the committed benchmarks/results)")
     return parser.parse_args(argv)

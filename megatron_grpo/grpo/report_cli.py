@@ -1,10 +1,11 @@
-"""`python -m megatron_grpo report RUN_DIR [RUN_DIR ...] [--out FILE.png]`: compare runs in one PNG.
+"""`megatron-grpo report RUN_DIR [RUN_DIR ...] [--out FILE.png]`: compare runs in one PNG.
 
 One subplot per quantity (mean reward, entropy, `probs_ratio`, clip fraction, step time) against the step, one
 line per run, labelled by the run directory's name. Runs of 50 steps or more show a centred 10-step running mean
 over their faint raw values (`--smooth N` sets the window, `--smooth 1` draws the raw values only).
 
-Reads each run's `metrics.jsonl`; a torn last line (a crash mid-write) is dropped with a note. A quantity a run
+The PNG goes to RUN_DIR/report.png for one run and to runs/report.png for several, unless `--out` names a place:
+never into the checkout's tracked files. Reads each run's `metrics.jsonl`; a torn last line (a crash mid-write) is dropped with a note. A quantity a run
 does not have is skipped for that run with a note, never an error. Needs matplotlib (the `bench` extra).
 """
 
@@ -17,8 +18,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_grpo.grpo.reporting import METRICS_FILE, read_metrics_for_resume
+from megatron_grpo.helptext import DefaultsHelpFormatter
 
 Record = dict[str, Any]
+SEVERAL_RUNS_OUT = Path("runs") / "report.png"  # ignored by git, where the runs themselves live by default
 
 
 @dataclass(frozen=True)
@@ -148,16 +151,18 @@ def plot_runs(runs: Sequence[Run], out: Path, notes: list[str], smooth: int = 10
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_grpo report",
+        prog="megatron-grpo report", formatter_class=DefaultsHelpFormatter,
         description="Plot runs' reward, entropy, probs_ratio, clip fraction and step time against the step.")
-    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="a run directory (metrics.jsonl)")
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR",
+                        help="a run directory (the run_dir of its config, holding metrics.jsonl)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="the PNG to write (default: RUN_DIR/report.png for one run, ./report.png for several)")
+                        help="the PNG to write (default: RUN_DIR/report.png for one run, "
+                             f"{SEVERAL_RUNS_OUT} for several)")
     parser.add_argument("--smooth", type=int, default=10, metavar="N",
-                        help="for runs of 5N+ steps, draw the centred N-step running mean over the raw values "
-                             "(default 10; 1 = raw values only)")
+                        help="for runs of 5N+ steps, draw the centred N-step running mean over the faint raw values "
+                             "(1: the raw values only)")
     args = parser.parse_args(argv)
-    out = args.out or (args.run_dirs[0] / "report.png" if len(args.run_dirs) == 1 else Path("report.png"))
+    out = args.out or (args.run_dirs[0] / "report.png" if len(args.run_dirs) == 1 else SEVERAL_RUNS_OUT)
     notes: list[str] = []
     runs = [run for run_dir, label in zip(args.run_dirs, run_labels(args.run_dirs))
             if (run := load_run(run_dir, label, notes)) is not None]

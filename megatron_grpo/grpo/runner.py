@@ -35,6 +35,7 @@ from megatron_grpo.grpo.lifetime import bind_forked_children, die_with_parent, o
 from megatron_grpo.grpo.reporting import MetricsFileError
 from megatron_grpo.grpo.run_start import RunDirectoryError, StartMode, StartPlan, carry_out, check_writable, plan_start
 from megatron_grpo.grpo.tasks import DigitTask, DigitTokenizer
+from megatron_grpo.helptext import DefaultsHelpFormatter
 from megatron_grpo.notices import megatron_summary, quiet_megatron_notices
 from megatron_grpo.scheduler import LogprobPlan, plan_logprob_passes
 
@@ -290,6 +291,7 @@ def _first_line(err: BaseException) -> str:
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="megatron-grpo [torchrun options] train", description=__doc__.splitlines()[0],
+        formatter_class=DefaultsHelpFormatter,
         epilog="Launch: `megatron-grpo --nproc-per-node 2 train --config configs/grpo_tiny_cpu.yaml`; torchrun's own "
                "options (--nnodes, --rdzv-endpoint, ...) go before `train`. Exit codes: 0 done, 1 a bug (traceback "
                "shown), 2 bad config or arguments, 3 run or checkpoint directory, 4 a rank died or hung, "
@@ -302,11 +304,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                             "(default: off; without --resume or --fresh a run resumes when there is a checkpoint, "
                             "and starts from scratch when there is none)")
     start.add_argument("--fresh", action="store_true",
-                       help="start over: move the earlier run to <run_dir>.previous-<timestamp>, deleting nothing "
-                            "(default: off)")
-    parser.add_argument("--debug", action="store_true",
-                        help="print the Python traceback of an error as well (default: off)")
+                       help="start over: move the earlier run to <run_dir>.previous-<timestamp>, deleting nothing")
+    parser.add_argument("--debug", action="store_true", help="print the Python traceback of an error as well")
     parser.add_argument("--verbose", action="store_true",
                         help="show every warning and torchrun's own log lines, including Megatron-Core's notices "
-                             "that are filtered by default (default: off)")
+                             "that are filtered by default")
     return parser.parse_args(argv)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from megatron_grpo.config import ConfigError
+from megatron_grpo.helptext import DefaultsHelpFormatter
 
 TIMING_SUFFIX = "_time_s"  # as megatron_grpo.grpo.reporting.TIMING_SUFFIX
 STEP_KEY = "step"
@@ -204,16 +205,22 @@ class MetricWriters:
             writer.close()
 
 
+# The loss's metrics that exist only with truncated importance sampling, a KL or VAPO's NLL term: not the demo's.
+CONDITIONAL_LOSS_METRICS = frozenset({"is_oob_ratio", "is_oob_token_ratio", "kl_penalty", "reward_kl_penalty",
+                                      "positive_nll_loss"})
+
+
 def demo_record(step: int) -> dict[str, Any]:
-    """A metrics record shaped like the tiny demo's (same keys and value types), for measuring the write cost."""
+    """A metrics record shaped like the tiny demo's (the same keys and value types: the runner's tests compare it
+    with a real one), for measuring the write cost."""
     record: dict[str, Any] = {"step": step}
-    for name in sorted(LOSS_METRICS):
+    for name in sorted(LOSS_METRICS - CONDITIONAL_LOSS_METRICS):
         record[name] = 1.0 + 1e-3 * step
     for stat in ("mean", "std", "min", "max"):
         record[f"reward_{stat}"] = 0.5
         record[f"advantages_{stat}"] = 0.0
     record.update({
-        "perfect_fraction": 0.25, "response_length_mean": 5.0, "response_length_max": 5,
+        "perfect_fraction": 0.25, "response_length_mean": 5.0, "response_length_min": 5.0, "response_length_max": 5.0,
         "response_truncated_fraction": 0.0, "groups_without_variance": 2, "num_groups": 16,
         "grad_norm": 0.3, "grad_norm_after_clip": 0.3, "lr": 1e-3,
         "reference_pass_ran": False, "prev_pass_ran": False,
@@ -250,10 +257,12 @@ def measure(log_dir: Path, steps: int = 300, step_time_s: float = 0.17) -> dict[
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_grpo.grpo.tensorboard_log",
-                                     description="Time writing one step's scalars to TensorBoard.")
-    parser.add_argument("--measure", action="store_true", help="write demo-shaped records and time each step")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--step-time", type=float, default=0.17, help="the step time to compare with (s)")
+                                     description="Time writing one step's scalars to TensorBoard.",
+                                     formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--measure", action="store_true",
+                        help="write records shaped like the demo's (its scalars) and time each step")
+    parser.add_argument("--steps", type=int, default=300, help="records to write")
+    parser.add_argument("--step-time", type=float, default=0.17, help="the step time to compare with, in seconds")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
     args = parser.parse_args(argv)
     if not args.measure:
