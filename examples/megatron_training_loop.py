@@ -18,21 +18,29 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_grpo.loss import ClippedPGLoss, ClippedPGLossConfig, aggregate_metrics, count_valid
-from megatron_grpo.megatron import (apply_cpu_support, clip_grad_norm, compute_logprobs, make_forward_step,
-                                    padded_vocab_size, wrap_in_ddp)
-from megatron_grpo.megatron.cpu_support import AdamOverMainGrad
-from megatron_grpo.ops import VocabShard
-from megatron_grpo.scheduler import PlanInputs, PlanKeys, plan_logprob_passes
+from megatron_grpo.notices import quiet_megatron_notices
+
+# Before megatron.core is imported: its known import-time notices (Transformer Engine and Apex missing on the CPU,
+# ...) are filtered by their exact text; --verbose shows them.
+quiet_megatron_notices(verbose="--verbose" in sys.argv[1:], cuda_available=torch.cuda.is_available())
+
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from megatron_grpo.loss import ClippedPGLoss, ClippedPGLossConfig, aggregate_metrics, count_valid  # noqa: E402
+from megatron_grpo.megatron import (apply_cpu_support, clip_grad_norm, compute_logprobs,  # noqa: E402
+                                    make_forward_step, padded_vocab_size, wrap_in_ddp)
+from megatron_grpo.megatron.cpu_support import AdamOverMainGrad  # noqa: E402
+from megatron_grpo.ops import VocabShard  # noqa: E402
+from megatron_grpo.scheduler import PlanInputs, PlanKeys, plan_logprob_passes  # noqa: E402
 
 VOCAB, SEQ, PROMPT = 16, 12, 4  # real vocabulary, sequence length, prompt length
 PROMPTS, ANSWERS, MICRO_BATCH = 4, 4, 8  # per data-parallel rank: 4 prompts x 4 answers, 2 microbatches
@@ -51,10 +59,13 @@ LOSS_CONFIG = {  # every key of ClippedPGLossConfig, as in the `loss_fn:` sectio
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="A minimal GRPO training loop on Megatron-Core (run under torchrun).")
+    parser = argparse.ArgumentParser(description="A minimal GRPO training loop on Megatron-Core (run under torchrun).",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps")
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=2,
+                        help="ranks per tensor-parallel group; the other ranks are data-parallel")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the weights and the synthetic rollout")
+    parser.add_argument("--verbose", action="store_true", help="show Megatron-Core's notices, filtered by default")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.tensor_model_parallel_size < 1:
         parser.error("--steps and --tensor-model-parallel-size must be >= 1")

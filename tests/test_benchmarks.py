@@ -24,11 +24,11 @@ def test_bench_help_exits_0_and_lists_the_benchmarks():
     done = subprocess.run([sys.executable, "-m", "megatron_grpo", "bench", "--help"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("usage: python -m megatron_grpo bench {logprob,scheduler,linear}")
+    assert done.stdout.startswith("usage: megatron-grpo bench {logprob,scheduler,linear}")
     assert "logprob " in done.stdout and "scheduler " in done.stdout and "linear " in done.stdout
 
 
 def test_bench_without_a_name_exits_2_with_the_usage():
     done = subprocess.run([sys.executable, "-m", "megatron_grpo", "bench"], capture_output=True, text=True,
                           timeout=60)
-    assert done.returncode == 2 and done.stderr.startswith("usage: python -m megatron_grpo bench")
+    assert done.returncode == 2 and done.stderr.startswith("usage: megatron-grpo bench")

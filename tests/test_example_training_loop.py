@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
+import subprocess
 import sys
 
 import pytest
@@ -21,8 +22,11 @@ STEP_LINE = re.compile(r"^step (\d+): loss (\S+) grad_norm (\S+) is_weight (\S+)
 def test_the_example_loop_runs_at_tp2_and_its_loss_falls_every_step(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(EXAMPLE),
                "--steps", str(STEPS), "--tensor-model-parallel-size", "2", "--seed", "1234"]
+    status_before = _git_status()
     code, output = run(command, tmp_path / "example.log", timeout=180)
     assert code == 0, output
+    assert not re.search(r"\w+Warning: ", output), output  # Megatron's known notices are filtered
+    assert _git_status() == status_before  # it writes nothing into the checkout
     steps = STEP_LINE.findall(output)
     assert [int(step) for step, *_ in steps] == list(range(1, STEPS + 1)), output
     losses = [float(loss) for _, loss, *_ in steps]
@@ -35,6 +39,10 @@ def test_the_example_loop_runs_at_tp2_and_its_loss_falls_every_step(tmp_path):
     assert "prev logprobs computed" in output, output
     assert {prev for *_, prev in steps} == {"ran"}, output
     assert float(steps[0][3]) == 1.0, output
+
+
+def _git_status() -> str:
+    return subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
 
 
 def load_example():

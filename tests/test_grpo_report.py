@@ -1,4 +1,4 @@
-"""`python -m megatron_grpo report RUN_DIR ...`: one PNG comparing runs, tolerant of missing metrics and torn files."""
+"""`megatron-grpo report RUN_DIR ...`: one PNG comparing runs, tolerant of missing metrics and torn files."""
 
 from __future__ import annotations
 
@@ -83,13 +83,17 @@ def test_runs_without_metrics(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
     assert (tmp_path / "b.png").exists()
 
 
-def test_default_output_and_labels(tmp_path: Path) -> None:
+def test_default_output_and_labels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run = _write_run(tmp_path / "a" / "run", 3)
     other = _write_run(tmp_path / "b" / "run", 3)
     assert run_labels([run, other]) == [str(run), str(other)]  # same name: full paths
     assert run_labels([run, tmp_path / "x"]) == ["run", "x"]
     assert main([str(run)]) == 0
     assert (run / "report.png").exists()
+    monkeypatch.chdir(tmp_path / "a")  # several runs: runs/report.png, where git ignores it in a checkout
+    assert main([str(run), str(other)]) == 0
+    assert sorted(path.relative_to(tmp_path / "a").as_posix() for path in (tmp_path / "a").rglob("*.png")) == [
+        "run/report.png", "runs/report.png"]
 
 
 def test_every_quantity_reads_the_demo_keys(tmp_path: Path) -> None:

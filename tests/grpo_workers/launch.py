@@ -1,6 +1,7 @@
 """Launch helpers for the runner's end-to-end tests: tiny configs in a temp dir, torchrun jobs, their ranks.
 
-Jobs run `python -m torch.distributed.run` (torchrun) with the repo on PYTHONPATH and one thread per rank,
+Jobs run `python -m torch.distributed.run` (torchrun) or `python -m megatron_grpo` (the `megatron-grpo` launcher, which
+runs torchrun's agent itself) with the repo on PYTHONPATH and one thread per rank,
 in their own session (`setsid`), so a test can signal a single rank or tear down the whole job. Every process
 of a job, however deep and wherever re-parented, carries the job's `JOB_TOKEN_VARIABLE` in its environment:
 `job_processes` finds them all (torchrun puts each rank in a session of its own).
@@ -51,6 +52,12 @@ def torchrun_command(config: Path, *, nproc: int, resume: bool = False, rdzv: Op
     return command + (["--resume"] if resume else []) + list(extra)
 
 
+def launcher_command(config: Path, *, nproc: int, extra: tuple[str, ...] = ()) -> list[str]:
+    """`megatron-grpo --nproc-per-node N train --config X.yaml`, as `python -m megatron_grpo`."""
+    return [sys.executable, "-m", "megatron_grpo", f"--nproc-per-node={nproc}", "train", "--config", str(config),
+            *extra]
+
+
 def job_env(token: str = "") -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env[JOB_TOKEN_VARIABLE] = token
@@ -58,19 +65,21 @@ def job_env(token: str = "") -> dict[str, str]:
     return env
 
 
-def start(command: list[str], log: Path) -> subprocess.Popen:
-    """Starts a job in its own session, stdout and stderr going to `log`."""
+def start(command: list[str], log: Path, *, cwd: Path = REPO, env: Optional[dict[str, str]] = None) -> subprocess.Popen:
+    """Starts a job in its own session, stdout and stderr going to `log` (`env`: `job_env()`'s, changed)."""
     token = uuid.uuid4().hex
+    environment = job_env(token) if env is None else {**env, JOB_TOKEN_VARIABLE: token}
     with open(log, "w") as handle:
-        job = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=job_env(token), cwd=REPO,
+        job = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=environment, cwd=cwd,
                                start_new_session=True)
     job.token = token
     return job
 
 
-def run(command: list[str], log: Path, timeout: float = 240) -> tuple[int, str]:
+def run(command: list[str], log: Path, timeout: float = 240, *, cwd: Path = REPO,
+        env: Optional[dict[str, str]] = None) -> tuple[int, str]:
     """Runs a job to completion; returns its exit code and output."""
-    job = start(command, log)
+    job = start(command, log, cwd=cwd, env=env)
     try:
         code = job.wait(timeout=timeout)
     finally:
