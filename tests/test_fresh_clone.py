@@ -4,8 +4,8 @@ The repository is cloned into a temporary directory (with the working tree's unc
 so the clone is the code under test) and every shell command of README.md and docs/*.md (`DOC_COMMANDS`, the
 same list `test_readme_commands.py` parses) is accounted for, in the clone, as cheaply as its outputs allow:
 - `plan` and `report` run as written;
-- `train` runs once for real, the demo config cut to 2 steps (its copy lies outside the clone, its run directory
-  is the demo's), and every documented `train` command then runs the launcher's checks of its config and run
+- `train` runs once for real, the demo config cut to 2 steps on one rank (its copy lies outside the clone, its
+  run directory is the demo's), and every documented `train` command then runs the launcher's checks of its config and run
   directory (`runner.preflight`, which creates the directories), `--fresh` moving the earlier run aside;
 - the benchmarks are too slow to run here: their default output directory must be one git ignores;
 - `make` targets run the commands above (or refresh committed results on purpose: `make bench`, `make
@@ -81,7 +81,7 @@ def _megatron_grpo(command: str) -> list[str] | None:
         return words[1:]
     if words[:3] == ["python", "-m", "megatron_grpo"]:
         return words[3:]
-    if words[0] == "torchrun" and words[words.index("-m") + 1:][:1] == ["megatron_grpo"]:
+    if words[0] == "torchrun" and "-m" in words and words[words.index("-m") + 1:][:1] == ["megatron_grpo"]:
         return [*words[1:words.index("-m")], *words[words.index("-m") + 2:]]
     return None
 
@@ -147,24 +147,27 @@ def test_the_documented_commands_leave_a_fresh_clone_clean(clone, tmp_path):
             unaccounted.append(command)
     assert unaccounted == [], f"documented commands this test does not account for: {unaccounted}"
     assert train and run_as_written
+    train.sort(key=lambda argv: "--fresh" in argv)  # as the docs run them: --resume before --fresh
 
     # One real run of the demo, cut to 2 steps: everything a run writes lands in its run directory.
     demo = yaml.safe_load((clone / "configs" / "grpo_tiny_cpu.yaml").read_text())
     demo["grpo"]["max_num_steps"], demo["checkpoint"]["every_n_steps"] = 2, 1
+    demo["policy"]["tensor_model_parallel_size"] = 1  # one rank starts faster; the paths are the demo's
     demo["logging"]["progress_bar"] = False
     (tmp_path / "demo.yaml").write_text(yaml.safe_dump(demo))
-    command = [sys.executable, "-m", "megatron_grpo", "--nproc-per-node", "2", "train", "--config",
+    command = [sys.executable, "-m", "megatron_grpo", "--nproc-per-node", "1", "train", "--config",
                str(tmp_path / "demo.yaml")]
     code, output = run(command, tmp_path / "demo.log", cwd=clone, env=_env(clone))
     assert code == 0, output
     assert (clone / demo["run_dir"] / "metrics.jsonl").is_file()
 
+    for argv in run_as_written:  # `report` plots the run above
+        result = _python(clone, "-m", "megatron_grpo", *argv)
+        assert result.returncode == 0, (argv, result.stderr)
     # Every documented train command: the launcher's checks of its config and run directory (--fresh moves).
     result = _python(clone, "-c", PREFLIGHT, stdin="\n".join(shlex.join(argv) for argv in train))
     assert result.returncode == 0, result.stderr
-    for argv in run_as_written:
-        result = _python(clone, "-m", "megatron_grpo", *argv)
-        assert result.returncode == 0, (argv, result.stderr)
+    assert "moved the earlier run runs/grpo_tiny_cpu to runs/grpo_tiny_cpu.previous-" in result.stdout
 
     result = _python(clone, "-c", DEFAULT_OUT, *BENCHMARKS)  # where each benchmark writes without --out
     assert result.returncode == 0, result.stderr
