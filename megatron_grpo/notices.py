@@ -31,6 +31,11 @@ KNOWN_WARNINGS = (
     (FutureWarning, "`load_state_dict` is deprecated and will be removed in future versions. Please use `load` "
                     "instead."),
     (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor."),
+    # ... and where megatron-core 0.19's loader calls torch's `load` (the reader positional, no_dist=True)
+    (UserWarning, "The argument order of load has been changed. Please check the document to avoid future "
+                  "breakages."),
+    (UserWarning, "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a "
+                  "single process."),
 )
 # CUDA tuning hints: noise only where there is no CUDA.
 CPU_ONLY_WARNINGS = (
