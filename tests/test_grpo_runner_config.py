@@ -85,6 +85,12 @@ def test_resume_without_a_checkpoint_is_a_clear_error_that_creates_nothing(tmp_p
     assert [path.name for path in (tmp_path / "run").rglob("*")] == ["checkpoints"]
 
 
+def test_a_missing_config_file_is_named_once(tmp_path, capsys, torchrun_env):
+    code, err = _run_main(["--config", str(tmp_path / "nowhere.yaml")], capsys)
+    assert code == runner.EXIT_CONFIG
+    assert err == f"error: {tmp_path / 'nowhere.yaml'}: cannot read the config file: No such file or directory\n"
+
+
 def test_resume_and_fresh_exclude_each_other(tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
         runner.main(["--config", str(write_config(tmp_path)), "--resume", "--fresh"])

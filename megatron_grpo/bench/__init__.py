@@ -30,4 +30,10 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCHMARKS:
         print(usage(), file=sys.stderr)
         return 2
+    import torch  # every benchmark imports it
+
+    from megatron_grpo.notices import quiet_megatron_notices
+
+    # in this process (and the ranks torchrun starts for `bench scheduler`); benchmarks' own child ranks do the same
+    quiet_megatron_notices(verbose="--verbose" in argv, cuda_available=torch.cuda.is_available())
     return int(importlib.import_module(BENCHMARKS[argv[0]][0]).main(argv[1:]) or 0)

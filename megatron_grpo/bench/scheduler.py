@@ -149,4 +149,5 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="directory for scheduler_cpu.md and scheduler_cpu.json (default: runs/bench; `make "
                              "bench` writes the committed benchmarks/results)")
+    parser.add_argument("--verbose", action="store_true", help="show Megatron-Core's notices, filtered by default")
     return parser.parse_args(argv)

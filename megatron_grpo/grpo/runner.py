@@ -153,10 +153,13 @@ def start_failure(err: BaseException, config_path: str) -> Optional[tuple[str, i
 
 
 def config_error_message(config_path: str, err: ConfigError) -> str:
-    """One line for one problem (`error: X.yaml: key: what is wrong`); a header and one line each for several."""
-    if len(err.problems) == 1:
-        return f"error: {config_path}: {err.problems[0]}"
-    return f"error: {config_path}: {err}"
+    """One line for one problem (`error: X.yaml: key: what is wrong`); a header and one line each for several.
+    A problem that names the file already (a key given twice, an unreadable file) is not prefixed twice."""
+    prefix = f"{config_path}: "
+    problems = [problem[len(prefix):] if problem.startswith(prefix) else problem for problem in err.problems]
+    if len(problems) == 1:
+        return f"error: {prefix}{problems[0]}"
+    return f"error: {prefix}{ConfigError(problems)}"
 
 
 def agree_on_start(local: StartPlan, rank: int) -> StartPlan:
