@@ -21,7 +21,7 @@ TRITON ?= 3.9.0
 MCORE_NEW_DIR := build/megatron-core-$(MCORE_NEW)
 MEGATRON_TESTS := tests/test_megatron_hooks.py tests/test_megatron_fused_linear.py tests/test_megatron_dp.py tests/test_logprob_tp.py tests/test_bench_scheduler.py \
 	tests/test_benchmarks.py tests/test_bench_logprob.py tests/test_loss_runner_options.py \
-	tests/test_initial_checkpoint.py tests/test_example_training_loop.py \
+	tests/test_initial_checkpoint.py tests/test_example_training_loop.py tests/test_notices.py \
 	$(filter-out %_learning.py,$(wildcard tests/test_grpo_*.py))
 MCORE_NEW_SLOW := tests/test_grpo_layouts.py tests/test_example_training_loop.py
 
