@@ -112,16 +112,20 @@ class PlanInputs:
     def kl_active(self) -> bool:
         return self.kl_penalty > 0
 
-    def off_policy_causes(self) -> list[str]:
-        """Why the training forward may differ from the policy that produced the rollouts (empty: on-policy)."""
+    def training_forward_differences(self) -> list[str]:
+        """Why the proximal policy (the weights at the start of an optimizer step, in eval mode) may differ from the
+        training forward of that step (empty: the training forward is the proximal policy).
+
+        Staleness is not among them: with one optimizer step per rollout, the weights at the start of the step are
+        the ones the training forward runs, whatever weights generated the rollout. The staleness lies between
+        generation and prev, where the importance weights and the mismatch metrics see it.
+        """
         keys, causes = self.keys, []
         if not self.one_step_per_rollout:
             causes.append(f"{keys.rollout_batch} ({self.rollout_batch}) != {keys.global_batch} ({self.global_batch}), "
-                          "so later optimizer steps train on rollouts from older weights")
-        if self.staleness > 0:
-            causes.append(f"{keys.staleness} = {self.staleness} lets rollouts come from older weights")
+                          "so every optimizer step of a rollout after the first trains on moved weights")
         if self.dropout:
-            causes.append(f"{keys.dropout} > 0 makes the train-mode forward differ from the rollout policy")
+            causes.append(f"{keys.dropout} > 0 makes the train-mode forward differ from the proximal policy")
         return causes
 
     def prev_consumers_before_loss(self) -> list[str]:
@@ -162,9 +166,6 @@ def _global_conflicts(inputs: PlanInputs) -> list[str]:
     if inputs.force_on_policy and not inputs.one_step_per_rollout:
         problems.append(f"{keys.force_on_policy} needs one optimizer step per rollout batch, but {keys.rollout_batch} "
                         f"({inputs.rollout_batch}) != {keys.global_batch} ({inputs.global_batch})")
-    if inputs.force_on_policy and inputs.staleness > 0:
-        problems.append(f"{keys.force_on_policy} needs rollouts from the current weights, but {keys.staleness} = "
-                        f"{inputs.staleness}")
     return problems
 
 
@@ -197,14 +198,15 @@ def _plan_reference(inputs: PlanInputs, problems: list[str]) -> tuple[bool, str]
 
 
 def _plan_prev(inputs: PlanInputs, problems: list[str]) -> tuple[bool, str]:
-    """The prev pass is redundant when the step is on-policy and nothing reads prev before the loss.
+    """The prev pass is redundant when the training forward is the proximal policy and nothing reads prev before
+    the loss: one optimizer step per rollout, no dropout, stale rollouts or not.
 
     With `force_on_policy_ratio` the loss never reads prev, so only a reader before the loss makes skipping
     unsafe; `auto` and `skip` share that one verdict.
     """
     keys, mode = inputs.keys, inputs.prev_mode
-    off_policy = inputs.off_policy_causes()
-    unsafe = inputs.prev_consumers_before_loss() + ([] if inputs.force_on_policy else off_policy)
+    differences = inputs.training_forward_differences()
+    unsafe = inputs.prev_consumers_before_loss() + ([] if inputs.force_on_policy else differences)
     forced = (f" The loss's ratio still uses curr.detach(): {keys.force_on_policy} = true."
               if inputs.force_on_policy else "")
     if mode == "compute":
@@ -214,9 +216,14 @@ def _plan_prev(inputs: PlanInputs, problems: list[str]) -> tuple[bool, str]:
         return False, f"prev logprobs skipped, the loss uses curr.detach(): {keys.prev_mode} = skip."
     if unsafe:
         return True, "prev logprobs computed: " + "; ".join(unsafe) + "." + forced
-    if off_policy:
+    if differences:
         return False, (f"prev logprobs skipped: {keys.force_on_policy} makes the loss use curr.detach() and nothing "
                        "reads them before the loss.")
+    if inputs.staleness > 0:
+        return False, (f"prev logprobs skipped, the loss uses curr.detach(): stale rollouts ({keys.staleness} = "
+                       f"{inputs.staleness}) with one update per rollout ({keys.rollout_batch} = {keys.global_batch}): "
+                       "the proximal policy is the training forward's; the IS weights use curr against generation, "
+                       "and nothing reads prev before the loss.")
     return False, (f"prev logprobs skipped, the loss uses curr.detach(): the step is on-policy ({keys.rollout_batch} "
                    f"= {keys.global_batch}, {keys.staleness} = 0, {keys.dropout} = 0) and nothing reads them before "
                    "the loss.")

@@ -9,8 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _configs import config_with
+import yaml
+from _configs import CONFIGS, config_with, set_key
 from _dist import run_on_ranks
+
+from megatron_grpo.config import load_config
+from megatron_grpo.grpo.checkpoint_dir import step_dir_name
 
 STEPS = 4
 OFF_POLICY = {
@@ -139,3 +143,90 @@ def test_a_resume_with_rollouts_in_flight_repeats_the_uninterrupted_run(tmp_path
     assert resumed == uninterrupted[2:]  # every metric, bit for bit (fp32 on the CPU)
     expected = f"saved with grpo.max_rollout_staleness = {staleness}, this run has {staleness + 1}"
     assert expected in result["staleness_error"]
+
+
+# --- Stale rollouts with one update per rollout: the prev pass is the training forward ----------------------------
+
+EXACT_STEPS, RESUME_AT = 20, 16
+STALE_DEMO = CONFIGS / "grpo_tiny_cpu_stale.yaml"
+
+
+def stale_demo_with(overrides: dict):
+    data = yaml.safe_load(STALE_DEMO.read_text())
+    for key, value in {"policy.tensor_model_parallel_size": 1, "grpo.max_num_steps": EXACT_STEPS,
+                       "logging.progress_bar": False, "logging.tensorboard": False, **overrides}.items():
+        data = set_key(data, key, value)
+    return load_config(data)
+
+
+def skipped_computed_and_resumed(rank: int, world_size: int, root: str) -> dict:
+    """The stale demo (TP=1) for 20 steps with the prev pass skipped (auto) and computed, and the skipped run
+    resumed from its checkpoint of step 16; each train step's per-token prev, generation and mask are kept."""
+    from megatron.core import parallel_state
+
+    from megatron_grpo.grpo import loop
+    from megatron_grpo.grpo.reporting import read_metrics, without_timings
+    from megatron_grpo.loss import trained_token_mask
+    from megatron_grpo.megatron import init_parallel
+    from megatron_grpo.scheduler import plan_logprob_passes
+
+    per_token: list[dict] = []
+    original = loop.train_step
+
+    def keeping_per_token(step_cfg, model, optimizer, loss_fn, plan, batch, **kwargs):
+        result = original(step_cfg, model, optimizer, loss_fn, plan, batch, **kwargs)
+        per_token.append({"prev": result.prev_logprobs.clone(), "generation": batch["generation_logprobs"].clone(),
+                          "mask": trained_token_mask(batch)})
+        return result
+
+    loop.train_step = keeping_per_token
+
+    def run(name: str, prev_mode: str, resume_from=None) -> dict:
+        per_token.clear()
+        cfg = stale_demo_with({"logprob_passes.prev": prev_mode, "run_dir": f"{root}/{name}",
+                               "checkpoint.dir": f"{root}/{name}/checkpoints", "checkpoint.every_n_steps": RESUME_AT})
+        plan = plan_logprob_passes(cfg)
+        layout = init_parallel(cfg)
+        try:
+            loop.train(cfg, plan, layout, resume_from=resume_from)
+        finally:
+            parallel_state.destroy_model_parallel()
+        return {"plan": plan, "records": [without_timings(r) for r in read_metrics(Path(cfg.run_dir))],
+                "per_token": list(per_token)}
+
+    skipped = run("skipped", "auto")
+    computed = run("computed", "compute")
+    resumed = run("resumed", "auto", Path(root) / "skipped" / "checkpoints" / step_dir_name(RESUME_AT))
+    return {"skipped": skipped, "computed": computed, "resumed": resumed}
+
+
+def _is_weights(per_token: dict) -> torch.Tensor:
+    """The stale demo's truncated IS weights, clamp(exp(prev - generation), 0, 2), on the trained tokens."""
+    mask = per_token["mask"].bool()
+    return torch.exp(per_token["prev"][mask].double() - per_token["generation"][mask].double()).clamp(0.0, 2.0)
+
+
+@pytest.mark.slow  # three training runs of the stale demo, 44 steps in all
+def test_stale_rollouts_with_one_update_skip_the_prev_pass_exactly(tmp_path):
+    (result,) = run_on_ranks(1, skipped_computed_and_resumed, str(tmp_path))
+    skipped, computed, resumed = result["skipped"], result["computed"], result["resumed"]
+    assert not skipped["plan"].compute_prev_logprobs and computed["plan"].compute_prev_logprobs
+    assert not any(r["prev_pass_ran"] for r in skipped["records"])
+    assert all(r["prev_pass_ran"] for r in computed["records"])
+    assert [r["rollout_age"] for r in skipped["records"]] == [0] + [1] * (EXACT_STEPS - 1)
+    # The rollouts, hence the rewards, are the same: the skipped pass changed nothing the sampler sees.
+    assert [r["reward_mean"] for r in skipped["records"]] == [r["reward_mean"] for r in computed["records"]]
+    # fp32 rounding: the pass and the training forward compute the same logprobs of the same weights, in
+    # differently shaped calls (no entropy partial, all positions' targets), so they may differ by a few ulps of
+    # logprobs of magnitude <= ~20; the IS weights (clamped at 2) and the exp-based metrics then differ by a few
+    # ulps of their O(1) values, and the loss and gradient norm (sums over ~1000 tokens) by a few ulps more.
+    for mine, theirs in zip(skipped["per_token"], computed["per_token"], strict=True):
+        torch.testing.assert_close(_is_weights(mine), _is_weights(theirs), rtol=1e-5, atol=1e-6)
+    for key in ("sampling_importance_ratio", "token_mult_prob_error", "gen_kl_error", "loss", "grad_norm",
+                "probs_ratio"):
+        for step, (mine, theirs) in enumerate(zip(skipped["records"], computed["records"], strict=True)):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (key, step, mine[key], theirs[key])
+    assert all(r["probs_ratio_min"] == r["probs_ratio_max"] == 1.0 for r in skipped["records"])
+    assert skipped["records"][-1]["token_mult_prob_error"] > 1.0  # the staleness shows against generation
+    # A resume in the middle of the skipped run repeats it, bit for bit (fp32 on the CPU).
+    assert resumed["records"] == skipped["records"][RESUME_AT:]

@@ -28,7 +28,17 @@ PLANS = [
     ("kl-in-loss", KL, True, False, ["on-policy"]),
     ("kl-in-reward-needs-prev", KL_IN_REWARD, True, True, ["loss_fn.use_kl_in_reward"]),
     ("two-steps-per-rollout", ROLLOUT_X2, False, True, ["policy.train_global_batch_size"]),
-    ("stale-rollouts", STALE, False, True, ["grpo.max_rollout_staleness"]),
+    ("stale-rollouts-one-update", STALE, False, False,
+     ["stale rollouts (grpo.max_rollout_staleness = 1) with one update per rollout",
+      "the proximal policy is the training forward's; the IS weights use curr against generation"]),
+    ("stale-rollouts-two-updates", {**STALE, **ROLLOUT_X2}, False, True, ["policy.train_global_batch_size"]),
+    ("stale-rollouts-dropout", {**STALE, **DROPOUT}, False, True, ["policy.model.hidden_dropout"]),
+    ("stale-rollouts-threshold", {**STALE, **THRESHOLD}, False, True, ["grpo.seq_logprob_error_threshold"]),
+    ("stale-rollouts-compute", {**STALE, "logprob_passes.prev": "compute"}, False, True,
+     ["logprob_passes.prev = compute"]),
+    ("prev-skip-stale-one-update", {"logprob_passes.prev": "skip", **STALE}, False, False,
+     ["logprob_passes.prev = skip"]),
+    ("force-on-policy-stale", {**FORCE, **STALE}, False, False, ["stale rollouts"]),
     ("hidden-dropout", DROPOUT, False, True, ["policy.model.hidden_dropout"]),
     ("attention-dropout", {"policy.model.attention_dropout": 0.1}, False, True, ["policy.model.attention_dropout"]),
     ("error-threshold-needs-prev", THRESHOLD, False, True, ["grpo.seq_logprob_error_threshold"]),
@@ -80,9 +90,10 @@ def test_reference_reason_names_the_kl_key():
 CONFLICTS = [
     ("force-on-policy-two-steps", {**FORCE, **ROLLOUT_X2},
      [["loss_fn.force_on_policy_ratio", "policy.train_global_batch_size", "grpo.num_prompts_per_step"]]),
-    ("force-on-policy-stale", {**FORCE, **STALE}, [["loss_fn.force_on_policy_ratio", "grpo.max_rollout_staleness"]]),
-    ("prev-skip-stale", {"logprob_passes.prev": "skip", **STALE},
-     [["logprob_passes.prev", "grpo.max_rollout_staleness"]]),
+    ("force-on-policy-stale-two-steps", {**FORCE, **STALE, **ROLLOUT_X2},
+     [["loss_fn.force_on_policy_ratio", "policy.train_global_batch_size", "grpo.num_prompts_per_step"]]),
+    ("prev-skip-stale-two-steps", {"logprob_passes.prev": "skip", **STALE, **ROLLOUT_X2},
+     [["logprob_passes.prev", "policy.train_global_batch_size", "grpo.num_prompts_per_step"]]),
     ("prev-skip-threshold", {"logprob_passes.prev": "skip", **THRESHOLD},
      [["logprob_passes.prev", "grpo.seq_logprob_error_threshold"]]),
     ("prev-skip-kl-in-reward", {"logprob_passes.prev": "skip", **KL_IN_REWARD},
@@ -108,7 +119,6 @@ CONFLICTS = [
      [["multiple", "grpo.num_prompts_per_step"],
       ["logprob_passes.reference", "loss_fn.reference_policy_kl_penalty"],
       ["logprob_passes.prev", "!=", "policy.train_global_batch_size"],
-      ["logprob_passes.prev", "grpo.max_rollout_staleness"],
       ["logprob_passes.prev", "policy.model.hidden_dropout"],
       ["logprob_passes.prev", "grpo.seq_logprob_error_threshold"]]),
     # force_on_policy_ratio: the loss never reads prev, so only its own conflicts and prev's pre-loss readers remain
@@ -116,7 +126,6 @@ CONFLICTS = [
      {"logprob_passes.prev": "skip", **FORCE, **STALE, **THRESHOLD, **DROPOUT, "grpo.num_prompts_per_step": 12},
      [["multiple", "grpo.num_prompts_per_step"],
       ["loss_fn.force_on_policy_ratio", "one optimizer step"],
-      ["loss_fn.force_on_policy_ratio", "grpo.max_rollout_staleness"],
       ["logprob_passes.prev", "grpo.seq_logprob_error_threshold"]]),
 ]
 
@@ -152,11 +161,12 @@ AUTO_SETTINGS = [
 def test_auto_never_errors_and_skips_exactly_the_redundant_passes(setting):
     plan = plan_logprob_passes(config_with(setting))
     kl_on = setting["loss_fn.reference_policy_kl_penalty"] > 0
-    on_policy = (setting["grpo.num_prompts_per_step"] == 16 and setting["grpo.max_rollout_staleness"] == 0
-                 and setting["policy.model.attention_dropout"] == 0)
+    # staleness has no say: with one update per rollout the training forward is the proximal policy
+    forward_is_proximal = (setting["grpo.num_prompts_per_step"] == 16
+                           and setting["policy.model.attention_dropout"] == 0)
     read_before_loss = setting["grpo.seq_logprob_error_threshold"] is not None or setting["loss_fn.use_kl_in_reward"]
     assert plan.compute_reference_logprobs == plan.build_reference_model == kl_on
-    assert plan.compute_prev_logprobs == (not on_policy or read_before_loss)
+    assert plan.compute_prev_logprobs == (not forward_is_proximal or read_before_loss)
     assert plan.prev_from_current == (not plan.compute_prev_logprobs)
     assert len(plan.reasons) == 2
 
@@ -198,14 +208,22 @@ def test_cli_prints_plan_reasons_and_savings(capsys):
     assert "forward passes saved per step: 2 of 2 (256 sequence forwards of the 128-sequence rollout batch)" in out
 
 
+def test_cli_skips_the_prev_pass_of_the_stale_demo_and_says_why(capsys):
+    assert plan_main(["--config", str(TINY.parent / "grpo_tiny_cpu_stale.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "prev logprobs:      skip (loss uses curr.detach())" in out
+    assert ("stale rollouts (grpo.max_rollout_staleness = 1) with one update per rollout" in out
+            and "the proximal policy is the training forward's; the IS weights use curr against generation" in out)
+
+
 def test_cli_reports_a_bad_config_cleanly_with_exit_2(tmp_path, capsys):
-    data = set_key(set_key(tiny(), "logprob_passes.prev", "skip"), "grpo.max_rollout_staleness", 3)
-    path = tmp_path / "stale.yaml"
+    data = set_key(set_key(tiny(), "logprob_passes.prev", "skip"), "policy.model.hidden_dropout", 0.1)
+    path = tmp_path / "dropout.yaml"
     path.write_text(yaml.safe_dump(data))
     assert plan_main(["--config", str(path)]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert "logprob_passes.prev = skip is unsafe" in captured.err and "grpo.max_rollout_staleness" in captured.err
+    assert "logprob_passes.prev = skip is unsafe" in captured.err and "policy.model.hidden_dropout" in captured.err
     assert "Traceback" not in captured.err
 
 
