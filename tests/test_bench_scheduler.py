@@ -84,3 +84,20 @@ def test_prev_mode_summary_shares_and_approximation_errors():
     assert compute["step_time_vs_first"] == pytest.approx(0.25 / 0.2)
     assert compute["approximation_errors"] == {"prox_loglinear_abs_error": 2e-3}
     assert auto["identical_rewards_to_first"] and not compute["identical_rewards_to_first"]
+
+
+def test_generation_turns_the_is_correction_off_and_every_prev_mode_is_known():
+    stale = load_config(TINY.parent / "grpo_tiny_cpu_stale.yaml")
+    modes = ["compute_and_compare", "generation", "loglinear", "linear", "auto"]
+    variants = with_prev_modes(stale, modes)
+    plans = {name: plan_logprob_passes(variant) for name, variant in variants.items()}  # no ConfigError
+    bypass = variants["generation"].loss_fn
+    assert not bypass.use_importance_sampling_correction and bypass.truncated_importance_sampling.type is None
+    assert variants["loglinear"].loss_fn == stale.loss_fn
+    assert plans["generation"].prev_approximation == "generation"
+    assert plans["compute_and_compare"].compare_approximations
+
+
+def test_a_negative_staleness_is_refused(capsys):
+    assert main(["--config", str(TINY), "--staleness", "-1"]) == 2
+    assert "--staleness: must be >= 0" in capsys.readouterr().err

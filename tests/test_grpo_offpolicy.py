@@ -100,9 +100,15 @@ def test_stale_rollouts_come_from_older_weights_and_the_ratio_moves():
         assert record["gen_kl_error"] != 0.0
 
 
-def train_and_resume(rank: int, world_size: int, overrides: dict, root: str) -> dict:
-    """An uninterrupted run that checkpoints after 2 of 4 steps, then a resume of that checkpoint in another run
-    directory, then a resume of it with another staleness (an error)."""
+BYPASS = {"loss_fn.use_importance_sampling_correction": False,  # IS against generation is a no-op with prev = it
+          "loss_fn.truncated_importance_sampling.type": None}
+MODE_OVERRIDES = {"generation": BYPASS}
+
+
+def train_and_resume(rank: int, world_size: int, overrides: dict, root: str, modes: list[str]) -> dict:
+    """Per `logprob_passes.prev` mode: an uninterrupted run that checkpoints after 2 of 4 steps, then a resume of
+    that checkpoint in another run directory; then a resume of the first mode's with another staleness (an
+    error)."""
     from megatron_grpo.grpo.checkpoint_dir import CheckpointError, step_dir_name
     from megatron_grpo.grpo.loop import train
     from megatron_grpo.grpo.reporting import read_metrics, without_timings
@@ -121,28 +127,47 @@ def train_and_resume(rank: int, world_size: int, overrides: dict, root: str) -> 
             parallel_state.destroy_model_parallel()  # the default group stays for the next run
         return [without_timings(record) for record in read_metrics(Path(cfg.run_dir))]
 
-    uninterrupted = run("uninterrupted", None)
-    middle = Path(root) / "uninterrupted" / "checkpoints" / step_dir_name(2)
-    resumed = run("resumed", middle)
+    runs = {}
+    for mode in modes:
+        more = {"logprob_passes.prev": mode, **MODE_OVERRIDES.get(mode, {})}
+        uninterrupted = run(f"{mode}/uninterrupted", None, **more)
+        resumed = run(f"{mode}/resumed", Path(root) / mode / "uninterrupted" / "checkpoints" / step_dir_name(2), **more)
+        runs[mode] = {"uninterrupted": uninterrupted, "resumed": resumed}
+    first = {"logprob_passes.prev": modes[0], **MODE_OVERRIDES.get(modes[0], {})}
     try:
-        run("other_staleness", middle, **{"grpo.max_rollout_staleness": overrides["grpo.max_rollout_staleness"] + 1})
+        run("other_staleness", Path(root) / modes[0] / "uninterrupted" / "checkpoints" / step_dir_name(2),
+            **{**first, "grpo.max_rollout_staleness": overrides["grpo.max_rollout_staleness"] + 1})
         staleness_error = ""
     except CheckpointError as err:
         staleness_error = str(err)
-    return {"uninterrupted": uninterrupted, "resumed": resumed, "staleness_error": staleness_error}
+    return {"runs": runs, "staleness_error": staleness_error}
 
 
-@pytest.mark.slow  # three torchrun jobs per case
-@pytest.mark.parametrize("staleness", [1, 2])
-def test_a_resume_with_rollouts_in_flight_repeats_the_uninterrupted_run(tmp_path, staleness):
+@pytest.mark.slow  # two training runs per mode, and a failing resume
+@pytest.mark.parametrize("staleness, modes", [(1, ["compute"]),
+                                              (2, ["compute_and_compare", "generation", "loglinear", "linear"])])
+def test_a_resume_with_rollouts_in_flight_repeats_the_uninterrupted_run(tmp_path, staleness, modes):
     (result,) = run_on_ranks(1, train_and_resume, {**OFF_POLICY, "grpo.max_rollout_staleness": staleness},
-                             str(tmp_path))
-    uninterrupted, resumed = result["uninterrupted"], result["resumed"]
-    assert [r["step"] for r in resumed] == [2, 3]
-    assert [r["rollout_weight_version"] for r in resumed] == [2 - staleness, 3 - staleness]  # from the queue
-    assert resumed == uninterrupted[2:]  # every metric, bit for bit (fp32 on the CPU)
+                             str(tmp_path), modes)
+    for mode, runs in result["runs"].items():
+        uninterrupted, resumed = runs["uninterrupted"], runs["resumed"]
+        assert [r["step"] for r in resumed] == [2, 3], mode
+        assert [r["rollout_weight_version"] for r in resumed] == [2 - staleness, 3 - staleness]  # from the queue
+        assert resumed == uninterrupted[2:], mode  # every metric, bit for bit (fp32 on the CPU)
+        assert all(r["prev_pass_ran"] == mode.startswith("compute") for r in uninterrupted), mode
     expected = f"saved with grpo.max_rollout_staleness = {staleness}, this run has {staleness + 1}"
     assert expected in result["staleness_error"]
+    if staleness == 1:
+        return
+    runs = {mode: result["runs"][mode]["uninterrupted"] for mode in modes}
+    # Two optimizer steps per rollout two rollouts old: the second step's alpha is 2 / 2.5, so the interpolations
+    # are approximations there, and the comparison with the pass says by how much.
+    compared = runs["compute_and_compare"]
+    assert all(r["prox_loglinear_abs_error"] > 0 and r["prox_generation_abs_error"] > 0 for r in compared[2:])
+    assert all(r["prox_loglinear_abs_error"] < r["prox_generation_abs_error"] for r in compared[2:])
+    assert len({tuple(r["loss"] for r in records) for records in runs.values()}) == len(modes)  # four trainings
+    assert not {"token_mult_prob_error", "gen_kl_error", "sampling_importance_ratio"} & set(runs["generation"][0])
+    assert all("token_mult_prob_error" in r for mode in ("loglinear", "linear") for r in runs[mode])
 
 
 # --- Stale rollouts with one update per rollout: the prev pass is the training forward ----------------------------

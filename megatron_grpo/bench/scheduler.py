@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.bench.measure import PeakMemory, machine_description
-from megatron_grpo.config import Config, ConfigError, PassMode, load_config
+from megatron_grpo.config import Config, ConfigError, PrevMode, load_config
 from megatron_grpo.scheduler import LogprobPlan, plan_logprob_passes
 
 EXIT_BAD_INPUT = 2
@@ -44,6 +44,10 @@ def main(argv: list[str]) -> int:
     args = _parse_args(argv)
     try:
         cfg = load_config(args.config)
+        if args.staleness is not None and args.staleness < 0:
+            raise ConfigError(f"--staleness: must be >= 0, got {args.staleness}")
+        if args.staleness is not None:
+            cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, max_rollout_staleness=args.staleness))
         configs = (with_prev_modes(cfg, args.prev_modes) if args.prev_modes
                    else {"auto": cfg, "compute": with_all_passes_computed(cfg)})
         plans = {name: plan_logprob_passes(variant) for name, variant in configs.items()}
@@ -77,7 +81,7 @@ def main(argv: list[str]) -> int:
         if layout.rank == 0 and args.prev_modes:
             summary = summarise_prev_modes(records, rewards, plans, cfg, world_size=layout.world_size,
                                            tp_size=layout.tp_size)
-            write_prev_modes_report(summary, args.out, args.config, argv)
+            write_prev_modes_report(summary, args.out, args.config, argv, args.staleness)
         elif layout.rank == 0:
             summary = summarise(records, plans, cfg, world_size=layout.world_size, tp_size=layout.tp_size)
             write_report(summary, args.out)
@@ -93,13 +97,23 @@ def with_all_passes_computed(cfg: Config) -> Config:
 
 
 def with_prev_modes(cfg: Config, modes: list[str]) -> dict[str, Config]:
-    """The config under each `logprob_passes.prev` mode, by mode; an unknown mode is a ConfigError."""
-    known = typing.get_args(PassMode)
+    """The config under each `logprob_passes.prev` mode, by mode; an unknown mode is a ConfigError. Under
+    `generation` the importance-sampling correction is off (with prev = generation it is a no-op, which the plan
+    rejects), and so is its truncation."""
+    known = typing.get_args(PrevMode)
     unknown = [mode for mode in modes if mode not in known]
     if unknown or not modes or len(set(modes)) != len(modes):
         raise ConfigError(f"--prev-modes: expected distinct modes among {', '.join(known)}, got {','.join(modes)}")
-    return {mode: dataclasses.replace(cfg, logprob_passes=dataclasses.replace(cfg.logprob_passes, prev=mode))
-            for mode in modes}
+    variants = {}
+    for mode in modes:
+        variant = dataclasses.replace(cfg, logprob_passes=dataclasses.replace(cfg.logprob_passes, prev=mode))
+        if mode == "generation":
+            loss = variant.loss_fn
+            variant = dataclasses.replace(variant, loss_fn=dataclasses.replace(
+                loss, use_importance_sampling_correction=False,
+                truncated_importance_sampling=dataclasses.replace(loss.truncated_importance_sampling, type=None)))
+        variants[mode] = variant
+    return variants
 
 
 def first_learned_step(rewards: list[float], window: int = WINDOW, threshold: float = LEARNED) -> int | None:
@@ -121,7 +135,10 @@ def summarise_prev_modes(records: dict[str, list[dict]], rewards: dict[str, list
         error_keys = sorted(key for key in rows[0] if key.startswith("prox_"))
         modes[name] = {
             "prev_passes_per_step": int(plans[name].compute_prev_logprobs),
-            "prev_source": _prev_source(plans[name]),
+            "prev_source": plans[name].prev_source,
+            # off under generation (see with_prev_modes)
+            "is_correction": cfg.loss_fn.use_importance_sampling_correction
+            and plans[name].prev_approximation != "generation",
             "step_s": statistics.median(r["step_time_s"] for r in rows),
             "train_phase_s": statistics.median(r["train_time_s"] for r in rows),
             "prev_pass_share": statistics.median(r["prev_pass_time_s"] / r["step_time_s"] for r in rows),
@@ -147,13 +164,10 @@ def summarise_prev_modes(records: dict[str, list[dict]], rewards: dict[str, list
     }
 
 
-def _prev_source(plan: LogprobPlan) -> str:
-    return "prev pass" if not plan.prev_from_current else "curr.detach()"
-
-
-def write_prev_modes_report(summary: dict, out: Path, config: Path, argv: list[str]) -> None:
-    """`scheduler_prev_modes_<config stem>.md` and `.json`, and a `.png` of each mode's reward curve."""
-    stem = f"scheduler_prev_modes_{config.stem}"
+def write_prev_modes_report(summary: dict, out: Path, config: Path, argv: list[str],
+                            staleness: int | None = None) -> None:
+    """`scheduler_prev_modes_<config stem>[_staleness<N>].md` and `.json`, and a `.png` of the reward curves."""
+    stem = f"scheduler_prev_modes_{config.stem}" + (f"_staleness{staleness}" if staleness is not None else "")
     setup = summary["config"]
     modes = summary["modes"]
     lines = [
@@ -170,12 +184,13 @@ def write_prev_modes_report(summary: dict, out: Path, config: Path, argv: list[s
         f"{setup['staleness']}; {summary['steps']} steps per mode, interleaved, times are medians of the last "
         f"{summary['steps_timed']}.",
         "",
-        "| prev mode | prev from | step (s) | vs first | prev pass share | reward, last 10 | 10-step mean >= 0.9 at "
-        "| same rewards as first |",
-        "|---|---|---|---|---|---|---|---|",
-        *(f"| {name} | {m['prev_source']} | {m['step_s']:.4f} | {m['step_time_vs_first']:.2f} | "
+        "| prev mode | prev from | IS correction | step (s) | vs first | prev pass share | reward, last 10 | "
+        "10-step mean >= 0.9 after | same rewards as first |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *(f"| {name} | {m['prev_source']} | {'on' if m['is_correction'] else 'off'} | {m['step_s']:.4f} | "
+          f"{m['step_time_vs_first']:.2f} | "
           f"{100 * m['prev_pass_share']:.1f}% | {m['last_window_reward']:.3f} | "
-          f"{'step ' + str(m['first_learned_step']) if m['first_learned_step'] is not None else 'never'} | "
+          f"{str(m['first_learned_step']) + ' steps' if m['first_learned_step'] is not None else 'never'} | "
           f"{m['identical_rewards_to_first']} |" for name, m in modes.items()),
     ]
     errors = {name: m["approximation_errors"] for name, m in modes.items() if m["approximation_errors"]}
@@ -285,4 +300,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                         help="compare these logprob_passes.prev modes on the config (e.g. auto,compute), the "
                              "reference pass as the config says; default: none, i.e. the auto plan against both "
                              "passes computed")
+    parser.add_argument("--staleness", type=int, default=None, metavar="N",
+                        help="run with grpo.max_rollout_staleness = N instead of the config's (default: the "
+                             "config's); the report's name then ends in _staleness<N>")
     return parser.parse_args(argv)
