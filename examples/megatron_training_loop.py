@@ -9,9 +9,10 @@ not used by tensor parallelism are data-parallel.
 
 The rollout is synthetic and made once: prompts with ragged answers, random rewards, GRPO's group-relative
 advantages, and the logprobs of the policy that "sampled" it (the initial weights). Every step trains on that
-same rollout, as on a stale one: so the plan computes the prev pass (the proximal policy, these weights before
-the update), and truncated importance sampling weights each token by w = exp(prev - generation). The loss,
--mean(A * w) since the ratio to prev is 1, falls as the policy moves toward the answers with positive advantage.
+same rollout, as on a stale one, with one optimizer step per use: the proximal policy (these weights before the
+update) is then the training forward's own, so the plan skips the prev pass, the loss takes prev = curr.detach(),
+and truncated importance sampling weights each token by w = exp(curr - generation). The loss, -mean(A * w) since
+the ratio to prev is 1, falls as the policy moves toward the answers with positive advantage.
 """
 
 from __future__ import annotations

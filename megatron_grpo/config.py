@@ -17,6 +17,7 @@ from typing import Any, Callable, ClassVar, Iterator, Literal, Mapping
 import yaml
 
 from megatron_grpo.loss.config import ClippedPGLossConfig
+from megatron_grpo.scheduler import PassMode, PrevMode
 from megatron_grpo.strict_config import ConfigError, StrictSection, build_section, join_key
 
 __all__ = [
@@ -34,13 +35,13 @@ __all__ = [
     "OptimizerConfig",
     "PassMode",
     "PolicyConfig",
+    "PrevMode",
     "TaskConfig",
     "ConfigLoader",
     "load_config",
     "read_yaml",
 ]
 
-PassMode = Literal["auto", "compute", "skip"]
 MAX_SEED = 2**63 - 1  # every seed in [0, MAX_SEED] drives all of the run's random draws
 MAX_TIMEOUT_SECONDS = 365 * 24 * 3600.0  # datetime.timedelta and the process groups' clocks overflow far beyond it
 
@@ -225,12 +226,14 @@ class GrpoConfig(StrictSection):
 
 @dataclass(frozen=True, init=False)
 class LogprobPassesConfig(StrictSection):
-    """Per-pass overrides of the scheduler: auto decides, compute always runs, skip is validated."""
+    """Per-pass overrides of the scheduler: auto decides, compute always runs, skip is validated; prev may also
+    come without a pass from the generation logprobs (generation) or AReaL's interpolation (loglinear, linear),
+    and compute_and_compare logs those approximations' errors against the pass (see megatron_grpo.scheduler)."""
 
     SECTION: ClassVar[str] = "logprob_passes"
 
     reference: PassMode
-    prev: PassMode
+    prev: PrevMode
 
 
 @dataclass(frozen=True, init=False)

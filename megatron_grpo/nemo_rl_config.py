@@ -175,8 +175,10 @@ def comparison_lines(view: NemoRlPlanView, ours_reference: bool | None, ours_pre
     if ours_prev == view.nemo_computes_prev:
         lines.append("prev pass: same decision as NeMo-RL.")
     elif not ours_prev:
-        lines.append(f"looser: we skip the prev pass because the step is provably on-policy; NeMo-RL skips it only "
-                     f"with {keys.force_on_policy} (and then fills prev with zeros, where we use curr.detach()).")
+        stale = " (stale rollouts included)" if inputs.staleness > 0 else ""
+        lines.append(f"looser: we skip the prev pass because the training forward provably is the proximal policy: "
+                     f"one optimizer step per rollout{stale}, no dropout; NeMo-RL skips it only with "
+                     f"{keys.force_on_policy} (and then fills prev with zeros, where we use curr.detach()).")
     else:
         lines.append(f"stricter: we compute the prev pass, which NeMo-RL skips under {keys.force_on_policy}, because "
                      "something reads prev before the loss.")

@@ -5,15 +5,29 @@ a previous-policy logprob pass (for the importance ratio). `plan_logprob_passes`
 is provably redundant (docs/design.md, "Scheduler rules"), explains every decision in a sentence that names the
 keys behind it, and rejects unsafe or contradictory settings with one ConfigError listing every conflict,
 before any model is built. The sync and async loops both call this one function; `auto` never errors.
+
+Without its pass, prev is `curr.detach()` (when that is exact), or, only when the user asks for it
+(`logprob_passes.prev: generation | loglinear | linear`), the generation logprobs or AReaL's interpolation between
+them and curr (`megatron_grpo.loss.proximal`); `compute_and_compare` runs the pass and logs how far each
+approximation is from it. Never imports torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
-from megatron_grpo.config import Config, ConfigError, PassMode
+from megatron_grpo.loss.config import APPROXIMATIONS, ApproximationMethod
+from megatron_grpo.strict_config import ConfigError
 
+if TYPE_CHECKING:  # the runner's config: read by PlanInputs.of, never imported at run time (plugin layering)
+    from megatron_grpo.config import Config
+
+PassMode = Literal["auto", "compute", "skip"]  # logprob_passes.reference
+PrevMode = Literal["auto", "compute", "skip", "generation", "loglinear", "linear", "compute_and_compare"]
 NUM_OPTIONAL_PASSES = 2  # reference and prev
+# What reads the prev logprobs besides the ratio: the mismatch metrics, identically trivial with prev = generation.
+MISMATCH_METRICS = ("token_mult_prob_error", "gen_kl_error", "sampling_importance_ratio", "is_oob_ratio")
 
 
 @dataclass(frozen=True)
@@ -22,20 +36,45 @@ class LogprobPlan:
 
     `prev_from_current`: the loss takes prev = curr.detach() (`prev_logprobs_from_current=True`), and the train
     step reports curr as the prev logprobs. It holds whenever the prev pass is skipped, and also with
-    `force_on_policy_ratio` when the pass runs only for a reader before the loss. The plan is its single source:
-    `ClippedPGLoss` does not re-derive it from its own config. The reference model is built exactly when its
-    pass runs.
+    `force_on_policy_ratio` when the pass runs only for a reader before the loss. The plan is its single source
+    for the runner and the train step. The reference model is built exactly when its pass runs.
+
+    `prev_approximation`: the loss takes prev from the generation logprobs or interpolates it (no pass; see
+    `megatron_grpo.loss.proximal`). `compare_approximations`: the pass runs and the loss also logs each
+    approximation's error against it.
     """
 
     compute_reference_logprobs: bool
     compute_prev_logprobs: bool
     prev_from_current: bool
     reasons: tuple[str, ...]
+    prev_approximation: ApproximationMethod | None = None
+    compare_approximations: bool = False
 
     def __post_init__(self) -> None:
-        if not self.compute_prev_logprobs and not self.prev_from_current:
+        if self.prev_approximation is not None:
+            if self.prev_approximation not in APPROXIMATIONS:
+                raise ValueError(f"LogprobPlan: prev_approximation must be one of {', '.join(APPROXIMATIONS)}, got "
+                                 f"{self.prev_approximation!r}")
+            if self.compute_prev_logprobs or self.prev_from_current:
+                raise ValueError("LogprobPlan: an approximated prev needs no pass and is not curr.detach()")
+        elif not self.compute_prev_logprobs and not self.prev_from_current:
             raise ValueError("LogprobPlan: the prev pass is skipped, so the loss must take prev from current "
-                             "(prev_from_current=True)")
+                             "(prev_from_current=True) or approximate it (prev_approximation)")
+        if self.compare_approximations and (not self.compute_prev_logprobs or self.prev_from_current):
+            raise ValueError("LogprobPlan: compare_approximations compares with the prev pass the loss uses")
+
+    @property
+    def prev_source(self) -> str:
+        """Where the loss's prev comes from, in words: "prev pass", "curr.detach()" or the approximation's name."""
+        if self.prev_approximation is not None:
+            return self.prev_approximation
+        return "curr.detach()" if self.prev_from_current else "prev pass"
+
+    @property
+    def needs_versions(self) -> bool:
+        """Whether each step needs the samples' weight versions (an interpolation, or comparing with them)."""
+        return self.prev_approximation in ("loglinear", "linear") or self.compare_approximations
 
     @property
     def build_reference_model(self) -> bool:
@@ -65,6 +104,7 @@ class PlanKeys:
     kl_penalty: str = "loss_fn.reference_policy_kl_penalty"
     kl_in_reward: str = "loss_fn.use_kl_in_reward"
     force_on_policy: str = "loss_fn.force_on_policy_ratio"
+    importance_sampling: str = "loss_fn.use_importance_sampling_correction"
     prev_mode: str = "logprob_passes.prev"
     reference_mode: str = "logprob_passes.reference"
     skip_reference: str = "grpo.skip_reference_policy_logprobs_calculation"
@@ -83,9 +123,10 @@ class PlanInputs:
     kl_in_reward: bool
     force_on_policy: bool
     reference_mode: PassMode
-    prev_mode: PassMode
+    prev_mode: PrevMode
     skip_reference: bool  # NeMo-RL's grpo.skip_reference_policy_logprobs_calculation
     keys: PlanKeys = PlanKeys()
+    importance_sampling: bool = False  # the loss's IS correction against the generation logprobs
 
     @classmethod
     def of(cls, cfg: Config) -> PlanInputs:
@@ -99,6 +140,7 @@ class PlanInputs:
             kl_penalty=cfg.loss_fn.reference_policy_kl_penalty,
             kl_in_reward=cfg.loss_fn.use_kl_in_reward,
             force_on_policy=cfg.loss_fn.force_on_policy_ratio,
+            importance_sampling=cfg.loss_fn.use_importance_sampling_correction,
             reference_mode=cfg.logprob_passes.reference,
             prev_mode=cfg.logprob_passes.prev,
             skip_reference=cfg.grpo.skip_reference_policy_logprobs_calculation,
@@ -112,16 +154,20 @@ class PlanInputs:
     def kl_active(self) -> bool:
         return self.kl_penalty > 0
 
-    def off_policy_causes(self) -> list[str]:
-        """Why the training forward may differ from the policy that produced the rollouts (empty: on-policy)."""
+    def training_forward_differences(self) -> list[str]:
+        """Why the proximal policy (the weights at the start of an optimizer step, in eval mode) may differ from the
+        training forward of that step (empty: the training forward is the proximal policy).
+
+        Staleness is not among them: with one optimizer step per rollout, the weights at the start of the step are
+        the ones the training forward runs, whatever weights generated the rollout. The staleness lies between
+        generation and prev, where the importance weights and the mismatch metrics see it.
+        """
         keys, causes = self.keys, []
         if not self.one_step_per_rollout:
             causes.append(f"{keys.rollout_batch} ({self.rollout_batch}) != {keys.global_batch} ({self.global_batch}), "
-                          "so later optimizer steps train on rollouts from older weights")
-        if self.staleness > 0:
-            causes.append(f"{keys.staleness} = {self.staleness} lets rollouts come from older weights")
+                          "so every optimizer step of a rollout after the first trains on moved weights")
         if self.dropout:
-            causes.append(f"{keys.dropout} > 0 makes the train-mode forward differ from the rollout policy")
+            causes.append(f"{keys.dropout} > 0 makes the train-mode forward differ from the proximal policy")
         return causes
 
     def prev_consumers_before_loss(self) -> list[str]:
@@ -139,14 +185,16 @@ def plan_logprob_passes(cfg: Config | PlanInputs) -> LogprobPlan:
     inputs = cfg if isinstance(cfg, PlanInputs) else PlanInputs.of(cfg)
     problems = _global_conflicts(inputs)
     compute_reference, reference_reason = _plan_reference(inputs, problems)
-    compute_prev, prev_reason = _plan_prev(inputs, problems)
+    prev = _plan_prev(inputs, problems)
     if problems:
         raise ConfigError(problems)
     return LogprobPlan(
         compute_reference_logprobs=compute_reference,
-        compute_prev_logprobs=compute_prev,
-        prev_from_current=not compute_prev or inputs.force_on_policy,
-        reasons=(reference_reason, prev_reason),
+        compute_prev_logprobs=prev.compute,
+        prev_from_current=prev.approximation is None and (not prev.compute or inputs.force_on_policy),
+        reasons=(reference_reason, prev.reason),
+        prev_approximation=prev.approximation,
+        compare_approximations=prev.compare,
     )
 
 
@@ -162,9 +210,6 @@ def _global_conflicts(inputs: PlanInputs) -> list[str]:
     if inputs.force_on_policy and not inputs.one_step_per_rollout:
         problems.append(f"{keys.force_on_policy} needs one optimizer step per rollout batch, but {keys.rollout_batch} "
                         f"({inputs.rollout_batch}) != {keys.global_batch} ({inputs.global_batch})")
-    if inputs.force_on_policy and inputs.staleness > 0:
-        problems.append(f"{keys.force_on_policy} needs rollouts from the current weights, but {keys.staleness} = "
-                        f"{inputs.staleness}")
     return problems
 
 
@@ -196,27 +241,95 @@ def _plan_reference(inputs: PlanInputs, problems: list[str]) -> tuple[bool, str]
     return False, f"reference logprobs and reference model skipped: {keys.kl_penalty} = 0, so no KL needs them."
 
 
-def _plan_prev(inputs: PlanInputs, problems: list[str]) -> tuple[bool, str]:
-    """The prev pass is redundant when the step is on-policy and nothing reads prev before the loss.
+@dataclass(frozen=True)
+class _PrevDecision:
+    compute: bool
+    reason: str
+    approximation: ApproximationMethod | None = None
+    compare: bool = False
+
+
+def _plan_prev(inputs: PlanInputs, problems: list[str]) -> _PrevDecision:
+    """The prev pass is redundant when the training forward is the proximal policy and nothing reads prev before
+    the loss: one optimizer step per rollout, no dropout, stale rollouts or not.
 
     With `force_on_policy_ratio` the loss never reads prev, so only a reader before the loss makes skipping
-    unsafe; `auto` and `skip` share that one verdict.
+    unsafe; `auto` and `skip` share that one verdict. The approximations and the comparison with them are the
+    user's choice only, each checked against what it cannot serve.
     """
     keys, mode = inputs.keys, inputs.prev_mode
-    off_policy = inputs.off_policy_causes()
-    unsafe = inputs.prev_consumers_before_loss() + ([] if inputs.force_on_policy else off_policy)
+    if mode in APPROXIMATIONS:
+        problems.extend(_approximation_conflicts(inputs, mode))
+        return _PrevDecision(False, _approximation_reason(inputs, mode), approximation=mode)
+    if mode == "compute_and_compare":
+        if inputs.force_on_policy:
+            problems.append(f"{keys.prev_mode} = compute_and_compare and {keys.force_on_policy}: the forced ratio "
+                            "never reads the pass the approximations are compared with; set at most one")
+        return _PrevDecision(True, f"prev logprobs computed: {keys.prev_mode} = compute_and_compare (AReaL's "
+                                   "prox_logp_method: metrics); each step also logs how far the generation, "
+                                   "loglinear and linear approximations are from them (prox_<method>_abs_error, "
+                                   "_rel_error, _is_weight_abs_error, _ratio_abs_error).", compare=True)
+    differences = inputs.training_forward_differences()
+    unsafe = inputs.prev_consumers_before_loss() + ([] if inputs.force_on_policy else differences)
     forced = (f" The loss's ratio still uses curr.detach(): {keys.force_on_policy} = true."
               if inputs.force_on_policy else "")
     if mode == "compute":
-        return True, f"prev logprobs computed: {keys.prev_mode} = compute.{forced}"
+        return _PrevDecision(True, f"prev logprobs computed: {keys.prev_mode} = compute.{forced}")
     if mode == "skip":
         problems.extend(f"{keys.prev_mode} = skip is unsafe: {why}" for why in unsafe)
-        return False, f"prev logprobs skipped, the loss uses curr.detach(): {keys.prev_mode} = skip."
+        return _PrevDecision(False, f"prev logprobs skipped, the loss uses curr.detach(): {keys.prev_mode} = skip.")
     if unsafe:
-        return True, "prev logprobs computed: " + "; ".join(unsafe) + "." + forced
-    if off_policy:
-        return False, (f"prev logprobs skipped: {keys.force_on_policy} makes the loss use curr.detach() and nothing "
-                       "reads them before the loss.")
-    return False, (f"prev logprobs skipped, the loss uses curr.detach(): the step is on-policy ({keys.rollout_batch} "
-                   f"= {keys.global_batch}, {keys.staleness} = 0, {keys.dropout} = 0) and nothing reads them before "
-                   "the loss.")
+        return _PrevDecision(True, "prev logprobs computed: " + "; ".join(unsafe) + "." + forced)
+    if differences:
+        return _PrevDecision(False, f"prev logprobs skipped: {keys.force_on_policy} makes the loss use curr.detach() "
+                                    "and nothing reads them before the loss.")
+    if inputs.staleness > 0:
+        return _PrevDecision(False, (
+            f"prev logprobs skipped, the loss uses curr.detach(): stale rollouts ({keys.staleness} = "
+            f"{inputs.staleness}) with one update per rollout ({keys.rollout_batch} = {keys.global_batch}): the "
+            "proximal policy is the training forward's; the IS weights use curr against generation, and nothing "
+            "reads prev before the loss."))
+    return _PrevDecision(False, (
+        f"prev logprobs skipped, the loss uses curr.detach(): the step is on-policy ({keys.rollout_batch} = "
+        f"{keys.global_batch}, {keys.staleness} = 0, {keys.dropout} = 0) and nothing reads them before the loss."))
+
+
+def _approximation_conflicts(inputs: PlanInputs, mode: str) -> list[str]:
+    """Every setting a prev without a pass cannot serve, each naming both keys."""
+    keys, setting, problems = inputs.keys, f"{inputs.keys.prev_mode} = {mode}", []
+    if inputs.force_on_policy:
+        problems.append(f"{setting} and {keys.force_on_policy}: the forced ratio takes prev = curr.detach(); set at "
+                        "most one")
+    if mode == "generation":
+        if inputs.importance_sampling:
+            problems.append(f"{setting} and {keys.importance_sampling}: with prev = the generation logprobs the IS "
+                            "weights exp(prev - generation) are 1 (verl keeps its bypass and its rollout correction "
+                            "apart); set at most one")
+        if inputs.error_threshold is not None:
+            problems.append(f"{setting} and {keys.error_threshold}: prev is the generation logprobs, so their "
+                            "mismatch is 0 and the threshold never masks; set at most one")
+        return problems
+    if inputs.error_threshold is not None:
+        problems.append(f"{setting} and {keys.error_threshold}: the threshold reads prev before the loss, and the "
+                        "interpolation needs curr from the training forward; use compute")
+    if inputs.kl_in_reward and inputs.kl_active:
+        problems.append(f"{setting} and {keys.kl_in_reward}: the reward's KL reads prev before the loss, and the "
+                        "interpolation needs curr from the training forward; use compute")
+    if inputs.dropout:
+        problems.append(f"{setting} and {keys.dropout}: curr from a train-mode forward with dropout is not the "
+                        "policy to interpolate; use compute")
+    return problems
+
+
+def _approximation_reason(inputs: PlanInputs, mode: str) -> str:
+    setting = f"{inputs.keys.prev_mode} = {mode}"
+    if mode == "generation":
+        return (f"prev logprobs from generation, no pass: {setting} (verl's rollout_correction.bypass_mode, slime's "
+                "--use-rollout-logprobs), so PPO clips against the behaviour policy; prev against generation would "
+                f"compare them with themselves, so {', '.join(MISMATCH_METRICS)} are not reported.")
+    formula, peer = (("prev = gen + alpha (curr - gen)", "AReaL's prox_logp_method: loglinear") if mode == "loglinear"
+                     else ("prev = log((1 - alpha) exp(gen) + alpha exp(curr))",
+                           "AReaL's linear approximation, which its metrics mode logs"))
+    return (f"prev logprobs approximated, no pass: {setting} ({peer}): {formula} with curr "
+            "detached, alpha = (v_prox - v_behave) / (v_theta - v_behave) per sample from its rollout weight "
+            "version; alpha = 1 (the first update of each rollout, or v_theta = v_behave) is curr.detach() exactly.")

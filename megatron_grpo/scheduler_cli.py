@@ -18,6 +18,25 @@ from megatron_grpo.scheduler import LogprobPlan, PlanInputs, plan_logprob_passes
 
 EXIT_BAD_CONFIG = 2
 WRAP = 112  # columns of the comparison with NeMo-RL
+# Where the loss's prev comes from (LogprobPlan.prev_source, "and compared" for compute_and_compare), in the
+# peers' own keys: docs/scheduler.md has the table.
+PEER_TERMS = {
+    "prev pass": "NeMo-RL's prev_logprobs, verl's recomputed old_log_prob (rollout_correction.bypass_mode: "
+                 "false), AReaL's prox_logp_method: recompute, slime without --use-rollout-logprobs",
+    "prev pass, compared": "AReaL's prox_logp_method: metrics",
+    "curr.detach()": "NeMo-RL's loss_fn.force_on_policy_ratio: true (prev = curr.detach()), where it is exact",
+    "generation": "verl's algorithm.rollout_correction.bypass_mode: true, slime's --use-rollout-logprobs",
+    "loglinear": "AReaL's actor.prox_logp_method: loglinear",
+    "linear": "AReaL's linear approximation (logged by its prox_logp_method: metrics)",
+}
+PREV_LINE = {
+    "prev pass": "compute",
+    "prev pass, compared": "compute (and the approximations compared with it)",
+    "curr.detach()": "skip (loss uses curr.detach())",
+    "generation": "skip (loss uses the generation logprobs)",
+    "loglinear": "skip (loss interpolates prev: loglinear)",
+    "linear": "skip (loss interpolates prev: linear)",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,12 +68,16 @@ def format_plan(plan: LogprobPlan, inputs: PlanInputs) -> str:
     def runs(flag: bool) -> str:
         return "compute" if flag else "skip"
 
+    source = plan.prev_source + (", compared" if plan.compare_approximations else "")
+    prev_line = PREV_LINE[source]
+    if plan.compute_prev_logprobs and plan.prev_from_current:  # the pass runs for a reader before the loss
+        prev_line = "compute (loss uses curr.detach())"
     lines = [
         "logprob plan:",
         f"  reference logprobs: {runs(plan.compute_reference_logprobs)}"
         f" (reference model {'built' if plan.build_reference_model else 'not built'})",
-        f"  prev logprobs:      {runs(plan.compute_prev_logprobs)}"
-        + (" (loss uses curr.detach())" if plan.prev_from_current else ""),
+        f"  prev logprobs:      {prev_line}",
+        f"  prev in peers' terms: {PEER_TERMS[source]}",
         "reasons:",
         *(f"  - {reason}" for reason in plan.reasons),
         f"forward passes saved per step: {plan.passes_saved_per_step} of 2"

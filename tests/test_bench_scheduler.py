@@ -7,8 +7,15 @@ import statistics
 import pytest
 from _configs import TINY
 
-from megatron_grpo.bench.scheduler import main, summarise, with_all_passes_computed
-from megatron_grpo.config import load_config
+from megatron_grpo.bench.scheduler import (
+    first_learned_step,
+    main,
+    summarise,
+    summarise_prev_modes,
+    with_all_passes_computed,
+    with_prev_modes,
+)
+from megatron_grpo.config import ConfigError, load_config
 from megatron_grpo.scheduler import plan_logprob_passes
 
 
@@ -41,3 +48,56 @@ def test_without_torchrun_exits_2_with_the_launch_command(monkeypatch, capsys):
     monkeypatch.delenv("RANK", raising=False)
     assert main(["--config", str(TINY)]) == 2
     assert "torchrun --nproc-per-node" in capsys.readouterr().err
+
+
+def test_prev_modes_are_the_config_under_each_mode_and_an_unknown_one_is_named():
+    cfg = load_config(TINY)
+    variants = with_prev_modes(cfg, ["auto", "compute"])
+    assert list(variants) == ["auto", "compute"]
+    assert [v.logprob_passes.prev for v in variants.values()] == ["auto", "compute"]
+    assert all(v.logprob_passes.reference == cfg.logprob_passes.reference for v in variants.values())
+    for bad in (["auto", "sometimes"], ["auto", "auto"]):
+        with pytest.raises(ConfigError, match="--prev-modes"):
+            with_prev_modes(cfg, bad)
+
+
+def test_first_learned_step_is_where_the_trailing_mean_first_reaches_the_threshold():
+    assert first_learned_step([0.0] * 5 + [1.0] * 9 + [0.5], window=10) == 14  # steps 5..14: a 0 and nine 1s
+    assert first_learned_step([0.0] * 20, window=10) is None
+    assert first_learned_step([1.0] * 3, window=10) is None  # fewer steps than the window
+
+
+def test_prev_mode_summary_shares_and_approximation_errors():
+    cfg = load_config(TINY)
+    configs = with_prev_modes(cfg, ["auto", "compute"])
+    plans = {name: plan_logprob_passes(variant) for name, variant in configs.items()}
+    records = {
+        "auto": [{"step_time_s": 0.2, "train_time_s": 0.1, "prev_pass_time_s": 0.0}] * 3,
+        "compute": [{"step_time_s": s, "train_time_s": 0.15, "prev_pass_time_s": 0.05, "prox_loglinear_abs_error": e}
+                    for s, e in ((0.25, 1e-3), (0.5, 2e-3), (0.25, 4e-3))],
+    }
+    rewards = {"auto": [0.0, 1.0, 1.0], "compute": [0.0, 1.0, 0.5]}
+    summary = summarise_prev_modes(records, rewards, plans, cfg, world_size=2, tp_size=2)
+    auto, compute = summary["modes"]["auto"], summary["modes"]["compute"]
+    assert (auto["prev_passes_per_step"], compute["prev_passes_per_step"]) == (0, 1)
+    assert auto["prev_pass_share"] == 0.0 and compute["prev_pass_share"] == pytest.approx(0.2)  # median of .2 .1 .2
+    assert compute["step_time_vs_first"] == pytest.approx(0.25 / 0.2)
+    assert compute["approximation_errors"] == {"prox_loglinear_abs_error": 2e-3}
+    assert auto["identical_rewards_to_first"] and not compute["identical_rewards_to_first"]
+
+
+def test_generation_turns_the_is_correction_off_and_every_prev_mode_is_known():
+    stale = load_config(TINY.parent / "grpo_tiny_cpu_stale.yaml")
+    modes = ["compute_and_compare", "generation", "loglinear", "linear", "auto"]
+    variants = with_prev_modes(stale, modes)
+    plans = {name: plan_logprob_passes(variant) for name, variant in variants.items()}  # no ConfigError
+    bypass = variants["generation"].loss_fn
+    assert not bypass.use_importance_sampling_correction and bypass.truncated_importance_sampling.type is None
+    assert variants["loglinear"].loss_fn == stale.loss_fn
+    assert plans["generation"].prev_approximation == "generation"
+    assert plans["compute_and_compare"].compare_approximations
+
+
+def test_a_negative_staleness_is_refused(capsys):
+    assert main(["--config", str(TINY), "--staleness", "-1"]) == 2
+    assert "--staleness: must be >= 0" in capsys.readouterr().err

@@ -9,8 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _configs import config_with
+import yaml
+from _configs import CONFIGS, config_with, set_key
 from _dist import run_on_ranks
+
+from megatron_grpo.config import load_config
+from megatron_grpo.grpo.checkpoint_dir import step_dir_name
 
 STEPS = 4
 OFF_POLICY = {
@@ -96,9 +100,15 @@ def test_stale_rollouts_come_from_older_weights_and_the_ratio_moves():
         assert record["gen_kl_error"] != 0.0
 
 
-def train_and_resume(rank: int, world_size: int, overrides: dict, root: str) -> dict:
-    """An uninterrupted run that checkpoints after 2 of 4 steps, then a resume of that checkpoint in another run
-    directory, then a resume of it with another staleness (an error)."""
+BYPASS = {"loss_fn.use_importance_sampling_correction": False,  # IS against generation is a no-op with prev = it
+          "loss_fn.truncated_importance_sampling.type": None}
+MODE_OVERRIDES = {"generation": BYPASS}
+
+
+def train_and_resume(rank: int, world_size: int, overrides: dict, root: str, modes: list[str]) -> dict:
+    """Per `logprob_passes.prev` mode: an uninterrupted run that checkpoints after 2 of 4 steps, then a resume of
+    that checkpoint in another run directory; then a resume of the first mode's with another staleness (an
+    error)."""
     from megatron_grpo.grpo.checkpoint_dir import CheckpointError, step_dir_name
     from megatron_grpo.grpo.loop import train
     from megatron_grpo.grpo.reporting import read_metrics, without_timings
@@ -117,25 +127,131 @@ def train_and_resume(rank: int, world_size: int, overrides: dict, root: str) -> 
             parallel_state.destroy_model_parallel()  # the default group stays for the next run
         return [without_timings(record) for record in read_metrics(Path(cfg.run_dir))]
 
-    uninterrupted = run("uninterrupted", None)
-    middle = Path(root) / "uninterrupted" / "checkpoints" / step_dir_name(2)
-    resumed = run("resumed", middle)
+    runs = {}
+    for mode in modes:
+        more = {"logprob_passes.prev": mode, **MODE_OVERRIDES.get(mode, {})}
+        uninterrupted = run(f"{mode}/uninterrupted", None, **more)
+        resumed = run(f"{mode}/resumed", Path(root) / mode / "uninterrupted" / "checkpoints" / step_dir_name(2), **more)
+        runs[mode] = {"uninterrupted": uninterrupted, "resumed": resumed}
+    first = {"logprob_passes.prev": modes[0], **MODE_OVERRIDES.get(modes[0], {})}
     try:
-        run("other_staleness", middle, **{"grpo.max_rollout_staleness": overrides["grpo.max_rollout_staleness"] + 1})
+        run("other_staleness", Path(root) / modes[0] / "uninterrupted" / "checkpoints" / step_dir_name(2),
+            **{**first, "grpo.max_rollout_staleness": overrides["grpo.max_rollout_staleness"] + 1})
         staleness_error = ""
     except CheckpointError as err:
         staleness_error = str(err)
-    return {"uninterrupted": uninterrupted, "resumed": resumed, "staleness_error": staleness_error}
+    return {"runs": runs, "staleness_error": staleness_error}
 
 
-@pytest.mark.slow  # three torchrun jobs per case
-@pytest.mark.parametrize("staleness", [1, 2])
-def test_a_resume_with_rollouts_in_flight_repeats_the_uninterrupted_run(tmp_path, staleness):
+@pytest.mark.slow  # two training runs per mode, and a failing resume
+@pytest.mark.parametrize("staleness, modes", [(1, ["compute"]),
+                                              (2, ["compute_and_compare", "generation", "loglinear", "linear"])])
+def test_a_resume_with_rollouts_in_flight_repeats_the_uninterrupted_run(tmp_path, staleness, modes):
     (result,) = run_on_ranks(1, train_and_resume, {**OFF_POLICY, "grpo.max_rollout_staleness": staleness},
-                             str(tmp_path))
-    uninterrupted, resumed = result["uninterrupted"], result["resumed"]
-    assert [r["step"] for r in resumed] == [2, 3]
-    assert [r["rollout_weight_version"] for r in resumed] == [2 - staleness, 3 - staleness]  # from the queue
-    assert resumed == uninterrupted[2:]  # every metric, bit for bit (fp32 on the CPU)
+                             str(tmp_path), modes)
+    for mode, runs in result["runs"].items():
+        uninterrupted, resumed = runs["uninterrupted"], runs["resumed"]
+        assert [r["step"] for r in resumed] == [2, 3], mode
+        assert [r["rollout_weight_version"] for r in resumed] == [2 - staleness, 3 - staleness]  # from the queue
+        assert resumed == uninterrupted[2:], mode  # every metric, bit for bit (fp32 on the CPU)
+        assert all(r["prev_pass_ran"] == mode.startswith("compute") for r in uninterrupted), mode
     expected = f"saved with grpo.max_rollout_staleness = {staleness}, this run has {staleness + 1}"
     assert expected in result["staleness_error"]
+    if staleness == 1:
+        return
+    runs = {mode: result["runs"][mode]["uninterrupted"] for mode in modes}
+    # Two optimizer steps per rollout two rollouts old: the second step's alpha is 2 / 2.5, so the interpolations
+    # are approximations there, and the comparison with the pass says by how much.
+    compared = runs["compute_and_compare"]
+    assert all(r["prox_loglinear_abs_error"] > 0 and r["prox_generation_abs_error"] > 0 for r in compared[2:])
+    assert all(r["prox_loglinear_abs_error"] < r["prox_generation_abs_error"] for r in compared[2:])
+    assert len({tuple(r["loss"] for r in records) for records in runs.values()}) == len(modes)  # four trainings
+    assert not {"token_mult_prob_error", "gen_kl_error", "sampling_importance_ratio"} & set(runs["generation"][0])
+    assert all("token_mult_prob_error" in r for mode in ("loglinear", "linear") for r in runs[mode])
+
+
+# --- Stale rollouts with one update per rollout: the prev pass is the training forward ----------------------------
+
+EXACT_STEPS, RESUME_AT = 20, 16
+STALE_DEMO = CONFIGS / "grpo_tiny_cpu_stale.yaml"
+
+
+def stale_demo_with(overrides: dict):
+    data = yaml.safe_load(STALE_DEMO.read_text())
+    for key, value in {"policy.tensor_model_parallel_size": 1, "grpo.max_num_steps": EXACT_STEPS,
+                       "logging.progress_bar": False, "logging.tensorboard": False, **overrides}.items():
+        data = set_key(data, key, value)
+    return load_config(data)
+
+
+def skipped_computed_and_resumed(rank: int, world_size: int, root: str) -> dict:
+    """The stale demo (TP=1) for 20 steps with the prev pass skipped (auto) and computed, and the skipped run
+    resumed from its checkpoint of step 16; each train step's per-token prev, generation and mask are kept."""
+    from megatron.core import parallel_state
+
+    from megatron_grpo.grpo import loop
+    from megatron_grpo.grpo.reporting import read_metrics, without_timings
+    from megatron_grpo.loss import trained_token_mask
+    from megatron_grpo.megatron import init_parallel
+    from megatron_grpo.scheduler import plan_logprob_passes
+
+    per_token: list[dict] = []
+    original = loop.train_step
+
+    def keeping_per_token(step_cfg, model, optimizer, loss_fn, plan, batch, **kwargs):
+        result = original(step_cfg, model, optimizer, loss_fn, plan, batch, **kwargs)
+        per_token.append({"prev": result.prev_logprobs.clone(), "generation": batch["generation_logprobs"].clone(),
+                          "mask": trained_token_mask(batch)})
+        return result
+
+    loop.train_step = keeping_per_token
+
+    def run(name: str, prev_mode: str, resume_from=None) -> dict:
+        per_token.clear()
+        cfg = stale_demo_with({"logprob_passes.prev": prev_mode, "run_dir": f"{root}/{name}",
+                               "checkpoint.dir": f"{root}/{name}/checkpoints", "checkpoint.every_n_steps": RESUME_AT})
+        plan = plan_logprob_passes(cfg)
+        layout = init_parallel(cfg)
+        try:
+            loop.train(cfg, plan, layout, resume_from=resume_from)
+        finally:
+            parallel_state.destroy_model_parallel()
+        return {"plan": plan, "records": [without_timings(r) for r in read_metrics(Path(cfg.run_dir))],
+                "per_token": list(per_token)}
+
+    skipped = run("skipped", "auto")
+    computed = run("computed", "compute")
+    resumed = run("resumed", "auto", Path(root) / "skipped" / "checkpoints" / step_dir_name(RESUME_AT))
+    return {"skipped": skipped, "computed": computed, "resumed": resumed}
+
+
+def _is_weights(per_token: dict) -> torch.Tensor:
+    """The stale demo's truncated IS weights, clamp(exp(prev - generation), 0, 2), on the trained tokens."""
+    mask = per_token["mask"].bool()
+    return torch.exp(per_token["prev"][mask].double() - per_token["generation"][mask].double()).clamp(0.0, 2.0)
+
+
+@pytest.mark.slow  # three training runs of the stale demo, 44 steps in all
+def test_stale_rollouts_with_one_update_skip_the_prev_pass_exactly(tmp_path):
+    (result,) = run_on_ranks(1, skipped_computed_and_resumed, str(tmp_path))
+    skipped, computed, resumed = result["skipped"], result["computed"], result["resumed"]
+    assert not skipped["plan"].compute_prev_logprobs and computed["plan"].compute_prev_logprobs
+    assert not any(r["prev_pass_ran"] for r in skipped["records"])
+    assert all(r["prev_pass_ran"] for r in computed["records"])
+    assert [r["rollout_age"] for r in skipped["records"]] == [0] + [1] * (EXACT_STEPS - 1)
+    # The rollouts, hence the rewards, are the same: the skipped pass changed nothing the sampler sees.
+    assert [r["reward_mean"] for r in skipped["records"]] == [r["reward_mean"] for r in computed["records"]]
+    # fp32 rounding: the pass and the training forward compute the same logprobs of the same weights, in
+    # differently shaped calls (no entropy partial, all positions' targets), so they may differ by a few ulps of
+    # logprobs of magnitude <= ~20; the IS weights (clamped at 2) and the exp-based metrics then differ by a few
+    # ulps of their O(1) values, and the loss and gradient norm (sums over ~1000 tokens) by a few ulps more.
+    for mine, theirs in zip(skipped["per_token"], computed["per_token"], strict=True):
+        torch.testing.assert_close(_is_weights(mine), _is_weights(theirs), rtol=1e-5, atol=1e-6)
+    for key in ("sampling_importance_ratio", "token_mult_prob_error", "gen_kl_error", "loss", "grad_norm",
+                "probs_ratio"):
+        for step, (mine, theirs) in enumerate(zip(skipped["records"], computed["records"], strict=True)):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (key, step, mine[key], theirs[key])
+    assert all(r["probs_ratio_min"] == r["probs_ratio_max"] == 1.0 for r in skipped["records"])
+    assert skipped["records"][-1]["token_mult_prob_error"] > 1.0  # the staleness shows against generation
+    # A resume in the middle of the skipped run repeats it, bit for bit (fp32 on the CPU).
+    assert resumed["records"] == skipped["records"][RESUME_AT:]

@@ -118,13 +118,14 @@ def test_prev_logprobs_are_optional_when_taken_from_current(batch):
     for loss, _ in (
         call_loss(batch, prev_logprobs_from_current=True),
         call_loss(batch, cfg=loss_config(force_on_policy_ratio=True), prev_logprobs_from_current=True),
+        call_loss(batch, cfg=loss_config(force_on_policy_ratio=True)),  # the key alone, as in NeMo-RL
     ):
         assert torch.isfinite(loss)
 
 
-def test_force_on_policy_ratio_without_the_plans_decision_is_named(batch):
+def test_force_on_policy_ratio_contradicted_by_the_caller_is_named(batch):
     with pytest.raises(ValueError, match="force_on_policy_ratio is true but prev_logprobs_from_current=False"):
-        call_loss(batch, cfg=loss_config(force_on_policy_ratio=True))
+        call_loss(batch, cfg=loss_config(force_on_policy_ratio=True), prev_logprobs_from_current=False)
 
 
 @pytest.mark.parametrize("bad_logits", [torch.randn(B, S + 1, V), torch.randn(B, S * V), torch.randn(B + 1, S, V)])

@@ -337,3 +337,56 @@ def test_the_kl_keeps_filtered_out_tokens_through_the_unfiltered_logprobs(agg):
     torch.testing.assert_close(filtered, plain, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(filtered_grad, plain_grad, rtol=1e-5, atol=1e-7)
     assert float(filtered_metrics["kl_penalty"]) == pytest.approx(float(plain_metrics["kl_penalty"]), rel=1e-6)
+
+
+# --- force_on_policy_ratio with NeMo-RL's meaning: the key alone takes prev = curr.detach() ------------------------
+# NeMo-RL's tests/unit/algorithms/test_loss_functions.py calls its loss with the key set, prev logprobs in the batch
+# and no other argument; the same calls here (no prev_logprobs_from_current), with its numbers.
+
+NEMO_CURR = [[-1.69315, -1.0, -0.59453]]  # log(0.5) - 1, log(1) - 1, log(1.5) - 1: ratios 0.5, 1, 1.5 against prev -1
+FORCED = dict(force_on_policy_ratio=True, ratio_clip_min=0.2, ratio_clip_max=0.2)
+
+
+def test_nemo_rl_force_on_policy_ratio_forces_every_ratio_to_one():
+    # NeMo-RL's test_clipped_pg_loss_force_on_policy_ratio: loss = mean(-A * 1) = (-1 + 1 - 2) / 3.
+    batch = batch_for(NEMO_CURR, advantages=[[1.0, -1.0, 2.0]], prev_logprobs=[[-1.0, -1.0, -1.0]])
+    loss, metrics, grad = run(loss_config(**FORCED), NEMO_CURR, batch)
+    assert loss == pytest.approx(-2.0 / 3.0, rel=1e-6)
+    for name in ("probs_ratio", "probs_ratio_clamped", "probs_ratio_min", "probs_ratio_max",
+                 "probs_ratio_clamped_min", "probs_ratio_clamped_max"):
+        assert float(metrics[name]) == 1.0, name
+    torch.testing.assert_close(grad, torch.tensor([[-1.0, 1.0, -2.0]], dtype=torch.float64) / 3, rtol=1e-5, atol=0)
+
+
+def test_nemo_rl_force_on_policy_ratio_ignores_prev_logprobs():
+    # NeMo-RL's test_clipped_pg_loss_force_on_policy_ratio_ignores_prev_logprobs: prev = curr or prev = -10.
+    curr = [[-1.0, -1.0, -1.0]]
+    results = [run(loss_config(**FORCED), curr, batch_for(curr, advantages=[[1.0, -1.0, 2.0]], prev_logprobs=prev))
+               for prev in (curr, [[-10.0, -10.0, -10.0]])]
+    (loss_1, metrics_1, _), (loss_2, metrics_2, _) = results
+    assert loss_1 == loss_2
+    assert float(metrics_1["probs_ratio"]) == float(metrics_2["probs_ratio"]) == 1.0
+
+
+@pytest.mark.parametrize("ratio_min, weights, oob_ratio",
+                         [(None, [0.1, 1.0, 2.0], 1 / 3), (0.5, [0.5, 1.0, 2.0], 2 / 3)])
+def test_nemo_rl_tis_min_bound_defaults_to_zero_under_forced_ratio(ratio_min, weights, oob_ratio):
+    # NeMo-RL's test_clipped_pg_loss_tis_min_bound_defaults_to_zero: curr logprobs log(0.1, 1, 3) given directly,
+    # generation 0, advantage 1, the forced ratio: IS weights exp(curr - 0) truncated to [ratio_min or 0, 2].
+    curr = torch.nn.functional.pad(torch.log(torch.tensor([[0.1, 1.0, 3.0]])), (1, 0))
+    batch = batch_for([[0.0, 0.0, 0.0]], advantages=[[1.0, 1.0, 1.0]], generation_logprobs=[[0.0, 0.0, 0.0]])
+    cfg = loss_config(**IS_ON, force_on_policy_ratio=True,
+                      truncated_importance_sampling=dict(type="tis", ratio_min=ratio_min, ratio_max=2.0))
+    tokens, seqs = count_valid(batch)
+    loss, metrics = ClippedPGLoss(cfg)(None, batch, global_valid_tokens=tokens, global_valid_seqs=seqs,
+                                       curr_logprobs=curr, curr_entropy=torch.zeros_like(curr))
+    torch.testing.assert_close(loss, -torch.tensor(weights).mean())
+    assert float(metrics["is_oob_ratio"]) == pytest.approx(oob_ratio)
+
+
+def test_force_on_policy_ratio_contradicted_by_an_explicit_false_is_named():
+    batch = batch_for(NEMO_CURR, advantages=[[1.0, -1.0, 2.0]], prev_logprobs=[[-1.0, -1.0, -1.0]])
+    with pytest.raises(ValueError, match="force_on_policy_ratio is true but prev_logprobs_from_current=False"):
+        run(loss_config(**FORCED), NEMO_CURR, batch, prev_logprobs_from_current=False)
+    loss, metrics, _ = run(loss_config(**FORCED), NEMO_CURR, batch, prev_logprobs_from_current=True)
+    assert loss == pytest.approx(-2.0 / 3.0, rel=1e-6) and float(metrics["probs_ratio"]) == 1.0

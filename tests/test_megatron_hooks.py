@@ -375,6 +375,44 @@ def test_train_step_without_the_planned_reference_model_names_it():
         train_step(StepConfig.of(cfg), torch.nn.Linear(1, 1), None, None, plan_logprob_passes(cfg), make_batch(seed=1))
 
 
+@pytest.mark.parametrize("mode, batch_versions, message", [
+    ("loglinear", False, r"proximal_version and batch\['rollout_weight_version'\]: required by the plan's prev "
+                         r"\(loglinear\)"),
+    ("compute_and_compare", True, r"proximal_version: required by the plan's prev \(prev pass, compared with its "
+                                  r"approximations\)"),
+])
+def test_train_step_without_the_versions_an_interpolation_needs_names_them(mode, batch_versions, message):
+    from megatron_grpo.megatron import StepConfig, train_step
+    from megatron_grpo.scheduler import plan_logprob_passes
+
+    cfg = config_with({**TINY_MODEL, "logprob_passes.prev": mode})
+    batch = make_batch(seed=1)
+    if batch_versions:
+        batch["rollout_weight_version"] = torch.zeros(batch["input_ids"].shape[0], dtype=torch.int64)
+    with pytest.raises(ValueError, match=message):
+        train_step(StepConfig.of(cfg), torch.nn.Linear(1, 1), None, None, plan_logprob_passes(cfg), batch)
+
+
+def test_the_plans_prev_source_becomes_the_losss_arguments():
+    from megatron_grpo.loss.proximal import ProximalApproximation, StepVersions
+    from megatron_grpo.megatron.train_step import prev_source_kwargs
+    from megatron_grpo.scheduler import plan_logprob_passes
+
+    def plan(mode):
+        return plan_logprob_passes(config_with({**TINY_MODEL, "logprob_passes.prev": mode}))
+
+    versions = StepVersions(2, 2.5)
+    assert prev_source_kwargs(plan("auto")) == {"prev_logprobs_from_current": True}
+    assert prev_source_kwargs(plan("compute")) == {"prev_logprobs_from_current": False}
+    assert prev_source_kwargs(plan("generation")) == {
+        "prev_logprobs_from_current": False, "prev_approximation": ProximalApproximation("generation")}
+    assert prev_source_kwargs(plan("linear"), versions)["prev_approximation"] == ProximalApproximation("linear",
+                                                                                                        versions)
+    assert prev_source_kwargs(plan("compute_and_compare"), versions)["compare_approximations"] == versions
+    with pytest.raises(ValueError, match=r"versions: the plan's prev \(loglinear\) needs"):
+        prev_source_kwargs(plan("loglinear"))
+
+
 @pytest.mark.parametrize("rows, dp_size, expected", [
     (ROWS - 2, 1, "not a multiple of global_batch_size / DP"),
     (ROWS, 3, "not a multiple of the data-parallel size"),

@@ -24,8 +24,11 @@ def run_plan(name: str, capsys) -> tuple[int, str, str]:
 
 # (file, reference computed, prev computed, words in the comparison with NeMo-RL)
 RECIPES = [
-    ("dapo_reference_skip.yaml", False, False, ["reference pass: same decision", "looser", "provably on-policy"]),
-    ("async_reference_skip.yaml", False, True, ["reference pass: same decision", "prev pass: same decision"]),
+    ("dapo_reference_skip.yaml", False, False,
+     ["reference pass: same decision", "looser", "the training forward provably is the proximal policy"]),
+    ("async_reference_skip.yaml", False, False,
+     ["reference pass: same decision", "looser", "(stale rollouts included)"]),
+    ("async_force_on_policy.yaml", False, False, ["reference pass: same decision", "prev pass: same decision"]),
     ("force_on_policy.yaml", True, False, ["reference pass: same decision", "prev pass: same decision"]),
 ]
 
@@ -56,7 +59,16 @@ def test_the_reference_skip_switch_is_named_as_the_reason(capsys):
 def test_async_staleness_maps_to_the_trajectory_age(capsys):
     view = nemo_rl_plan_view(NEMO / "async_reference_skip.yaml")
     assert view.inputs.staleness == 1  # max_trajectory_age_steps: NeMo-RL's default, inherited from grpo_base
-    assert "lets rollouts come from older weights" in plan_logprob_passes(view.inputs).reasons[1]
+    assert ("stale rollouts (grpo.async_grpo age (max_trajectory_age_steps when enabled, else 0) = 1) with one update "
+            "per rollout") in plan_logprob_passes(view.inputs).reasons[1]
+
+
+def test_force_on_policy_ratio_with_async_rollouts_is_accepted_as_nemo_rl_accepts_it():
+    view = nemo_rl_plan_view(NEMO / "async_force_on_policy.yaml")
+    assert view.inputs.staleness == 1 and view.inputs.force_on_policy
+    assert view.nemo_rejects == ()
+    plan = plan_logprob_passes(view.inputs)  # no ConfigError
+    assert not plan.compute_prev_logprobs and plan.prev_from_current
 
 
 def test_reference_skip_with_a_kl_penalty_is_an_error_naming_both_keys(capsys):

@@ -20,6 +20,11 @@ THRESHOLD = {"grpo.seq_logprob_error_threshold": 2.0}
 DROPOUT = {"policy.model.hidden_dropout": 0.1}
 FORCE = {"loss_fn.force_on_policy_ratio": True}
 SKIP_REFERENCE = {"grpo.skip_reference_policy_logprobs_calculation": True}
+IS_CORRECTION = {"loss_fn.use_importance_sampling_correction": True}
+
+
+def prev(mode: str) -> dict:
+    return {"logprob_passes.prev": mode}
 
 
 # (id, overrides, compute_reference_logprobs, compute_prev_logprobs, words the prev reason must contain)
@@ -28,7 +33,17 @@ PLANS = [
     ("kl-in-loss", KL, True, False, ["on-policy"]),
     ("kl-in-reward-needs-prev", KL_IN_REWARD, True, True, ["loss_fn.use_kl_in_reward"]),
     ("two-steps-per-rollout", ROLLOUT_X2, False, True, ["policy.train_global_batch_size"]),
-    ("stale-rollouts", STALE, False, True, ["grpo.max_rollout_staleness"]),
+    ("stale-rollouts-one-update", STALE, False, False,
+     ["stale rollouts (grpo.max_rollout_staleness = 1) with one update per rollout",
+      "the proximal policy is the training forward's; the IS weights use curr against generation"]),
+    ("stale-rollouts-two-updates", {**STALE, **ROLLOUT_X2}, False, True, ["policy.train_global_batch_size"]),
+    ("stale-rollouts-dropout", {**STALE, **DROPOUT}, False, True, ["policy.model.hidden_dropout"]),
+    ("stale-rollouts-threshold", {**STALE, **THRESHOLD}, False, True, ["grpo.seq_logprob_error_threshold"]),
+    ("stale-rollouts-compute", {**STALE, "logprob_passes.prev": "compute"}, False, True,
+     ["logprob_passes.prev = compute"]),
+    ("prev-skip-stale-one-update", {"logprob_passes.prev": "skip", **STALE}, False, False,
+     ["logprob_passes.prev = skip"]),
+    ("force-on-policy-stale", {**FORCE, **STALE}, False, False, ["stale rollouts"]),
     ("hidden-dropout", DROPOUT, False, True, ["policy.model.hidden_dropout"]),
     ("attention-dropout", {"policy.model.attention_dropout": 0.1}, False, True, ["policy.model.attention_dropout"]),
     ("error-threshold-needs-prev", THRESHOLD, False, True, ["grpo.seq_logprob_error_threshold"]),
@@ -80,9 +95,10 @@ def test_reference_reason_names_the_kl_key():
 CONFLICTS = [
     ("force-on-policy-two-steps", {**FORCE, **ROLLOUT_X2},
      [["loss_fn.force_on_policy_ratio", "policy.train_global_batch_size", "grpo.num_prompts_per_step"]]),
-    ("force-on-policy-stale", {**FORCE, **STALE}, [["loss_fn.force_on_policy_ratio", "grpo.max_rollout_staleness"]]),
-    ("prev-skip-stale", {"logprob_passes.prev": "skip", **STALE},
-     [["logprob_passes.prev", "grpo.max_rollout_staleness"]]),
+    ("force-on-policy-stale-two-steps", {**FORCE, **STALE, **ROLLOUT_X2},
+     [["loss_fn.force_on_policy_ratio", "policy.train_global_batch_size", "grpo.num_prompts_per_step"]]),
+    ("prev-skip-stale-two-steps", {"logprob_passes.prev": "skip", **STALE, **ROLLOUT_X2},
+     [["logprob_passes.prev", "policy.train_global_batch_size", "grpo.num_prompts_per_step"]]),
     ("prev-skip-threshold", {"logprob_passes.prev": "skip", **THRESHOLD},
      [["logprob_passes.prev", "grpo.seq_logprob_error_threshold"]]),
     ("prev-skip-kl-in-reward", {"logprob_passes.prev": "skip", **KL_IN_REWARD},
@@ -108,7 +124,6 @@ CONFLICTS = [
      [["multiple", "grpo.num_prompts_per_step"],
       ["logprob_passes.reference", "loss_fn.reference_policy_kl_penalty"],
       ["logprob_passes.prev", "!=", "policy.train_global_batch_size"],
-      ["logprob_passes.prev", "grpo.max_rollout_staleness"],
       ["logprob_passes.prev", "policy.model.hidden_dropout"],
       ["logprob_passes.prev", "grpo.seq_logprob_error_threshold"]]),
     # force_on_policy_ratio: the loss never reads prev, so only its own conflicts and prev's pre-loss readers remain
@@ -116,8 +131,40 @@ CONFLICTS = [
      {"logprob_passes.prev": "skip", **FORCE, **STALE, **THRESHOLD, **DROPOUT, "grpo.num_prompts_per_step": 12},
      [["multiple", "grpo.num_prompts_per_step"],
       ["loss_fn.force_on_policy_ratio", "one optimizer step"],
-      ["loss_fn.force_on_policy_ratio", "grpo.max_rollout_staleness"],
       ["logprob_passes.prev", "grpo.seq_logprob_error_threshold"]]),
+]
+
+
+# A prev without a pass, or the pass compared with the approximations: each unsafe combination names both keys.
+CONFLICTS += [
+    ("generation-with-is-correction", {**prev("generation"), **IS_CORRECTION},
+     [["logprob_passes.prev = generation", "loss_fn.use_importance_sampling_correction", "are 1"]]),
+    ("generation-with-forced-ratio", {**prev("generation"), **FORCE},
+     [["logprob_passes.prev = generation", "loss_fn.force_on_policy_ratio"]]),
+    ("generation-with-error-threshold", {**prev("generation"), **THRESHOLD},
+     [["logprob_passes.prev = generation", "grpo.seq_logprob_error_threshold", "never masks"]]),
+    ("loglinear-with-error-threshold", {**prev("loglinear"), **THRESHOLD},
+     [["logprob_passes.prev = loglinear", "grpo.seq_logprob_error_threshold", "before the loss"]]),
+    ("linear-with-kl-in-reward", {**prev("linear"), **KL_IN_REWARD},
+     [["logprob_passes.prev = linear", "loss_fn.use_kl_in_reward", "before the loss"]]),
+    ("loglinear-with-dropout", {**prev("loglinear"), **DROPOUT},
+     [["logprob_passes.prev = loglinear", "policy.model.hidden_dropout"]]),
+    ("linear-with-forced-ratio", {**prev("linear"), **FORCE}, [["logprob_passes.prev = linear",
+                                                                 "loss_fn.force_on_policy_ratio"]]),
+    ("compare-with-forced-ratio", {**prev("compute_and_compare"), **FORCE},
+     [["logprob_passes.prev = compute_and_compare", "loss_fn.force_on_policy_ratio"]]),
+    ("every-generation-conflict-at-once", {**prev("generation"), **IS_CORRECTION, **FORCE, **THRESHOLD},
+     [["logprob_passes.prev = generation", "loss_fn.force_on_policy_ratio"],
+      ["logprob_passes.prev = generation", "loss_fn.use_importance_sampling_correction"],
+      ["logprob_passes.prev = generation", "grpo.seq_logprob_error_threshold"]]),
+    ("every-interpolation-conflict-at-once",
+     {**prev("loglinear"), **FORCE, **THRESHOLD, **KL_IN_REWARD, **DROPOUT, "grpo.num_prompts_per_step": 12},
+     [["multiple", "grpo.num_prompts_per_step"],
+      ["loss_fn.force_on_policy_ratio", "one optimizer step"],
+      ["logprob_passes.prev = loglinear", "loss_fn.force_on_policy_ratio"],
+      ["logprob_passes.prev = loglinear", "grpo.seq_logprob_error_threshold"],
+      ["logprob_passes.prev = loglinear", "loss_fn.use_kl_in_reward"],
+      ["logprob_passes.prev = loglinear", "policy.model.hidden_dropout"]]),
 ]
 
 
@@ -152,13 +199,76 @@ AUTO_SETTINGS = [
 def test_auto_never_errors_and_skips_exactly_the_redundant_passes(setting):
     plan = plan_logprob_passes(config_with(setting))
     kl_on = setting["loss_fn.reference_policy_kl_penalty"] > 0
-    on_policy = (setting["grpo.num_prompts_per_step"] == 16 and setting["grpo.max_rollout_staleness"] == 0
-                 and setting["policy.model.attention_dropout"] == 0)
+    # staleness has no say: with one update per rollout the training forward is the proximal policy
+    forward_is_proximal = (setting["grpo.num_prompts_per_step"] == 16
+                           and setting["policy.model.attention_dropout"] == 0)
     read_before_loss = setting["grpo.seq_logprob_error_threshold"] is not None or setting["loss_fn.use_kl_in_reward"]
     assert plan.compute_reference_logprobs == plan.build_reference_model == kl_on
-    assert plan.compute_prev_logprobs == (not on_policy or read_before_loss)
+    assert plan.compute_prev_logprobs == (not forward_is_proximal or read_before_loss)
     assert plan.prev_from_current == (not plan.compute_prev_logprobs)
     assert len(plan.reasons) == 2
+
+
+# (id, overrides, pass runs, approximation, compared, words of the prev reason)
+PREV_MODES = [
+    ("generation-on-policy", prev("generation"), False, "generation", False,
+     ["verl's rollout_correction.bypass_mode", "slime's --use-rollout-logprobs",
+      "token_mult_prob_error, gen_kl_error, sampling_importance_ratio, is_oob_ratio are not reported"]),
+    ("generation-stale-two-steps", {**prev("generation"), **STALE, **ROLLOUT_X2}, False, "generation", False,
+     ["PPO clips against the behaviour policy"]),
+    ("generation-with-kl-in-reward", {**prev("generation"), **KL_IN_REWARD}, False, "generation", False,
+     ["logprob_passes.prev = generation"]),
+    ("loglinear-stale-two-steps", {**prev("loglinear"), **STALE, **ROLLOUT_X2}, False, "loglinear", False,
+     ["AReaL's prox_logp_method: loglinear", "prev = gen + alpha (curr - gen)",
+      "alpha = (v_prox - v_behave) / (v_theta - v_behave)", "curr.detach() exactly"]),
+    ("linear-stale", {**prev("linear"), **STALE}, False, "linear", False,
+     ["prev = log((1 - alpha) exp(gen) + alpha exp(curr))"]),
+    ("compute-and-compare", {**prev("compute_and_compare"), **STALE, **ROLLOUT_X2}, True, None, True,
+     ["AReaL's prox_logp_method: metrics", "prox_<method>_abs_error"]),
+]
+
+
+@pytest.mark.parametrize("overrides, computed, approximation, compared, words", [row[1:] for row in PREV_MODES],
+                         ids=[row[0] for row in PREV_MODES])
+def test_prev_modes_without_a_pass_or_compared_with_one(overrides, computed, approximation, compared, words):
+    plan = plan_logprob_passes(config_with(overrides))
+    assert plan.compute_prev_logprobs == computed and plan.passes_per_step == int(computed) + int(
+        plan.compute_reference_logprobs)
+    assert plan.prev_approximation == approximation and plan.compare_approximations == compared
+    assert not plan.prev_from_current
+    assert plan.needs_versions == (approximation in ("loglinear", "linear") or compared)
+    for word in words:
+        assert word in plan.reasons[1], plan.reasons[1]
+
+
+@pytest.mark.parametrize("setting", AUTO_SETTINGS, ids=lambda s: "-".join(map(str, s.values())))
+def test_auto_never_picks_an_approximation(setting):
+    plan = plan_logprob_passes(config_with(setting))
+    assert plan.prev_approximation is None and not plan.compare_approximations
+
+
+def test_a_plan_with_contradictory_prev_sources_is_rejected():
+    with pytest.raises(ValueError, match="needs no pass and is not curr.detach"):
+        LogprobPlan(compute_reference_logprobs=False, compute_prev_logprobs=True, prev_from_current=False,
+                    reasons=(), prev_approximation="loglinear")
+    with pytest.raises(ValueError, match="compare_approximations compares with the prev pass"):
+        LogprobPlan(compute_reference_logprobs=False, compute_prev_logprobs=False, prev_from_current=True,
+                    reasons=(), compare_approximations=True)
+
+
+@pytest.mark.parametrize("mode, prev_line, peers", [
+    ("generation", "skip (loss uses the generation logprobs)", "verl's algorithm.rollout_correction.bypass_mode: true"),
+    ("loglinear", "skip (loss interpolates prev: loglinear)", "AReaL's actor.prox_logp_method: loglinear"),
+    ("compute_and_compare", "compute (and the approximations compared with it)", "AReaL's prox_logp_method: metrics"),
+    ("compute", "compute", "NeMo-RL's prev_logprobs, verl's recomputed old_log_prob"),
+])
+def test_cli_names_the_prev_source_and_the_peers_key(tmp_path, capsys, mode, prev_line, peers):
+    path = tmp_path / f"{mode}.yaml"
+    path.write_text(yaml.safe_dump(set_key(tiny(), "logprob_passes.prev", mode)))
+    assert plan_main(["--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"prev logprobs:      {prev_line}\n" in out
+    assert f"prev in peers' terms: {peers}" in out
 
 
 def test_forced_on_policy_ratio_takes_prev_from_current_even_when_the_pass_runs_for_a_reader():
@@ -198,14 +308,22 @@ def test_cli_prints_plan_reasons_and_savings(capsys):
     assert "forward passes saved per step: 2 of 2 (256 sequence forwards of the 128-sequence rollout batch)" in out
 
 
+def test_cli_skips_the_prev_pass_of_the_stale_demo_and_says_why(capsys):
+    assert plan_main(["--config", str(TINY.parent / "grpo_tiny_cpu_stale.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "prev logprobs:      skip (loss uses curr.detach())" in out
+    assert ("stale rollouts (grpo.max_rollout_staleness = 1) with one update per rollout" in out
+            and "the proximal policy is the training forward's; the IS weights use curr against generation" in out)
+
+
 def test_cli_reports_a_bad_config_cleanly_with_exit_2(tmp_path, capsys):
-    data = set_key(set_key(tiny(), "logprob_passes.prev", "skip"), "grpo.max_rollout_staleness", 3)
-    path = tmp_path / "stale.yaml"
+    data = set_key(set_key(tiny(), "logprob_passes.prev", "skip"), "policy.model.hidden_dropout", 0.1)
+    path = tmp_path / "dropout.yaml"
     path.write_text(yaml.safe_dump(data))
     assert plan_main(["--config", str(path)]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert "logprob_passes.prev = skip is unsafe" in captured.err and "grpo.max_rollout_staleness" in captured.err
+    assert "logprob_passes.prev = skip is unsafe" in captured.err and "policy.model.hidden_dropout" in captured.err
     assert "Traceback" not in captured.err
 
 

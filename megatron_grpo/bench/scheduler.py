@@ -8,6 +8,11 @@ Both variants start from the same weights and see the same prompts and sampling 
 interleaved so that machine noise hits both alike. With `auto` skipping only provably redundant passes, the
 two runs train identically, which the report checks through the reward. Reported: the median time of the
 training phase (logprob passes + train step) and of the whole step (generation included), and their ratios.
+
+With `--prev-modes auto,compute,...` the variants are instead the config under each `logprob_passes.prev` mode
+(the reference pass as the config says), compared by step time, the prev pass's share of it, the reward curve
+and the step where the reward's 10-step mean first reaches 0.9 (`scheduler_prev_modes_<config>.md`, `.json` and
+a `.png` of the reward curves).
 """
 
 from __future__ import annotations
@@ -19,25 +24,33 @@ import json
 import os
 import statistics
 import sys
+import typing
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megatron_grpo.bench.measure import DEFAULT_OUT, PeakMemory, machine_description
-from megatron_grpo.config import Config, ConfigError, load_config
+from megatron_grpo.config import Config, ConfigError, PrevMode, load_config
 from megatron_grpo.helptext import DefaultsHelpFormatter
 from megatron_grpo.scheduler import LogprobPlan, plan_logprob_passes
 
 EXIT_BAD_INPUT = 2
 VARIANTS = ("auto", "compute")
+LEARNED = 0.9  # the reward's 10-step mean that counts as learned
+WINDOW = 10
 
 
 def main(argv: list[str]) -> int:
     args = _parse_args(argv)
     try:
         cfg = load_config(args.config)
-        configs = {"auto": cfg, "compute": with_all_passes_computed(cfg)}
+        if args.staleness is not None and args.staleness < 0:
+            raise ConfigError(f"--staleness: must be >= 0, got {args.staleness}")
+        if args.staleness is not None:
+            cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, max_rollout_staleness=args.staleness))
+        configs = (with_prev_modes(cfg, args.prev_modes) if args.prev_modes
+                   else {"auto": cfg, "compute": with_all_passes_computed(cfg)})
         plans = {name: plan_logprob_passes(variant) for name, variant in configs.items()}
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -53,18 +66,24 @@ def main(argv: list[str]) -> int:
     layout = init_parallel(cfg)
     try:
         trainers = {}
-        for name in VARIANTS:
-            torch.manual_seed(cfg.seed)  # both variants start from the same weights
+        for name in configs:
+            torch.manual_seed(cfg.seed)  # every variant starts from the same weights
             trainers[name] = Trainer.build(configs[name], plans[name], layout)
-        records: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+        records: dict[str, list[dict]] = {name: [] for name in configs}
+        rewards: dict[str, list[float]] = {name: [] for name in configs}  # every step's, warmup included
         for step in range(args.warmup + args.steps):
-            for name in VARIANTS:  # interleaved: drift and noise hit both variants alike
+            for name in configs:  # interleaved: drift and noise hit every variant alike
                 dist.barrier()  # every rank starts the step together, so no rank's wait is timed as work
                 with PeakMemory(layout.device) as peak:
                     record = trainers[name].step(step)
+                rewards[name].append(record["reward_mean"])
                 if step >= args.warmup:
                     records[name].append({**record, "peak_extra_mib": peak.extra_bytes / 2**20})
-        if layout.rank == 0:
+        if layout.rank == 0 and args.prev_modes:
+            summary = summarise_prev_modes(records, rewards, plans, cfg, world_size=layout.world_size,
+                                           tp_size=layout.tp_size)
+            write_prev_modes_report(summary, args.out, args.config, argv, args.staleness)
+        elif layout.rank == 0:
             summary = summarise(records, plans, cfg, world_size=layout.world_size, tp_size=layout.tp_size)
             write_report(summary, args.out)
     finally:
@@ -76,6 +95,139 @@ def with_all_passes_computed(cfg: Config) -> Config:
     """The same run with the reference and prev logprob passes forced on: the baseline without the scheduler."""
     return dataclasses.replace(cfg, logprob_passes=dataclasses.replace(cfg.logprob_passes, reference="compute",
                                                                        prev="compute"))
+
+
+def with_prev_modes(cfg: Config, modes: list[str]) -> dict[str, Config]:
+    """The config under each `logprob_passes.prev` mode, by mode; an unknown mode is a ConfigError. Under
+    `generation` the importance-sampling correction is off (with prev = generation it is a no-op, which the plan
+    rejects), and so is its truncation."""
+    known = typing.get_args(PrevMode)
+    unknown = [mode for mode in modes if mode not in known]
+    if unknown or not modes or len(set(modes)) != len(modes):
+        raise ConfigError(f"--prev-modes: expected distinct modes among {', '.join(known)}, got {','.join(modes)}")
+    variants = {}
+    for mode in modes:
+        variant = dataclasses.replace(cfg, logprob_passes=dataclasses.replace(cfg.logprob_passes, prev=mode))
+        if mode == "generation":
+            loss = variant.loss_fn
+            variant = dataclasses.replace(variant, loss_fn=dataclasses.replace(
+                loss, use_importance_sampling_correction=False,
+                truncated_importance_sampling=dataclasses.replace(loss.truncated_importance_sampling, type=None)))
+        variants[mode] = variant
+    return variants
+
+
+def first_learned_step(rewards: list[float], window: int = WINDOW, threshold: float = LEARNED) -> int | None:
+    """After how many steps the trailing `window`-step mean reward first is >= `threshold` (None: never)."""
+    for end in range(window, len(rewards) + 1):
+        if sum(rewards[end - window:end]) / window >= threshold:
+            return end
+    return None
+
+
+def summarise_prev_modes(records: dict[str, list[dict]], rewards: dict[str, list[float]],
+                         plans: dict[str, LogprobPlan], cfg: Config, *, world_size: int, tp_size: int) -> dict:
+    """Per prev mode: median step and training-phase time, the prev pass's median share of the step (each step's
+    share, then the median: a ratio measured within one step), the reward curve and where it first learned, and
+    the medians of every approximation-error metric the mode logged (`compute_and_compare`)."""
+    first = next(iter(records))
+    modes = {}
+    for name, rows in records.items():
+        error_keys = sorted(key for key in rows[0] if key.startswith("prox_"))
+        modes[name] = {
+            "prev_passes_per_step": int(plans[name].compute_prev_logprobs),
+            "prev_source": plans[name].prev_source,
+            # off under generation (see with_prev_modes)
+            "is_correction": cfg.loss_fn.use_importance_sampling_correction
+            and plans[name].prev_approximation != "generation",
+            "step_s": statistics.median(r["step_time_s"] for r in rows),
+            "train_phase_s": statistics.median(r["train_time_s"] for r in rows),
+            "prev_pass_share": statistics.median(r["prev_pass_time_s"] / r["step_time_s"] for r in rows),
+            "step_time_vs_first": (statistics.median(r["step_time_s"] for r in rows)
+                                   / statistics.median(r["step_time_s"] for r in records[first])),
+            "rewards": rewards[name],
+            "first_learned_step": first_learned_step(rewards[name]),
+            "last_window_reward": sum(rewards[name][-WINDOW:]) / min(WINDOW, len(rewards[name])),
+            "identical_rewards_to_first": rewards[name] == rewards[first],
+            "approximation_errors": {key: statistics.median(r[key] for r in rows) for key in error_keys},
+            "reason": plans[name].reasons[1],
+        }
+    return {
+        "config": {"tp": tp_size, "world_size": world_size, "threads_per_rank": torch.get_num_threads(),
+                   "rollout_sequences": cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt,
+                   "global_batch": cfg.policy.train_global_batch_size, "staleness": cfg.grpo.max_rollout_staleness,
+                   "layers": cfg.policy.model.num_layers, "hidden": cfg.policy.model.hidden_size},
+        "steps": len(rewards[first]),
+        "steps_timed": len(records[first]),
+        "modes": modes,
+        "machine": machine_description(torch.device("cpu")),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def write_prev_modes_report(summary: dict, out: Path, config: Path, argv: list[str],
+                            staleness: int | None = None) -> None:
+    """`scheduler_prev_modes_<config stem>[_staleness<N>].md` and `.json`, and a `.png` of the reward curves."""
+    stem = f"scheduler_prev_modes_{config.stem}" + (f"_staleness{staleness}" if staleness is not None else "")
+    setup = summary["config"]
+    modes = summary["modes"]
+    lines = [
+        f"# Scheduler benchmark: `logprob_passes.prev` modes on `{config}`",
+        "",
+        f"- date: {summary['date']}",
+        f"- machine: {summary['machine']}, shared with other jobs (timings are noisy: medians, and ratios taken "
+        "within one run)",
+        f"- command: `torchrun --nproc-per-node {setup['world_size']} -m megatron_grpo bench scheduler "
+        f"{' '.join(argv)}`",
+        "",
+        f"TP={setup['tp']} over {setup['world_size']} ranks, {setup['threads_per_rank']} thread(s) per rank, "
+        f"{setup['rollout_sequences']} sequences per rollout, {setup['global_batch']} per optimizer step, staleness "
+        f"{setup['staleness']}; {summary['steps']} steps per mode, interleaved, times are medians of the last "
+        f"{summary['steps_timed']}.",
+        "",
+        "| prev mode | prev from | IS correction | step (s) | vs first | prev pass share | reward, last 10 | "
+        "10-step mean >= 0.9 after | same rewards as first |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *(f"| {name} | {m['prev_source']} | {'on' if m['is_correction'] else 'off'} | {m['step_s']:.4f} | "
+          f"{m['step_time_vs_first']:.2f} | "
+          f"{100 * m['prev_pass_share']:.1f}% | {m['last_window_reward']:.3f} | "
+          f"{str(m['first_learned_step']) + ' steps' if m['first_learned_step'] is not None else 'never'} | "
+          f"{m['identical_rewards_to_first']} |" for name, m in modes.items()),
+    ]
+    errors = {name: m["approximation_errors"] for name, m in modes.items() if m["approximation_errors"]}
+    for name, figures in errors.items():
+        lines += ["", f"Approximation errors against the prev pass (`{name}`, medians over the timed steps of the "
+                  "per-step token means):", "", "| metric | median |", "|---|---|",
+                  *(f"| `{key}` | {value:.3g} |" for key, value in figures.items())]
+    lines += ["", "Why each mode takes prev where it does:", *(f"- {name}: {m['reason']}" for name, m in modes.items())]
+
+    def plot(path: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, m in modes.items():
+            curve = m["rewards"]
+            means = [sum(curve[max(0, i - WINDOW + 1):i + 1]) / len(curve[max(0, i - WINDOW + 1):i + 1])
+                     for i in range(len(curve))]
+            ax.plot(range(len(curve)), means, label=f"{name} ({m['step_s']:.3f} s/step)")
+        ax.axhline(LEARNED, color="grey", linewidth=0.5)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"reward ({WINDOW}-step mean)")
+        ax.set_title(f"{config.name}: logprob_passes.prev modes", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+    out.mkdir(parents=True, exist_ok=True)
+    text = "\n".join(lines) + f"\n\n![reward curves]({stem}.png)\n"
+    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps(summary, indent=1))
+    plot(out / f"{stem}.png")
+    print(text + f"wrote {out / (stem + '.md')}")
 
 
 def summarise(records: dict[str, list[dict]], plans: dict[str, LogprobPlan], cfg: Config, *, world_size: int,
@@ -150,4 +302,11 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                         help="directory for scheduler_cpu.md and scheduler_cpu.json (default: runs/bench; `make "
                              "bench` writes the committed benchmarks/results)")
     parser.add_argument("--verbose", action="store_true", help="show Megatron-Core's notices, filtered by default")
+    parser.add_argument("--prev-modes", type=lambda text: text.split(","), default=[], metavar="MODE,MODE,...",
+                        help="compare these logprob_passes.prev modes on the config (e.g. auto,compute), the "
+                             "reference pass as the config says; default: none, i.e. the auto plan against both "
+                             "passes computed")
+    parser.add_argument("--staleness", type=int, default=None, metavar="N",
+                        help="run with grpo.max_rollout_staleness = N instead of the config's (default: the "
+                             "config's); the report's name then ends in _staleness<N>")
     return parser.parse_args(argv)

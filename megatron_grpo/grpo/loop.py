@@ -169,6 +169,9 @@ class Trainer:
             "advantages": advantages.advantages,
             "generation_logprobs": rollout.generation_logprobs,
             "rewards": rewards.to(torch.float32),  # VAPO's positive-example NLL reads them
+            # the weights that generated each sample (AReaL's approximation of prev reads it)
+            "rollout_weight_version": torch.full((rollout.input_ids.shape[0],), queued.weight_version,
+                                                 dtype=torch.int64),
         }
         device_batch = {key: value.to(self.layout.device) for key, value in batch.items()}
         shaping = None
@@ -176,7 +179,8 @@ class Trainer:
             dp_group = self.layout.dp_group
             shaping = PrevLogprobShaping(self.cfg, rewards, dp_group)
         result = train_step(StepConfig.of(self.cfg), self.model, self.optimizer, self.loss_fn, self.plan, device_batch,
-                            reference_model=self.reference_model, prepare_batch=shaping, timer=timer)
+                            reference_model=self.reference_model, prepare_batch=shaping, timer=timer,
+                            proximal_version=step)  # the weights have done `step` steps
         finished = time.perf_counter()
         record = {
             "step": step,

@@ -46,6 +46,9 @@ LOSS_METRICS = frozenset({
     "probs_ratio_clamped_min", "probs_ratio_clamped_max", "clip_fraction_lower", "clip_fraction_upper",
     "kl_penalty", "entropy", "approx_entropy", "token_mult_prob_error", "gen_kl_error",
     "sampling_importance_ratio", "is_oob_ratio", "is_oob_token_ratio", "reward_kl_penalty",
+    # logprob_passes.prev: compute_and_compare (megatron_grpo.loss.proximal)
+    *(f"prox_{method}_{kind}" for method in ("generation", "loglinear", "linear")
+      for kind in ("abs_error", "rel_error", "is_weight_abs_error", "ratio_abs_error")),
 })
 PASS_METRICS = frozenset({"reference_pass_ran", "prev_pass_ran", "reference_passes_skipped", "prev_passes_skipped"})
 ROLLOUT_PREFIXES = ("reward_", "advantages_", "response_", "rollout_")

@@ -17,6 +17,8 @@ _EXPORTS = {
     "METRIC_AGGREGATION": "megatron_grpo.loss.metrics",
     "Aggregation": "megatron_grpo.loss.metrics",
     "aggregate_metrics": "megatron_grpo.loss.metrics",
+    "ProximalApproximation": "megatron_grpo.loss.proximal",
+    "StepVersions": "megatron_grpo.loss.proximal",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -34,6 +34,15 @@ from megatron_grpo.loss.importance import ImportanceWeights, finite_or_zero, imp
 from megatron_grpo.loss.kl import kl_estimate
 from megatron_grpo.loss.linear_loss import loss_fused_linear
 from megatron_grpo.loss.metrics import METRIC_AGGREGATION, Aggregation
+from megatron_grpo.loss.proximal import (
+    VERSION_KEY,
+    ProximalApproximation,
+    StepVersions,
+    approximate_prev,
+    approximation_errors,
+    check_generation_logprobs,
+    interpolation_weights,
+)
 from megatron_grpo.loss.reductions import (
     Count,
     aggregate_loss,
@@ -77,8 +86,13 @@ class ClippedPGLoss:
       (`nonfinite_generation_logprobs` counts the others), `sampling_importance_ratio` (mean weight after
       truncation) and, with truncation, `is_oob_ratio`: the fraction of trained tokens out of bounds, or for
       `seq-mask-tis` the fraction of sequences rejected (then `is_oob_token_ratio` is the token fraction);
-    - `curr_logprobs` `[B, S]`: the current logprobs (0 where a token is not trained or was filtered out).
+    - `curr_logprobs` `[B, S]`: the current logprobs (0 where a token is not trained or was filtered out);
+      `prev_logprobs` `[B, S]` too when prev is approximated (`prev_approximation`);
+    - with `compare_approximations`: `prox_<method>_<kind>` for each approximation of `loss.proximal` against the
+      batch's computed prev (AReaL's `metrics` mode): `abs_error`, `rel_error`, `is_weight_abs_error`,
+      `ratio_abs_error`, token means.
     The mismatch metrics always use the prev logprobs the ratio used, `curr.detach()` when the pass was skipped.
+    With prev from the generation logprobs they would compare prev with itself, so they are absent.
     """
 
     def __init__(self, config: ClippedPGLossConfig) -> None:
@@ -100,7 +114,9 @@ class ClippedPGLoss:
         global_valid_tokens: Count,
         global_valid_seqs: Count,
         shard: VocabShard | None = None,
-        prev_logprobs_from_current: bool = False,
+        prev_logprobs_from_current: bool | None = None,
+        prev_approximation: ProximalApproximation | None = None,
+        compare_approximations: StepVersions | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
         logit_scale: float = 1.0,
@@ -113,6 +129,12 @@ class ClippedPGLoss:
         `shard`: where the logits' vocab columns sit (`megatron_grpo.ops.VocabShard`); None: unsharded.
         `logit_scale`: the policy is softmax(logit_scale * logits), 1 / temperature for a sampling temperature
         (applied inside the kernels, no scaled copy of the logits).
+        Where prev comes from: `batch['prev_logprobs']` (a prev pass); `curr.detach()` when
+        `prev_logprobs_from_current` is true, and by default (None) exactly when `loss_fn.force_on_policy_ratio` is
+        set, as in NeMo-RL (an explicit False with that key set is a contradiction, a ValueError); or, with
+        `prev_approximation`, the generation logprobs or AReaL's interpolation (`loss.proximal`), which needs
+        `batch['rollout_weight_version']` `[B]` for the interpolations. `compare_approximations` (the step's
+        versions), with prev from the batch, adds the approximations' errors against it to the metrics.
         `top_k` / `top_p`: the rollouts' sampling filter. The policy term trains the filtered distribution they
         came from; the KL to the (unfiltered) reference reads unfiltered current logprobs, as NeMo-RL does.
 
@@ -124,16 +146,15 @@ class ClippedPGLoss:
         `curr_unfiltered_logprobs` (required then, as the KL to the unfiltered reference needs them).
         """
         cfg = self.config
-        prev_from_current = prev_logprobs_from_current
-        if cfg.force_on_policy_ratio and not prev_from_current:
-            raise ValueError("loss_fn.force_on_policy_ratio is true but prev_logprobs_from_current=False: the plan "
-                             "decides where prev comes from; pass prev_logprobs_from_current=plan.prev_from_current")
+        prev_from_current = self._prev_from_current(prev_logprobs_from_current, prev_approximation,
+                                                    compare_approximations)
         precomputed = self._check_precomputed(logits, curr_logprobs, curr_entropy, curr_unfiltered_logprobs,
                                               filtered=top_k is not None or top_p is not None)
         if precomputed is not None and logit_scale != 1.0:
             raise ValueError(f"logit_scale={logit_scale!r}: only with logits (precomputed current logprobs already "
                              "carry their temperature)")
-        inputs = validate_batch(batch, logits, self._requirements(prev_from_current), current=precomputed)
+        inputs = validate_batch(batch, logits, self._requirements(prev_from_current, prev_approximation,
+                                                                  compare_approximations), current=precomputed)
         if precomputed is None:
             curr, entropy = self._current_logprobs(
                 logits, inputs, shard=shard, top_k=top_k, top_p=top_p, logit_scale=logit_scale,
@@ -151,7 +172,14 @@ class ClippedPGLoss:
             curr_unfiltered, _ = self._current_logprobs(
                 logits, inputs, shard=shard, top_k=None, top_p=None, logit_scale=logit_scale, with_entropy=False,
             )
-        prev = curr.detach() if prev_from_current else inputs.prev_logprobs
+        alpha = self._interpolation_weights(batch, inputs, prev_approximation, compare_approximations)
+        if prev_approximation is not None:
+            prev = approximate_prev(prev_approximation.method, curr, inputs.generation_logprobs, inputs.mask, alpha)
+        else:
+            prev = curr.detach() if prev_from_current else inputs.prev_logprobs
+        errors = None
+        if compare_approximations is not None:
+            errors = approximation_errors(prev, curr, inputs.generation_logprobs, inputs.mask, alpha)
         kept = ~(torch.isneginf(curr) | torch.isneginf(prev))  # -inf: target outside a top-k / top-p kept set
         zero = torch.zeros((), dtype=curr.dtype, device=curr.device)
         curr, prev = torch.where(kept, curr, zero), torch.where(kept, prev, zero)
@@ -183,7 +211,13 @@ class ClippedPGLoss:
             nll = self._positive_example_nll(curr, inputs.rewards, mask, global_valid_tokens)
             loss = loss + cfg.positive_example_nll_weight * nll
         with torch.no_grad():
-            metrics = self._metrics(loss, curr, prev, inputs, mask, policy, weights, kl, kl_mask, entropy, nll)
+            metrics = self._metrics(loss, curr, prev, inputs, mask, policy, weights, kl, kl_mask, entropy, nll,
+                                    prev_is_generation=prev_approximation is not None
+                                    and prev_approximation.method == "generation")
+            if prev_approximation is not None:
+                metrics["prev_logprobs"] = prev.detach()
+            if errors is not None:
+                metrics.update({name: token_mean(value.to(torch.float32), mask) for name, value in errors.items()})
         return loss, metrics
 
     def on_hidden_states(
@@ -196,7 +230,9 @@ class ClippedPGLoss:
         global_valid_seqs: Count,
         shard: VocabShard | None = None,
         logit_scale: float = 1.0,
-        prev_logprobs_from_current: bool = False,
+        prev_logprobs_from_current: bool | None = None,
+        prev_approximation: ProximalApproximation | None = None,
+        compare_approximations: StepVersions | None = None,
         chunk_rows: int | None = None,
         implementation: Implementation = "auto",
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -209,7 +245,9 @@ class ClippedPGLoss:
 
         def sequence_loss(sequences: Mapping[str, torch.Tensor], curr: torch.Tensor, entropy: torch.Tensor):
             return self(None, sequences, global_valid_tokens=global_valid_tokens, global_valid_seqs=global_valid_seqs,
-                        prev_logprobs_from_current=prev_logprobs_from_current, curr_logprobs=curr, curr_entropy=entropy)
+                        prev_logprobs_from_current=prev_logprobs_from_current,
+                        prev_approximation=prev_approximation, compare_approximations=compare_approximations,
+                        curr_logprobs=curr, curr_entropy=entropy)
 
         return loss_fused_linear(sequence_loss, hidden, weight, batch, shard=shard, logit_scale=logit_scale,
                                  chunk_rows=chunk_rows, implementation=implementation)
@@ -238,7 +276,54 @@ class ClippedPGLoss:
                              "(the KL to the unfiltered reference reads unfiltered current logprobs)")
         return given
 
-    def _requirements(self, prev_from_current: bool) -> BatchRequirements:
+    def _prev_from_current(self, given: bool | None, approximation: ProximalApproximation | None,
+                           compare: StepVersions | None) -> bool:
+        """Whether prev is curr.detach(): as `given`, or by default as `loss_fn.force_on_policy_ratio` says (NeMo-RL's
+        meaning of the key). Contradictory requests are a ValueError naming both."""
+        forced = self.config.force_on_policy_ratio
+        if forced and given is False:
+            raise ValueError("loss_fn.force_on_policy_ratio is true but prev_logprobs_from_current=False: the key "
+                             "makes the loss take prev = curr.detach(); leave prev_logprobs_from_current unset "
+                             "(None) or pass the plan's prev_from_current")
+        from_current = forced if given is None else given
+        if approximation is not None and (from_current or forced):
+            which = "loss_fn.force_on_policy_ratio" if forced else "prev_logprobs_from_current=True"
+            raise ValueError(f"prev_approximation={approximation.method!r} and {which}: prev comes from one place; "
+                             "set at most one")
+        if approximation is not None and approximation.method == "generation" and \
+                self.config.use_importance_sampling_correction:
+            raise ValueError("prev_approximation='generation' and loss_fn.use_importance_sampling_correction: with "
+                             "prev = the generation logprobs the IS weights exp(prev - generation) are 1; set at "
+                             "most one")
+        if compare is not None and (from_current or approximation is not None):
+            raise ValueError("compare_approximations: compares the approximations with a computed prev pass "
+                             "(batch['prev_logprobs']), but prev comes from "
+                             + ("curr.detach()" if from_current else f"prev_approximation={approximation.method!r}"))
+        return from_current
+
+    def _interpolation_weights(self, batch: Mapping[str, torch.Tensor], inputs: LossBatch,
+                               approximation: ProximalApproximation | None,
+                               compare: StepVersions | None) -> torch.Tensor | None:
+        """`[B]` float64 alpha of each sample when an interpolation (or a comparison with them) needs it."""
+        versions = compare if compare is not None else (approximation.versions if approximation else None)
+        if versions is None:
+            return None
+        user = ("compare_approximations" if compare is not None
+                else f"prev_approximation={approximation.method!r}")
+        if VERSION_KEY not in batch:
+            raise ValueError(f"batch[{VERSION_KEY!r}] is missing: it is required by {user} (the weight version "
+                             "that generated each sample)")
+        behave = batch[VERSION_KEY]
+        if not isinstance(behave, torch.Tensor) or tuple(behave.shape) != (inputs.mask.shape[0],):
+            shape = list(behave.shape) if isinstance(behave, torch.Tensor) else type(behave).__name__
+            raise ValueError(f"batch[{VERSION_KEY!r}]: expected a tensor of shape [{inputs.mask.shape[0]}], got "
+                             f"{shape}")
+        if compare is not None:
+            check_generation_logprobs(inputs.generation_logprobs, inputs.mask, user)
+        return interpolation_weights(behave, versions)
+
+    def _requirements(self, prev_from_current: bool, approximation: ProximalApproximation | None = None,
+                      compare: StepVersions | None = None) -> BatchRequirements:
         """Which optional batch keys this call needs, each with the reason a missing one's error gives."""
         cfg = self.config
         generation_users = []
@@ -246,10 +331,15 @@ class ClippedPGLoss:
             generation_users.append("loss_fn.use_importance_sampling_correction")
         if cfg.kl_in_loss and cfg.use_on_policy_kl_approximation:
             generation_users.append("loss_fn.use_on_policy_kl_approximation")
-        prev_reason = "unless prev_logprobs_from_current=True"
+        if approximation is not None:
+            generation_users.append(f"prev_approximation={approximation.method!r}")
+        if compare is not None:
+            generation_users.append("compare_approximations")
+        prev_reason = ("unless prev_logprobs_from_current=True (or loss_fn.force_on_policy_ratio, or a "
+                       "prev_approximation)")
         reference_reason = "because loss_fn.reference_policy_kl_penalty > 0 and loss_fn.use_kl_in_reward is false"
         return BatchRequirements(
-            prev_logprobs=None if prev_from_current else prev_reason,
+            prev_logprobs=None if prev_from_current or approximation is not None else prev_reason,
             generation_logprobs=f"by {' and '.join(generation_users)}" if generation_users else None,
             reference_policy_logprobs=reference_reason if cfg.kl_in_loss else None,
             rewards="because loss_fn.positive_example_nll_weight > 0" if cfg.positive_example_nll_weight > 0 else None,
@@ -345,6 +435,8 @@ class ClippedPGLoss:
         kl_mask: torch.Tensor | None,
         entropy: torch.Tensor,
         nll: torch.Tensor | None,
+        *,
+        prev_is_generation: bool = False,
     ) -> dict[str, torch.Tensor]:
         ratio, clamped = policy.ratio.detach(), policy.clamped_ratio.detach()
         metrics = {
@@ -370,7 +462,7 @@ class ClippedPGLoss:
             metrics["approx_entropy"] = token_mean(approx.detach(), mask)
         if nll is not None:
             metrics["positive_nll_loss"] = nll.detach()
-        if inputs.generation_logprobs is not None:
+        if inputs.generation_logprobs is not None and not prev_is_generation:  # else prev vs itself: left out
             metrics.update(self._mismatch_metrics(prev.detach(), inputs.generation_logprobs, mask, weights))
         return metrics
 

@@ -9,7 +9,7 @@ conflict is one `ConfigError` naming `loss_fn.<key>`. Never imports torch.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, get_args
 
 from megatron_grpo.strict_config import StrictSection
 
@@ -17,6 +17,10 @@ LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
 KLType = Literal["k1", "k2", "k3"]
 TruncationType = Literal["tis", "icepop", "seq-mask-tis"]
 SequenceWeight = Literal["product", "geometric_mean"]
+# Where the loss can take prev without a pass (`megatron_grpo.loss.proximal`): the generation logprobs (verl's
+# bypass), or AReaL's log-linear / linear interpolation between them and curr.detach().
+ApproximationMethod = Literal["generation", "loglinear", "linear"]
+APPROXIMATIONS: tuple[str, ...] = get_args(ApproximationMethod)
 
 
 @dataclasses.dataclass(frozen=True, init=False)

@@ -16,6 +16,8 @@ from types import MappingProxyType
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.loss.proximal import error_metric_names
+
 
 class Aggregation(enum.Enum):
     SUM = "sum"
@@ -51,6 +53,8 @@ METRIC_AGGREGATION: Mapping[str, Aggregation] = MappingProxyType(
         "is_oob_ratio": Aggregation.TOKEN_MEAN,  # SEQUENCE_MEAN for seq-mask-tis: see ClippedPGLoss.metric_aggregation
         "is_oob_token_ratio": Aggregation.TOKEN_MEAN,
         "curr_logprobs": Aggregation.PER_TOKEN,
+        "prev_logprobs": Aggregation.PER_TOKEN,  # only when prev is approximated in the loss
+        **{name: Aggregation.TOKEN_MEAN for name in error_metric_names()},  # compare_approximations
     }
 )
 

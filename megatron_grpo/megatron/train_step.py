@@ -33,6 +33,7 @@ from megatron_grpo.loss import (
     trained_token_mask,
     trained_token_targets,
 )
+from megatron_grpo.loss.proximal import VERSION_KEY, ProximalApproximation, StepVersions, check_generation_logprobs
 from megatron_grpo.megatron.ddp import is_ddp
 from megatron_grpo.megatron.forward import (
     Batch,
@@ -94,8 +95,8 @@ class TrainStepResult:
     """What one call of `train_step` did. Per-token tensors are `[B, S]` in the order of the batch given."""
 
     curr_logprobs: torch.Tensor  # from the training forward, detached
-    prev_logprobs: torch.Tensor  # what the loss's ratio used: curr_logprobs when plan.prev_from_current, else the
-    #   prev pass's
+    prev_logprobs: torch.Tensor  # what the loss's ratio used: curr_logprobs when plan.prev_from_current, the
+    #   generation logprobs or the interpolation when prev is approximated, else the prev pass's
     reference_policy_logprobs: torch.Tensor | None  # None when the plan skipped the reference pass
     step_metrics: list[dict[str, float]]  # per optimizer step, the same on every rank: the loss's metrics
     #   aggregated over microbatches and DP ranks, `grad_norm` (before clipping), `grad_norm_after_clip`, `lr`
@@ -115,8 +116,13 @@ def make_forward_step(
     top_p: float | None = None,
     fused_linear: bool = False,
     fused_loss: bool = False,
+    versions: StepVersions | None = None,
 ) -> ForwardStep:
     """A `forward_step(data_iterator, model) -> (output_tensor, loss_func)` for one optimizer step.
+
+    Where the loss's prev comes from is the plan's (`prev_source_kwargs`); `versions` (this optimizer step's
+    proximal and current weight versions) are needed when the plan interpolates prev or compares with the
+    interpolations, together with the batch's per-sample `rollout_weight_version`.
 
     The policy trained is softmax(logits / `logits_temperature`), filtered by `top_k` / `top_p`: pass the
     sampling settings so that the trained policy is the one the rollouts came from.
@@ -148,6 +154,7 @@ def make_forward_step(
         raise ValueError("fused_loss: needs fused_linear=True and a loss with on_hidden_states (ClippedPGLoss)")
     if fused_loss and sampling_filter:
         raise ValueError("fused_loss: no top_k / top_p on the loss-fused path (use fused_linear alone)")
+    prev_source = prev_source_kwargs(plan, versions)
 
     def current(batch: Batch, model: torch.nn.Module, output_tensor: torch.Tensor) -> dict[str, torch.Tensor | None]:
         """What the loss reads of the model's output: the logits (and their scale, 1 / temperature, applied inside
@@ -167,8 +174,7 @@ def make_forward_step(
     def fused_loss_func(batch: Batch, model: torch.nn.Module, hidden: torch.Tensor):
         return loss_fn.on_hidden_states(
             hidden, output_weight(model).to(hidden.dtype), batch, global_valid_tokens=global_valid_tokens,
-            global_valid_seqs=global_valid_seqs, shard=vocab, logit_scale=1.0 / logits_temperature,
-            prev_logprobs_from_current=plan.prev_from_current,
+            global_valid_seqs=global_valid_seqs, shard=vocab, logit_scale=1.0 / logits_temperature, **prev_source,
         )
 
     def loss_func(batch: Batch, model: torch.nn.Module,
@@ -183,7 +189,7 @@ def make_forward_step(
             global_valid_tokens=global_valid_tokens,
             global_valid_seqs=global_valid_seqs,
             shard=vocab,
-            prev_logprobs_from_current=plan.prev_from_current,
+            **prev_source,
             **sampling_filter,
             **model_output,
         )
@@ -194,6 +200,24 @@ def make_forward_step(
         return model_forward(model, batch["input_ids"], hidden_states=fused_linear), partial(loss_func, batch, model)
 
     return forward_step
+
+
+def prev_source_kwargs(plan: LogprobPlan, versions: StepVersions | None = None) -> dict:
+    """The loss's keyword arguments that say where its prev comes from, as the plan decided: from current
+    (`prev_logprobs_from_current`), approximated (`prev_approximation`), or the batch's pass, possibly compared with
+    the approximations (`compare_approximations`). Only what is set is passed, so a loss that knows no
+    approximation still works without one."""
+    if plan.needs_versions and versions is None:
+        raise ValueError(f"versions: the plan's prev ({plan.prev_source}"
+                         f"{', compared with its approximations' if plan.compare_approximations else ''}) needs this "
+                         "optimizer step's weight versions (StepVersions)")
+    kwargs: dict = {"prev_logprobs_from_current": plan.prev_from_current}
+    if plan.prev_approximation is not None:
+        kwargs["prev_approximation"] = ProximalApproximation(
+            plan.prev_approximation, versions if plan.prev_approximation != "generation" else None)
+    if plan.compare_approximations:
+        kwargs["compare_approximations"] = versions
+    return kwargs
 
 
 def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int,
@@ -261,6 +285,7 @@ def train_step(
     reference_model: torch.nn.Module | None = None,
     prepare_batch: Callable[[Batch], Batch] | None = None,
     timer: StepTimer | None = None,
+    proximal_version: float | None = None,
 ) -> TrainStepResult:
     """Trains on one rollout batch (this DP rank's share): the planned logprob passes, then the optimizer steps.
 
@@ -269,9 +294,21 @@ def train_step(
     `reference_model` is needed only when `plan.compute_reference_logprobs`. `prepare_batch`, when given, maps
     the batch once the logprob passes are in it and before any optimizer step: the readers of prev logprobs
     before the loss (sequence masking by logprob error, the KL in the reward) work there.
+
+    With prev from the generation logprobs (the plan's `prev_approximation`), they are the batch's prev from the
+    start. An interpolated prev (or the comparison with it) needs `proximal_version`, the weight version of the
+    model as given (in the unit of the batch's per-sample `rollout_weight_version`); optimizer step k of the K
+    that train the rollout then has current version `proximal_version + k / K` (`StepVersions`).
     """
     if plan.compute_reference_logprobs and reference_model is None:
         raise ValueError("reference_model: the plan computes reference logprobs, but none was given")
+    if plan.needs_versions and (proximal_version is None or VERSION_KEY not in batch):
+        missing = " and ".join(name for name, absent in (("proximal_version", proximal_version is None),
+                                                         (f"batch[{VERSION_KEY!r}]", VERSION_KEY not in batch))
+                               if absent)
+        raise ValueError(f"{missing}: required by the plan's prev ({plan.prev_source}"
+                         f"{', compared with its approximations' if plan.compare_approximations else ''}): the "
+                         "weight versions of the proximal policy and of each sample's generating policy")
     timer = timer if timer is not None else StepTimer()
     clip = step.clip_grad
     micro_batch_size = step.micro_batch_size
@@ -295,17 +332,25 @@ def train_step(
                                                       logits_temperature=temperature, fused_linear=fused,
                                                       **sampling)
         passes_run["prev"] = 1
+    if plan.prev_approximation == "generation":  # verl's bypass: the rollout's logprobs are prev from the start
+        check_generation_logprobs(batch.get("generation_logprobs"), trained_token_mask(batch),
+                                  "the plan's prev from generation (logprob_passes.prev: generation)")
+        batch["prev_logprobs"] = batch["generation_logprobs"]
     if passes_run:
         log.info("logprob passes run: %s", ", ".join(f"{name} x{count}" for name, count in passes_run.items()))
     if prepare_batch is not None:
         batch = dict(prepare_batch(batch))
 
     step_metrics, microbatch_metrics = [], []
-    for start in range(0, batch["input_ids"].shape[0], step_rows):
+    rows = batch["input_ids"].shape[0]
+    for start in range(0, rows, step_rows):
         step_batch = {key: value[start:start + step_rows] for key, value in batch.items()}
+        versions = (StepVersions.of_optimizer_step(proximal_version, start // step_rows, rows // step_rows)
+                    if plan.needs_versions else None)
         with timer.section("forward_backward"):
             metrics = _forward_backward(model, optimizer, loss_fn, plan, step_batch, micro_batch_size, temperature,
-                                        fused_linear=fused, fused_loss=step.fused_linear_loss, **sampling)
+                                        fused_linear=fused, fused_loss=step.fused_linear_loss, versions=versions,
+                                        **sampling)
         with timer.section("optimizer"):
             lr = learning_rate(optimizer)  # the rate this step uses
             grad_norm = optimizer_step(model, optimizer, clip)
@@ -316,9 +361,14 @@ def train_step(
     curr_logprobs = from_last_stage(
         torch.cat([m["curr_logprobs"] for m in microbatch_metrics]) if microbatch_metrics
         else torch.empty(batch["input_ids"].shape, dtype=torch.float32, device=batch["input_ids"].device))
+    if plan.prev_approximation in ("loglinear", "linear"):  # interpolated in the loss, microbatch by microbatch
+        prev_logprobs = from_last_stage(torch.cat([m["prev_logprobs"] for m in microbatch_metrics])
+                                        if microbatch_metrics else torch.empty_like(curr_logprobs))
+    else:
+        prev_logprobs = curr_logprobs if plan.prev_from_current else batch["prev_logprobs"]
     return TrainStepResult(
         curr_logprobs=curr_logprobs,
-        prev_logprobs=curr_logprobs if plan.prev_from_current else batch["prev_logprobs"],
+        prev_logprobs=prev_logprobs,
         reference_policy_logprobs=batch.get("reference_policy_logprobs"),
         step_metrics=step_metrics,
         passes_run=passes_run,
@@ -337,6 +387,7 @@ def _forward_backward(
     top_p: float | None = None,
     fused_linear: bool = False,
     fused_loss: bool = False,
+    versions: StepVersions | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Fresh gradients of one optimizer step: Megatron's schedule over the microbatches, which ends in DDP's
     reduction over the DP ranks (`megatron.ddp`).
@@ -351,7 +402,7 @@ def _forward_backward(
     forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches), global_valid_tokens=tokens,
                                      global_valid_seqs=seqs, vocab=vocab_shard_of(model),
                                      logits_temperature=logits_temperature, top_k=top_k, top_p=top_p,
-                                     fused_linear=fused_linear, fused_loss=fused_loss)
+                                     fused_linear=fused_linear, fused_loss=fused_loss, versions=versions)
     zero_optimizer_grads(model, optimizer)
     model.train()
     return run_schedule(forward_step, model, microbatches, forward_only=False)
