@@ -39,10 +39,13 @@ class LossBatch:
 
 def validate_batch(
     batch: Mapping[str, torch.Tensor], logits: torch.Tensor | None, requirements: BatchRequirements,
-    *, current: Mapping[str, torch.Tensor] | None = None,
+    *, current: Mapping[str, torch.Tensor] | None = None, check_values: bool = True,
 ) -> LossBatch:
     """Checks `batch` against `logits [B, S, V_local]`, or against the precomputed `[B, S]` per-token tensors of
-    `current` (name -> tensor) when there are no logits, and returns it in the loss's working form."""
+    `current` (name -> tensor) when there are no logits, and returns it in the loss's working form.
+
+    `check_values=False` skips the checks that read values (finite advantages and rewards: host syncs), for a caller
+    that checked them once already; keys, shapes and dtypes are always checked."""
     mask = trained_token_mask(batch)
     batch_size, seq_len = mask.shape
     if logits is not None:
@@ -57,7 +60,7 @@ def validate_batch(
             raise ValueError(f"{key}: expected a tensor, got {type(tensor).__name__}")
         _check_shape(key, tensor, [(batch_size, seq_len)])
         _check_floating(key, tensor)
-    advantages = _advantages(batch, batch_size, seq_len)
+    advantages = _advantages(batch, batch_size, seq_len, check_values)
     logprobs = {}
     for key in OPTIONAL_LOGPROB_KEYS:
         reason = getattr(requirements, key)
@@ -70,7 +73,8 @@ def validate_batch(
         _check_shape(key, tensor, [(batch_size, seq_len)])
         _check_floating(key, tensor)
         logprobs[key] = _on_mask(tensor, mask)
-    rewards = _rewards(batch, batch_size, requirements.rewards) if requirements.rewards is not None else None
+    rewards = _rewards(batch, batch_size, requirements.rewards, check_values) if requirements.rewards is not None \
+        else None
     return LossBatch(
         input_ids=batch["input_ids"], mask=mask, advantages=_on_mask(advantages, mask), rewards=rewards, **logprobs
     )
@@ -111,22 +115,22 @@ def count_valid(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.
     return mask.sum(), (mask.sum(dim=1) > 0).sum().to(torch.float32)
 
 
-def _advantages(batch: Mapping[str, torch.Tensor], batch_size: int, seq_len: int) -> torch.Tensor:
+def _advantages(batch: Mapping[str, torch.Tensor], batch_size: int, seq_len: int, check_values: bool) -> torch.Tensor:
     advantages = _tensor(batch, "advantages")
     _check_shape("advantages", advantages, [(batch_size, seq_len), (batch_size,)])
     _check_floating("advantages", advantages)
-    if not bool(torch.isfinite(advantages).all()):
+    if check_values and not bool(torch.isfinite(advantages).all()):
         raise ValueError("batch['advantages']: contains NaN or infinite values")
     return advantages[:, None].expand(batch_size, seq_len) if advantages.dim() == 1 else advantages
 
 
-def _rewards(batch: Mapping[str, torch.Tensor], batch_size: int, reason: str) -> torch.Tensor:
+def _rewards(batch: Mapping[str, torch.Tensor], batch_size: int, reason: str, check_values: bool) -> torch.Tensor:
     if "rewards" not in batch:
         raise ValueError(f"batch['rewards'] is missing: it is required {reason}")
     rewards = _tensor(batch, "rewards")
     _check_shape("rewards", rewards, [(batch_size,)])
     _check_floating("rewards", rewards)
-    if not bool(torch.isfinite(rewards).all()):
+    if check_values and not bool(torch.isfinite(rewards).all()):
         raise ValueError("batch['rewards']: contains NaN or infinite values")
     return rewards.to(torch.float32)
 
