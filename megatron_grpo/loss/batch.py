@@ -80,6 +80,28 @@ def validate_batch(
     )
 
 
+def check_batch_values(batch: Mapping[str, torch.Tensor], true_vocab_size: int) -> None:
+    """The checks of a batch's values, in one host sync: token ids in `[0, true_vocab_size)`, finite advantages (and
+    rewards, when given). For a caller that then runs the loss and the ops with `check_inputs=False` (the Megatron
+    train step checks its rollout once, not each microbatch of each pass). A bad value is a `ValueError` naming its
+    key."""
+    input_ids, advantages = _tensor(batch, "input_ids"), _tensor(batch, "advantages")
+    if input_ids.numel() == 0:
+        return
+    rewards = batch.get("rewards")
+    finite = [torch.isfinite(advantages).all()]
+    if isinstance(rewards, torch.Tensor):
+        finite.append(torch.isfinite(rewards).all())
+    smallest, largest, *all_finite = torch.stack([input_ids.min().double(), input_ids.max().double(),
+                                                  *(flag.double() for flag in finite)]).tolist()
+    if smallest < 0 or largest >= true_vocab_size:
+        bad = int(smallest) if smallest < 0 else int(largest)
+        raise ValueError(f"batch['input_ids']: contains token id {bad}, outside the vocab [0, {true_vocab_size})")
+    for key, ok in zip(("advantages", "rewards"), all_finite):
+        if not ok:
+            raise ValueError(f"batch[{key!r}]: contains NaN or infinite values")
+
+
 def trained_token_targets(input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """`input_ids` with -1 (ignore) where `mask` is 0: the targets of the ops' next-token mode (`shift=True`)."""
     return input_ids.masked_fill(mask == 0, -1)
