@@ -217,7 +217,8 @@ def _select_top_p(x: torch.Tensor, p: float, shift: torch.Tensor, floor: torch.T
             .to(torch.int32))
     del centered
     row_offsets = torch.arange(rows, dtype=torch.int32, device=z.device)[:, None] * VALUE_BINS
-    value_masses = _histogram(bins + row_offsets, mass, rows, VALUE_BINS, group)
+    flat_bins = bins.add_(row_offsets)  # in place: each row's bins after the rows above
+    value_masses = _histogram(flat_bins, mass, rows, VALUE_BINS, group)
     target = p * value_masses.sum(dim=-1)  # p of the whole kept mass
     higher = value_masses.cumsum(dim=-1) - value_masses  # the mass of the bins above each bin
     open_bins = (higher < target[:, None]) & (value_masses > 0)
@@ -225,13 +226,13 @@ def _select_top_p(x: torch.Tensor, p: float, shift: torch.Tensor, floor: torch.T
     boundary = torch.where(open_bins, bin_index, -1).amax(dim=-1).clamp(min=0)
     target = target - higher.gather(1, boundary[:, None]).squeeze(1)
     # Stage 2, over the boundary bin's logits only.
-    candidates = bins == boundary[:, None].to(torch.int32)
+    candidates = flat_bins == (boundary.to(torch.int32)[:, None] + row_offsets)
     if below is not None:
         candidates &= ~below
-    del bins
+    del flat_bins, bins
     flat = candidates.view(-1).nonzero().squeeze(1)
-    candidate_rows = flat // z.shape[1]
-    keys = _unsigned_keys(z.reshape(-1).index_select(0, flat))
+    candidate_rows, candidate_cols = flat // z.shape[1], flat % z.shape[1]
+    keys = _unsigned_keys(z[candidate_rows, candidate_cols])  # (z may be a strided view: no copy of it)
     candidate_mass = mass.view(-1).index_select(0, flat)
     del mass, candidates
     return _radix_select(keys, candidate_rows, candidate_mass, target, rows, width, group)
