@@ -89,16 +89,32 @@ for i in range(torch.cuda.device_count()):
     print(f"cuda:{i}: {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB")'
 }
 
-# megatron-core from the carried wheels, into the private SITE folder (see the header), offline.
+# megatron-core from the carried wheels that this Python can install (their tags), into the private SITE folder (see
+# the header), offline.
 step_wheels() {
   if ! compgen -G "$WHEELS/*.whl" >/dev/null; then
     echo "skipped: no $WHEELS/*.whl (make gpu-wheels, then ship .whl/); megatron-core only if the environment has it"
     return $SKIPPED
   fi
-  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-    "$WHEELS"/*.whl || return
-  PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c \
-    'import megatron.core; print("megatron-core", megatron.core.__version__, "from", megatron.core.__file__)'
+  local wheels
+  wheels=$("$PYTHON" - "$WHEELS" <<'PY'
+import pathlib, sys
+from pip._vendor.packaging.tags import sys_tags
+from pip._vendor.packaging.utils import parse_wheel_filename
+supported = set(sys_tags())
+print(" ".join(str(path) for path in sorted(pathlib.Path(sys.argv[1]).glob("*.whl"))
+               if set(parse_wheel_filename(path.name)[3]) & supported))
+PY
+) || return
+  if [ -z "$wheels" ]; then
+    echo "skipped: no wheel in $WHEELS/ fits this Python ($("$PYTHON" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')):" \
+      "$(cd "$WHEELS" && ls -- *.whl | tr '\n' ' ')"
+    return $SKIPPED
+  fi
+  # shellcheck disable=SC2086  # wheels is a list of paths
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" $wheels \
+    || return
+  echo "installed into $SITE (the runner step imports it): $(cd "$SITE" && ls -d -- *.dist-info | tr '\n' ' ')"
 }
 
 # Needs nvcc only (no torch headers), so it runs first and in the dry run too.
