@@ -25,7 +25,7 @@ MEGATRON_TESTS := tests/test_megatron_hooks.py tests/test_megatron_fused_linear.
 	$(filter-out %_learning.py,$(wildcard tests/test_grpo_*.py))
 MCORE_NEW_SLOW := tests/test_grpo_layouts.py tests/test_example_training_loop.py
 
-.PHONY: install demo demo-figure test test-fast test-mcore-new bench bench-linear cuda-check clean
+.PHONY: install demo demo-figure test test-fast test-mcore-new bench bench-linear cuda-check gpu-wheels clean
 
 $(STAMP): $(SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -78,6 +78,15 @@ bench-linear: install
 cuda-check:
 	$(NVCC) -std=c++17 -O3 -Xcompiler -Wall -Icsrc -c csrc/logprob_cuda.cu -o /tmp/megatron_grpo_logprob_cuda.o \
 	  -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+
+# megatron-core for a GPU machine without it and without network (benchmarks/gpu_check.sh's `wheels` step): its wheel
+# for that machine's Python, downloaded here into the git-ignored .whl/, to ship with the checkout. The cp312 wheel is
+# tagged manylinux_2_28 (manylinux2014 alone finds none).
+GPU_PYTHON_VERSION ?= 3.12
+GPU_MCORE ?= 0.16.1
+gpu-wheels: install
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl megatron-core==$(GPU_MCORE)
 
 clean:
 	rm -rf build *.egg-info megatron_grpo/_C*.so

@@ -1,7 +1,8 @@
 """Builds megatron-grpo and its kernel extension `megatron_grpo._C`.
 
 The C++ CPU kernels are always built. The CUDA kernels join them when the installed torch has CUDA and nvcc is
-found (a CPU torch forces CUDA_HOME to None, so CI compile-checks `csrc/*.cu` with plain nvcc instead).
+found (a CPU torch forces CUDA_HOME to None, so CI compile-checks `csrc/*.cu` with plain nvcc instead), for the
+architectures of TORCH_CUDA_ARCH_LIST (torch's variable; default `DEFAULT_CUDA_ARCHS`).
 On x86 the CPU kernel source is compiled twice, for AVX2 + FMA (x86-64-v3) and for AVX-512, each build in its
 own namespace (as ATen does with CPU_CAPABILITY); the extension picks one at run time. `megatron_grpo.ops` checks
 the CPU (AVX2 at least) before using them.
@@ -9,12 +10,16 @@ the CPU (AVX2 at least) before using them.
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent
+# The CUDA architectures built when TORCH_CUDA_ARCH_LIST is unset: A100 and H100/H200 code, and PTX of the highest
+# for later GPUs (their driver compiles it at first load).
+DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
 
 
 def kernel_extensions() -> list:
@@ -34,9 +39,9 @@ def kernel_extensions() -> list:
         extension = cpp_extension.CUDAExtension
         sources.append("csrc/logprob_cuda.cu")
         cxx.append("-DMEGATRON_GRPO_WITH_CUDA")
-        extra["nvcc"] = ["-O3", "-std=c++17", "-DMEGATRON_GRPO_WITH_CUDA", "--expt-relaxed-constexpr"] + [
-            f"-gencode=arch=compute_{sm},code=sm_{sm}" for sm in ("80", "90")
-        ]
+        # No architecture flags here: torch's extension builder then takes them from TORCH_CUDA_ARCH_LIST.
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+        extra["nvcc"] = ["-O3", "-std=c++17", "-DMEGATRON_GRPO_WITH_CUDA", "--expt-relaxed-constexpr"]
     return [
         extension(
             name="megatron_grpo._C",

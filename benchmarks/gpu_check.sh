@@ -1,48 +1,62 @@
 #!/usr/bin/env bash
 # GPU check of the CUDA logprob kernels, in one go: report the kernels' registers and spills (nvcc), build
-# megatron_grpo._C with CUDA, run the GPU tests, then the fused linear op's GPU tests, measure the kernels against
-# the memory roof, run the benchmark.
+# megatron_grpo._C with CUDA, run the GPU tests, then the fused linear op's GPU tests, the runner on one GPU, measure
+# the kernels against the memory roof, run the benchmark.
 #
 # What it needs: bash, coreutils (`timeout`), a Python with a CUDA build of torch, and nvcc (CUDA_HOME or PATH),
 # on any machine with an NVIDIA GPU. Nothing is downloaded: the package is installed editable with --no-deps and
-# --no-index. Optional: megatron-core, for the benchmark's Megatron peer (from the environment, or as wheels in
-# .whl/, installed into a private folder); without it the benchmark reports that peer as missing.
+# --no-index. A full run stops at once, with one line saying so, when nvcc is missing and the build is selected.
+#
+# megatron-core (the runner step and the benchmark's Megatron peer) comes from the environment or, where the GPU
+# machine lacks it and has no network, from wheels carried with the checkout in the git-ignored .whl/ folder:
+#   1. beforehand, on a machine with internet, `make gpu-wheels` runs
+#        pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#            --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl megatron-core==0.16.1
+#      (the cp312 wheel is tagged manylinux_2_28: manylinux2014 alone finds none; PYTHON_VERSION= for another
+#      Python). megatron-core needs only torch, numpy and packaging, which a CUDA torch image has;
+#   2. ship .whl/ with the checkout (a tool that copies only tracked files must be told to take this ignored folder);
+#   3. the `wheels` step installs them offline (--no-index --no-deps) into build/gpu_check_site, a private folder
+#      that later runs reuse; the machine's own packages stay untouched.
 #
 # How to run it, from the repo root:
 #     bash benchmarks/gpu_check.sh                  # PYTHON=python3 by default; PYTHON=/path/to/python to choose
+#     STEPS="tests runner" bash benchmarks/gpu_check.sh   # rerun chosen steps only (an earlier run's build stays)
 #     bash benchmarks/gpu_check.sh --dry-run        # no GPU needed: every step, the CUDA ones skipped (see below)
-# Without a CUDA device it always dry-runs. The results go to $OUT, by default
-# benchmarks/results/gpu_check-<UTC date>-<device>/; commit that folder. Each step has its own time budget
-# (all together 470 s, under 8 minutes), runs even when an earlier one failed, and prints one status line
-# (ok, skipped, FAILED or TIMED OUT); the exit status is the first failure's. $OUT holds at most 8 files:
-#     summary.txt      date, device, and each step's status and time
+# Without a CUDA device it always dry-runs. Every run first prints its plan: each step, whether STEPS selects it,
+# its budget, and where megatron-core comes from.
+#
+# Budgets (seconds): machine 15, wheels 10, registers 40, build 80, tests 120, linear 40, runner 55, roofline 20,
+# bench 50: 430 s in all. A step that reaches its budget gets SIGINT (pytest then writes its summary and JUnit
+# report, and `tee -i` keeps every line), and SIGKILL 5 s later: at most 475 s for all nine steps, under 8 minutes.
+# Every step runs even when an earlier one failed, and prints one status line (ok, skipped, not selected, FAILED
+# or TIMED OUT); the exit status is the first failure's.
+#
+# The results go to $OUT, by default benchmarks/results/gpu_check-<UTC date>-<device>/ (commit that folder); a
+# rerun with STEPS= appends to the logs and replaces the files of the steps it reruns. $OUT holds at most 8 files:
+#     summary.txt      per run: date, device, mode, STEPS, and each step's status and time
 #     gpu_check.log    everything every step printed, whole (pytest's output included)
 #     ptxas.txt        nvcc -Xptxas -v: registers, shared memory and spills of every kernel variant
 #     build.log        the whole log of `pip install -e .`
-#     pytest.xml       the GPU tests' JUnit report
+#     pytest.xml       the GPU tests' JUnit report (partial if the step ran out of time)
+#     runner.txt       the runner step's two torchrun jobs (4 steps, then resumed to 6)
 #     roofline.txt     each kernel's bytes per second as a fraction of a device-to-device copy's
 #     bench.tgz        the benchmark's Markdown table, JSON and plot (benchmarks/results/ format)
-# The dry run (no CUDA): the register report runs (it needs nvcc only), the build, GPU tests and roofline are
-# skipped with a line saying so, the CPU op tests run instead of the GPU tests, the fused linear op's GPU tests
+# The dry run (no CUDA): the register report runs (it needs nvcc only), the build, GPU tests, runner and roofline
+# are skipped with a line saying so, the CPU op tests run instead of the GPU tests, the fused linear op's GPU tests
 # are collected and skip (no CUDA), and the benchmark runs in its quick CPU mode with megatron-core hidden
 # (benchmarks/hide_megatron), as on a bare GPU image.
 #
-# On a GPU machine reached as a batch job (one command, its output folder copied back, no internet there):
-#   1. Beforehand, on a machine with internet: if the GPU image lacks megatron-core, fetch the wheel for its
-#      Python into the git-ignored .whl/ (megatron-core needs only torch, numpy and packaging), e.g. for 3.12:
-#        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#            --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1
-#   2. Ship the checkout with .whl/ and run `OUT=<the job's output folder> bash benchmarks/gpu_check.sh` with a
-#      wall-clock limit of about 9 minutes. Every file under $OUT is written as its step goes, so even a job
-#      cut off brings back the steps it finished.
-#   3. Copy the returned files into benchmarks/results/gpu_check-<date>-<device>/ and commit them.
+# On a GPU machine reached as a batch job (one command, its output folder copied back, no internet there): ship
+# the checkout with .whl/ and run `OUT=<the job's output folder> bash benchmarks/gpu_check.sh` with a wall-clock
+# limit of 8 minutes or more; every file under $OUT is written as its step goes, so a job cut off still brings back
+# the steps it finished. Then copy the files into benchmarks/results/gpu_check-<date>-<device>/ and commit them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 export PYTHON="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") && trap 'rm -rf "$WORK"' EXIT
-export WORK WHEELS=.whl SITE="$WORK/site"  # WORK: this run's scratch folder (wheels' site, pytest log, ...)
+export WORK WHEELS=.whl SITE="$PWD/build/gpu_check_site"  # SITE: megatron-core from .whl/, kept for reruns
 # The CUDA and CPU test files (the GPU tests are their `gpu`-marked cases: test_gpu.py, and the op tests' cuda
 # cases of conftest's `device` fixture); the dry run runs CPU_TESTS. tests/test_bench_gpu_check.py checks that
 # GPU_TESTS names every test file with a `gpu`-marked case.
@@ -54,9 +68,11 @@ export CPU_TESTS="${CPU_TESTS:-tests/test_logprob_op.py tests/test_logprob_error
 # peak memory): their own step and budget, not in `tests`. Its small-shape cuda cases run in `tests`.
 export LINEAR_TESTS="${LINEAR_TESTS:-tests/test_gpu.py}" LINEAR_SELECT=fused_linear
 
-# Step budgets in seconds (sum 475). Each step is killed, with its child processes, at its budget.
-BUDGET_MACHINE=20 BUDGET_WHEELS=15 BUDGET_REGISTERS=35 BUDGET_BUILD=150 BUDGET_TESTS=95 BUDGET_LINEAR=40
-BUDGET_RUNNER=40 BUDGET_ROOFLINE=20 BUDGET_BENCH=60
+ALL_STEPS="machine wheels registers build tests linear runner roofline bench"
+# Step budgets in seconds (sum 430); GRACE: from a step's SIGINT to its SIGKILL.
+BUDGET_MACHINE=15 BUDGET_WHEELS=10 BUDGET_REGISTERS=40 BUDGET_BUILD=80 BUDGET_TESTS=120 BUDGET_LINEAR=40
+BUDGET_RUNNER=55 BUDGET_ROOFLINE=20 BUDGET_BENCH=50
+GRACE=5
 export BUDGET_BENCH
 SKIPPED=77  # a step's exit status for "skipped"; it prints why
 
@@ -73,16 +89,32 @@ for i in range(torch.cuda.device_count()):
     print(f"cuda:{i}: {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB")'
 }
 
-# megatron-core from carried wheels, into a private folder (the machine's packages stay untouched).
+# megatron-core from the carried wheels that this Python can install (their tags), into the private SITE folder (see
+# the header), offline.
 step_wheels() {
   if ! compgen -G "$WHEELS/*.whl" >/dev/null; then
-    echo "skipped: no $WHEELS/*.whl; megatron-core is used only if the environment has it"
+    echo "skipped: no $WHEELS/*.whl (make gpu-wheels, then ship .whl/); megatron-core only if the environment has it"
     return $SKIPPED
   fi
-  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-    "$WHEELS"/*.whl || return
-  PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c \
-    'import megatron.core; print("megatron-core", megatron.core.__version__)'
+  local wheels
+  wheels=$("$PYTHON" - "$WHEELS" <<'PY'
+import pathlib, sys
+from pip._vendor.packaging.tags import sys_tags
+from pip._vendor.packaging.utils import parse_wheel_filename
+supported = set(sys_tags())
+print(" ".join(str(path) for path in sorted(pathlib.Path(sys.argv[1]).glob("*.whl"))
+               if set(parse_wheel_filename(path.name)[3]) & supported))
+PY
+) || return
+  if [ -z "$wheels" ]; then
+    echo "skipped: no wheel in $WHEELS/ fits this Python ($("$PYTHON" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')):" \
+      "$(cd "$WHEELS" && ls -- *.whl | tr '\n' ' ')"
+    return $SKIPPED
+  fi
+  # shellcheck disable=SC2086  # wheels is a list of paths
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" $wheels \
+    || return
+  echo "installed into $SITE (the runner step imports it): $(cd "$SITE" && ls -d -- *.dist-info | tr '\n' ' ')"
 }
 
 # Needs nvcc only (no torch headers), so it runs first and in the dry run too.
@@ -101,11 +133,12 @@ step_registers() {
   echo "kernel variants: $variants; with spills: $spilling; most registers per thread: $most"
 }
 
-# The package in editable mode: setup.py adds the CUDA kernels because this torch has CUDA and nvcc is found.
-# No build isolation (the build must use this CUDA torch), no deps and no index (nothing is downloaded).
+# The package in editable mode: setup.py adds the CUDA kernels because this torch has CUDA and nvcc is found, for
+# TORCH_CUDA_ARCH_LIST (here this device's architecture). No build isolation (the build must use this CUDA torch),
+# no deps and no index (nothing is downloaded).
 step_build() {
   if [ "$DRY_RUN" = 1 ]; then echo "skipped (dry run): no CUDA build; the CPU extension stays as built"; return $SKIPPED; fi
-  echo "MAX_JOBS=$MAX_JOBS TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST; whole log in build.log"
+  echo "MAX_JOBS=$MAX_JOBS TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST CUDA_HOME=$CUDA_HOME; whole log in build.log"
   "$PYTHON" -m pip install --no-index --no-deps --no-build-isolation -v -e . >"$OUT/build.log" 2>&1
   local rc=$?
   if [ "$rc" -ne 0 ]; then
@@ -120,18 +153,18 @@ assert fused_supports(torch.device("cuda")), "megatron_grpo._C was built without
 }
 
 # pytest's exit status: 1 tests failed or a file could not be collected (the other files still run), 2
-# interrupted, 3 internal error, 4 usage, 5 none collected. Its whole output is in gpu_check.log; the errors
-# and the summary are repeated at the end of the step, with their detail.
+# interrupted (the step's budget: the summary and pytest.xml are still written), 3 internal error, 4 usage, 5 none
+# collected. Its whole output is in gpu_check.log; the errors and the summary are repeated at the end of the step.
 step_tests() {
   local log="$WORK/pytest.log" rc
   if [ "$DRY_RUN" = 1 ]; then
     echo "dry run: the CPU op tests instead of the GPU tests"
     # shellcheck disable=SC2086  # CPU_TESTS is a list of paths
-    "$PYTHON" -m pytest -q -ra -p no:cacheprovider --continue-on-collection-errors $CPU_TESTS 2>&1 | tee "$log"
+    "$PYTHON" -m pytest -q -ra -p no:cacheprovider --continue-on-collection-errors $CPU_TESTS 2>&1 | tee -i "$log"
   else
     # shellcheck disable=SC2086  # GPU_TESTS is a list of paths
     "$PYTHON" -m pytest -q -ra -p no:cacheprovider --continue-on-collection-errors -m gpu -k "not $LINEAR_SELECT" \
-      --junitxml="$OUT/pytest.xml" $GPU_TESTS 2>&1 | tee "$log"
+      --junitxml="$OUT/pytest.xml" $GPU_TESTS 2>&1 | tee -i "$log"
   fi
   rc=${PIPESTATUS[0]}
   case $rc in
@@ -151,7 +184,7 @@ step_linear() {
   local log="$WORK/pytest_linear.log" rc
   [ "$DRY_RUN" = 0 ] || echo "dry run: collected only, each test skips without CUDA"
   # shellcheck disable=SC2086  # LINEAR_TESTS is a list of paths
-  "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider -m gpu -k "$LINEAR_SELECT" $LINEAR_TESTS 2>&1 | tee "$log"
+  "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider -m gpu -k "$LINEAR_SELECT" $LINEAR_TESTS 2>&1 | tee -i "$log"
   rc=${PIPESTATUS[0]}
   case $rc in
     0) ;;
@@ -165,12 +198,14 @@ step_linear() {
 # The runner on one GPU (NCCL): Megatron's DDP and its distributed optimizer, a checkpoint of its sharded state,
 # and a resume from it. The tiny config at TP 1 for 4 steps (a checkpoint every 2), then to 6 steps, resumed.
 step_runner() {
-  if ! "$PYTHON" -c 'import megatron.core' 2>/dev/null; then
-    echo "skipped: megatron-core is not importable (carry its wheels in $WHEELS)"; return $SKIPPED
-  fi
   if [ "$DRY_RUN" = 1 ]; then echo "skipped (dry run): needs a CUDA device"; return $SKIPPED; fi
+  if ! "$PYTHON" -c 'import megatron.core' 2>/dev/null; then
+    echo "skipped: megatron-core is not importable (make gpu-wheels, ship .whl/, run the wheels step)"
+    return $SKIPPED
+  fi
   local dir="$WORK/runner" steps
   mkdir -p "$dir"
+  : >"$OUT/runner.txt"
   for steps in 4 6; do
     "$PYTHON" - "$dir" "$steps" <<'PY' || return
 import sys, yaml
@@ -184,7 +219,7 @@ data["logging"].update(progress_bar=False, tensorboard=False)
 yaml.safe_dump(data, open(f"{directory}/config.yaml", "w"))
 PY
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 -m megatron_grpo train \
-      --config "$dir/config.yaml" 2>&1 | tee -a "$OUT/runner.txt" | tail -n 12
+      --config "$dir/config.yaml" 2>&1 | tee -ia "$OUT/runner.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || return 1
   done
   grep -q "resuming from step 4" "$OUT/runner.txt" || { echo "the second run did not resume from step 4"; return 1; }
@@ -192,12 +227,12 @@ PY
 
 step_roofline() {
   if [ "$DRY_RUN" = 1 ]; then echo "skipped (dry run): needs a CUDA device"; return $SKIPPED; fi
-  "$PYTHON" benchmarks/kernel_roofline.py 2>&1 | tee "$OUT/roofline.txt"
+  "$PYTHON" benchmarks/kernel_roofline.py 2>&1 | tee -i "$OUT/roofline.txt"
   return "${PIPESTATUS[0]}"
 }
 
 # TP=2 runs one rank per GPU (NCCL), so it is measured only where there are two. The benchmark's own timeout
-# is below the step's budget, so that a stuck rank is reported by the benchmark rather than killed silently.
+# is below the step's budget, so that a stuck rank is reported by the benchmark rather than interrupted silently.
 step_bench() {
   local dir="$WORK/bench" args
   rm -rf "$dir" && mkdir -p "$dir/bench"
@@ -219,13 +254,43 @@ export -f section step_machine step_wheels step_registers step_build step_tests 
   step_bench
 export SKIPPED
 
+selected() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+budget_of() { local var="BUDGET_${1^^}"; echo "${!var}"; }
+
+# The plan: each step, whether STEPS selects it, its budget; where megatron-core comes from; the budgets' sum.
+print_plan() {
+  local name total=0 count=0 carry
+  if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    carry="carry: $(cd "$WHEELS" && ls -- *.whl | tr '\n' ' ')-> $SITE (pip --no-index --no-deps)"
+  else
+    carry="carry: no $WHEELS/*.whl; megatron-core from the environment if it has one (make gpu-wheels, ship .whl/)"
+  fi
+  echo "plan ($([ "$DRY_RUN" = 1 ] && echo "dry run" || echo full)): STEPS=\"$STEPS\""
+  for name in $ALL_STEPS; do
+    local budget
+    budget=$(budget_of "$name")
+    total=$((total + budget)) count=$((count + 1))
+    printf '  %-10s %4d s  %-14s%s\n' "$name" "$budget" "$(selected "$name" && echo selected || echo "not selected")" \
+      "$([ "$name" = wheels ] && echo "$carry")"
+  done
+  echo "budgets: $total s in all; SIGINT at a step's budget, SIGKILL $GRACE s later: at most" \
+    "$((total + count * GRACE)) s"
+  echo "rerun chosen steps: STEPS=\"tests runner\" bash benchmarks/gpu_check.sh (names: $ALL_STEPS)"
+}
+
 first_failure=0
-# run_step NAME BUDGET FUNCTION: runs the step in its own bash under `timeout` (which signals the step's whole
-# process group) and records one status line in summary.txt.
+# run_step NAME: runs the step in its own bash under `timeout` (which signals the step's whole process group:
+# SIGINT at the budget, SIGKILL $GRACE s later) and records one status line in summary.txt.
 run_step() {
-  local name=$1 budget=$2 fn=$3 start=$SECONDS rc status
+  local name=$1 budget fn="step_$1" start=$SECONDS rc status
+  budget=$(budget_of "$name")
+  if ! selected "$name"; then
+    printf '%-10s %-40s %4d s\n' "$name" "not selected (STEPS)" 0 | tee -a "$OUT/summary.txt"
+    return
+  fi
   section "$name (budget $budget s)"
-  timeout --kill-after=5 "$budget" bash -c "$fn"
+  timeout --signal=INT --kill-after="$GRACE" "$budget" bash -c "$fn"
   rc=$?
   case $rc in
     0) status="ok" ;;
@@ -238,29 +303,32 @@ run_step() {
 }
 
 main() {
-  local total_start=$SECONDS
+  local total_start=$SECONDS name
+  print_plan
   {
     echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"
     echo "device: $DEVICE"
-    echo "mode: $([ "$DRY_RUN" = 1 ] && echo "dry run (build, GPU tests and roofline skipped)" || echo full)"
-  } | tee "$OUT/summary.txt"
-  run_step machine "$BUDGET_MACHINE" step_machine
-  run_step wheels "$BUDGET_WHEELS" step_wheels
-  [ ! -d "$SITE/megatron" ] || export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-  run_step registers "$BUDGET_REGISTERS" step_registers
-  run_step build "$BUDGET_BUILD" step_build
-  run_step tests "$BUDGET_TESTS" step_tests
-  run_step linear "$BUDGET_LINEAR" step_linear
-  run_step runner "$BUDGET_RUNNER" step_runner
-  run_step roofline "$BUDGET_ROOFLINE" step_roofline
-  run_step bench "$BUDGET_BENCH" step_bench
+    echo "mode: $([ "$DRY_RUN" = 1 ] && echo "dry run (build, GPU tests, runner and roofline skipped)" || echo full)"
+    echo "steps: $STEPS"
+  } | tee -a "$OUT/summary.txt"
+  for name in $ALL_STEPS; do
+    run_step "$name"
+    [ "$name" != wheels ] || [ ! -d "$SITE/megatron" ] || export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  done
   section "done in $((SECONDS - total_start)) s (exit $first_failure)"
-  cat "$OUT/summary.txt"
+  echo "end: $((SECONDS - total_start)) s, exit $first_failure" >>"$OUT/summary.txt"
   return "$first_failure"
 }
 
 export DRY_RUN=0
 [ "${1:-}" != "--dry-run" ] || DRY_RUN=1
+STEPS="${STEPS:-$ALL_STEPS}"
+for name in $STEPS; do
+  case " $ALL_STEPS " in
+    *" $name "*) ;;
+    *) echo "error: STEPS names an unknown step '$name' (the steps: $ALL_STEPS)"; exit 2 ;;
+  esac
+done
 # The device, and whether it can run CUDA at all: without it the run is a dry run.
 DEVICE=$("$PYTHON" -c 'import torch
 print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")' 2>/dev/null) || DEVICE=none
@@ -275,9 +343,21 @@ else
   export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$CAPABILITY}"  # the build: this device's architecture
   export CUDA_ARCH="${CUDA_ARCH:-${CAPABILITY//./}}"                  # the register report: the same
   export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+  # The build needs nvcc: torch's extension builder finds it through CUDA_HOME, else on PATH. Stop now if neither.
+  if [ -n "${CUDA_HOME:-}" ] && [ -x "$CUDA_HOME/bin/nvcc" ]; then
+    export PATH="$CUDA_HOME/bin:$PATH"
+  elif command -v nvcc >/dev/null; then
+    CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")")
+  fi
+  export CUDA_HOME="${CUDA_HOME:-}"
+  if selected build && ! command -v nvcc >/dev/null; then
+    echo "error: nvcc not found (CUDA_HOME=${CUDA_HOME:-unset}, and none on PATH): the CUDA kernels cannot be built;" \
+      "stopping before the first step. Set CUDA_HOME to the CUDA toolkit, or leave build out of STEPS."
+    exit 3
+  fi
 fi
-export DEVICE
+export DEVICE STEPS
 export OUT="${OUT:-benchmarks/results/gpu_check-$(date -u +%Y-%m-%d)-$SLUG}"
 mkdir -p "$OUT"
-main 2>&1 | tee "$OUT/gpu_check.log"
+main 2>&1 | tee -ai "$OUT/gpu_check.log"
 exit "${PIPESTATUS[0]}"

@@ -174,7 +174,8 @@ at::Tensor partials_cuda(const at::Tensor& logits, const at::Tensor& targets, in
   const c10::cuda::CUDAGuard guard(logits.device());
   at::Tensor partials = at::empty({logits.size(0), num_partials(with_entropy)}, logits.options().dtype(at::kFloat));
   const size_t workspace_bytes =
-      logprob_partials_workspace_bytes(logits.size(0), logits.size(1), valid_cols, with_entropy);
+      logprob_partials_workspace_bytes(logits.size(0), logits.size(1), valid_cols, logits_dtype(logits), with_entropy,
+                                       threshold.has_value());
   at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, logits.options().dtype(at::kByte));
   check_cuda(launch_logprob_partials(logits.data_ptr(), logits_dtype(logits), logits.size(0),
                                      logits.size(1), logits.stride(0), targets.data_ptr<int64_t>(), vocab_start,

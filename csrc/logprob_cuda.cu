@@ -17,6 +17,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <climits>
 #include <type_traits>
@@ -34,8 +35,8 @@ constexpr int kMaxWarpsPerBlock = kMaxBlockThreads / kWarpSize;
 constexpr int kUnroll = 4;
 // A block is sized so that each of its threads streams at least this many vectors of its row (chunk).
 constexpr int kMinVectorsPerThread = 4;
-// Rows are split across blocks while fewer than this many blocks per SM would run...
-constexpr int kBlocksPerSmToFill = 8;
+// Rows are split across blocks while they are fewer than one wave of resident blocks (the kernel's occupancy, as
+// cudaOccupancyMaxActiveBlocksPerMultiprocessor reports it for its registers and block size, times the SMs)...
 // ...but no block gets fewer columns than this, so that splitting never costs more than it gains.
 constexpr int64_t kMinSplitCols = 4096;
 // Split boundaries are multiples of this many columns: 16 bytes of 2-byte logits, so that every split of a
@@ -455,11 +456,10 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     if (begin < valid_end) {
       const T* row_logits = logits + row * row_stride;
       const float threshold = row_threshold<kFiltered>(thresholds, row);
-      int target_col = static_cast<int>(local_target_column(target, vocab_start, valid_cols));
-      if (kFiltered && target_col >= 0 &&
-          !kept_logit(Element<T>::to_float(row_logits[target_col]) * scale, threshold)) {
-        target_col = -1;  // a filtered target has logprob -inf and no gradient
-      }
+      // No thread reads the target's logit here: in place, another thread (or split) may already have written its
+      // gradient there. A filtered target needs no special case: its own column gets 0 (below the threshold), and
+      // no other column is the target's.
+      const int target_col = static_cast<int>(local_target_column(target, vocab_start, valid_cols));
       const RowGradient<kFiltered> gradient{target_col,
                                             lse[row],
                                             kWithEntropy ? mean_x[row] : 0.0f,
@@ -485,12 +485,21 @@ struct LaunchPlan {
   int threads;     // threads per block
 };
 
-// Splits depend only on the sizes and the SM count, so the workspace size is known before the dtype is.
-// The rows' `valid_cols` are split (a mostly-padding shard launches no idle blocks); a block's threads follow
-// its widest share of `cols` (backward's last split also writes the padding after the valid columns).
-LaunchPlan plan_launch(int64_t rows, int64_t valid_cols, int64_t cols, int64_t vector_size, int sm_count) {
+// Threads of a block streaming `width` columns: a power of two from a warp to kMaxBlockThreads, each thread with at
+// least kMinVectorsPerThread vectors where the width allows.
+int threads_for(int64_t width, int64_t vector_size) {
+  const int64_t vectors = ceil_div(width, vector_size);
+  int threads = kWarpSize;
+  while (threads < kMaxBlockThreads && 2 * threads * kMinVectorsPerThread <= vectors) threads *= 2;
+  return threads;
+}
+
+// The rows' `valid_cols` are split (a mostly-padding shard launches no idle blocks) while there are fewer rows than
+// `wave_blocks` (one wave of the kernel on the device); a block's threads follow its widest share of `cols`
+// (backward's last split also writes the padding after the valid columns).
+LaunchPlan plan_launch(int64_t rows, int64_t valid_cols, int64_t cols, int64_t vector_size, int64_t wave_blocks) {
   int64_t splits = 1;
-  const int64_t rows_to_fill = static_cast<int64_t>(sm_count) * kBlocksPerSmToFill;
+  const int64_t rows_to_fill = std::max<int64_t>(wave_blocks, 1);
   if (rows > 0 && rows < rows_to_fill) {
     const int64_t most_useful = std::max<int64_t>(1, ceil_div(valid_cols, kMinSplitCols));
     splits = std::min({ceil_div(rows_to_fill, rows), most_useful, static_cast<int64_t>(USHRT_MAX)});
@@ -498,10 +507,7 @@ LaunchPlan plan_launch(int64_t rows, int64_t valid_cols, int64_t cols, int64_t v
   const int64_t split_cols = ceil_div(ceil_div(valid_cols, splits), kSplitAlignCols) * kSplitAlignCols;
   if (split_cols > 0) splits = ceil_div(valid_cols, split_cols);
   const int64_t widest = std::max(split_cols, cols - (splits - 1) * split_cols);
-  const int64_t vectors_per_split = ceil_div(widest, vector_size);
-  int threads = kWarpSize;
-  while (threads < kMaxBlockThreads && 2 * threads * kMinVectorsPerThread <= vectors_per_split) threads *= 2;
-  return {static_cast<int>(splits), static_cast<int>(split_cols), threads};
+  return {static_cast<int>(splits), static_cast<int>(split_cols), threads_for(widest, vector_size)};
 }
 
 cudaError_t current_sm_count(int* sm_count) {
@@ -511,8 +517,29 @@ cudaError_t current_sm_count(int* sm_count) {
   return cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, device);
 }
 
-int64_t vector_size_of(LogitsDType dtype) {
-  return dtype == LogitsDType::kFloat32 ? kVectorBytes / 4 : kVectorBytes / 2;
+// One wave of `kernel` on the current device at `threads` threads per block: its resident blocks per SM
+// (cudaOccupancyMaxActiveBlocksPerMultiprocessor, for its registers and shared memory) times the SMs. Asked once per
+// kernel, block size and device, then cached.
+template <typename Kernel>
+cudaError_t resident_blocks(Kernel kernel, int threads, int64_t* blocks) {
+  constexpr int kMaxDevices = 64;
+  constexpr int kBlockSizes = 4;  // 32, 64, 128, 256 threads
+  static std::atomic<int64_t> cache[kMaxDevices][kBlockSizes] = {};
+  int device = 0;
+  cudaError_t status = cudaGetDevice(&device);
+  if (status != cudaSuccess) return status;
+  int size_index = 0;
+  while ((kWarpSize << size_index) < threads && size_index < kBlockSizes - 1) ++size_index;
+  const bool cached = device >= 0 && device < kMaxDevices;
+  if (cached && (*blocks = cache[device][size_index].load(std::memory_order_relaxed)) > 0) return cudaSuccess;
+  int sm_count = 0;
+  int per_sm = 0;
+  status = current_sm_count(&sm_count);
+  if (status == cudaSuccess) status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0);
+  if (status != cudaSuccess) return status;
+  *blocks = static_cast<int64_t>(sm_count) * std::max(per_sm, 1);
+  if (cached) cache[device][size_index].store(*blocks, std::memory_order_relaxed);
+  return cudaSuccess;
 }
 
 // Shape checks shared by both launchers. The kernels index columns with int (with room for split_cols to round
@@ -560,6 +587,31 @@ cudaError_t dispatch_flags(bool with_entropy, bool filtered, Fn&& fn) {
   return filtered ? fn(False{}, True{}) : fn(False{}, False{});
 }
 
+// The launch plan of partials_kernel<T, ...> for these sizes on the current device (and so the split workspace
+// `logprob_partials_workspace_bytes` reports: both ask this).
+template <typename T, bool kWithEntropy, bool kFiltered>
+cudaError_t plan_partials(int64_t rows, int64_t valid_cols, LaunchPlan* plan) {
+  constexpr int64_t kVector = Vector<T>::kSize;
+  int64_t wave = 0;
+  const cudaError_t status =
+      resident_blocks(partials_kernel<T, kWithEntropy, kFiltered>, threads_for(valid_cols, kVector), &wave);
+  if (status != cudaSuccess) return status;
+  *plan = plan_launch(rows, valid_cols, valid_cols, kVector, wave);
+  return cudaSuccess;
+}
+
+// The launch plan of backward_kernel<T, ...> for these sizes on the current device.
+template <typename T, bool kWithEntropy, bool kFiltered>
+cudaError_t plan_backward(int64_t rows, int64_t valid_cols, int64_t cols, LaunchPlan* plan) {
+  constexpr int64_t kVector = Vector<T>::kSize;
+  int64_t wave = 0;
+  const cudaError_t status =
+      resident_blocks(backward_kernel<T, kWithEntropy, kFiltered>, threads_for(cols, kVector), &wave);
+  if (status != cudaSuccess) return status;
+  *plan = plan_launch(rows, valid_cols, cols, kVector, wave);
+  return cudaSuccess;
+}
+
 template <typename T, bool kWithEntropy, bool kFiltered>
 cudaError_t launch_partials_typed(const T* logits, int64_t rows, int64_t row_stride, const int64_t* targets,
                                   int64_t vocab_start, int valid_cols, const LaunchPlan& plan,
@@ -591,12 +643,17 @@ cudaError_t launch_backward_typed(const T* logits, int64_t rows, int64_t row_str
 
 }  // namespace
 
-size_t logprob_partials_workspace_bytes(int64_t rows, int64_t cols, int64_t valid_cols, bool with_entropy) {
-  int sm_count = 0;
-  if (!valid_shape(rows, cols, valid_cols) || current_sm_count(&sm_count) != cudaSuccess) return 0;
-  // The split count does not depend on the vector size, only the block size does.
-  const LaunchPlan plan = plan_launch(rows, valid_cols, valid_cols, vector_size_of(LogitsDType::kFloat32), sm_count);
-  if (plan.splits == 1) return 0;
+size_t logprob_partials_workspace_bytes(int64_t rows, int64_t cols, int64_t valid_cols, LogitsDType dtype,
+                                        bool with_entropy, bool filtered) {
+  if (!valid_shape(rows, cols, valid_cols) || rows == 0) return 0;
+  LaunchPlan plan{1, 0, 0};
+  const cudaError_t status = dispatch_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return dispatch_flags(with_entropy, filtered, [&](auto entropy, auto filter) {
+      return plan_partials<T, decltype(entropy)::value, decltype(filter)::value>(rows, valid_cols, &plan);
+    });
+  });
+  if (status != cudaSuccess || plan.splits == 1) return 0;
   return static_cast<size_t>(rows) * plan.splits * split_state_floats(with_entropy) * sizeof(float);
 }
 
@@ -606,11 +663,6 @@ cudaError_t launch_logprob_partials(const void* logits, LogitsDType dtype, int64
                                     float logit_scale, float* partials, void* workspace, cudaStream_t stream) {
   if (!valid_shape(rows, cols, valid_cols) || !valid_scale(logit_scale)) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
-  int sm_count = 0;
-  const cudaError_t status = current_sm_count(&sm_count);
-  if (status != cudaSuccess) return status;
-  const LaunchPlan plan = plan_launch(rows, valid_cols, valid_cols, vector_size_of(dtype), sm_count);
-  if (plan.splits > 1 && workspace == nullptr) return cudaErrorInvalidValue;
   auto* split_states = static_cast<float*>(workspace);
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -618,9 +670,15 @@ cudaError_t launch_logprob_partials(const void* logits, LogitsDType dtype, int64
     if (!element_aligned(typed_logits, sizeof(T))) return cudaErrorMisalignedAddress;
     const int valid = static_cast<int>(valid_cols);
     return dispatch_flags(with_entropy, thresholds != nullptr, [&](auto entropy, auto filtered) {
-      return launch_partials_typed<T, decltype(entropy)::value, decltype(filtered)::value>(
-          typed_logits, rows, row_stride, targets, vocab_start, valid, plan, thresholds, logit_scale, partials,
-          split_states, stream);
+      constexpr bool kWithEntropy = decltype(entropy)::value;
+      constexpr bool kFiltered = decltype(filtered)::value;
+      LaunchPlan plan{1, 0, 0};
+      const cudaError_t status = plan_partials<T, kWithEntropy, kFiltered>(rows, valid_cols, &plan);
+      if (status != cudaSuccess) return status;
+      if (plan.splits > 1 && workspace == nullptr) return cudaErrorInvalidValue;
+      return launch_partials_typed<T, kWithEntropy, kFiltered>(typed_logits, rows, row_stride, targets, vocab_start,
+                                                               valid, plan, thresholds, logit_scale, partials,
+                                                               split_states, stream);
     });
   });
 }
@@ -634,10 +692,6 @@ cudaError_t launch_logprob_backward(const void* logits, LogitsDType dtype, int64
   if (!valid_shape(rows, cols, valid_cols) || !valid_scale(logit_scale)) return cudaErrorInvalidValue;
   if ((mean_x == nullptr) != (grad_entropy == nullptr)) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
-  int sm_count = 0;
-  const cudaError_t status = current_sm_count(&sm_count);
-  if (status != cudaSuccess) return status;
-  const LaunchPlan plan = plan_launch(rows, valid_cols, cols, vector_size_of(dtype), sm_count);
   const bool with_entropy = mean_x != nullptr;
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -649,9 +703,15 @@ cudaError_t launch_logprob_backward(const void* logits, LogitsDType dtype, int64
     const int valid = static_cast<int>(valid_cols);
     const int width = static_cast<int>(cols);
     return dispatch_flags(with_entropy, thresholds != nullptr, [&](auto entropy, auto filtered) {
-      return launch_backward_typed<T, decltype(entropy)::value, decltype(filtered)::value>(
-          typed_logits, rows, row_stride, targets, vocab_start, valid, width, plan, lse, mean_x, grad_logprob,
-          grad_entropy, thresholds, logit_scale, typed_grad, grad_row_stride, stream);
+      constexpr bool kWithEntropy = decltype(entropy)::value;
+      constexpr bool kFiltered = decltype(filtered)::value;
+      LaunchPlan plan{1, 0, 0};
+      const cudaError_t status = plan_backward<T, kWithEntropy, kFiltered>(rows, valid_cols, cols, &plan);
+      if (status != cudaSuccess) return status;
+      return launch_backward_typed<T, kWithEntropy, kFiltered>(typed_logits, rows, row_stride, targets, vocab_start,
+                                                               valid, width, plan, lse, mean_x, grad_logprob,
+                                                               grad_entropy, thresholds, logit_scale, typed_grad,
+                                                               grad_row_stride, stream);
     });
   });
 }

@@ -6,7 +6,7 @@
 //
 // Both launchers work on the current CUDA device (the caller sets it, e.g. with a device guard), and
 // `logprob_partials_workspace_bytes` must be asked on that same device: the split of long rows across blocks
-// depends on its multiprocessor count.
+// depends on its multiprocessor count and on the kernel's occupancy there.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,10 +18,12 @@
 
 namespace megatron_grpo {
 
-// Bytes of scratch memory `launch_logprob_partials` needs for these sizes on the current device; 0 when every
-// row fits one block and no workspace is needed (then `workspace` may be nullptr).
-// Rows are split across blocks by their `valid_cols`, so the workspace depends on it too.
-size_t logprob_partials_workspace_bytes(int64_t rows, int64_t cols, int64_t valid_cols, bool with_entropy);
+// Bytes of scratch memory `launch_logprob_partials` needs for these arguments on the current device; 0 when every
+// row fits one block and no workspace is needed (then `workspace` may be nullptr). Rows are split across blocks by
+// their `valid_cols` while they are fewer than one wave of the kernel variant (dtype, entropy, filter: its
+// occupancy), so the workspace depends on all of them; `filtered` is whether thresholds will be passed.
+size_t logprob_partials_workspace_bytes(int64_t rows, int64_t cols, int64_t valid_cols, LogitsDType dtype,
+                                        bool with_entropy, bool filtered);
 
 // Forward: reduces each row of the shard to fp32 partials [rows, num_partials(with_entropy)], columns as
 // PartialsColumn in logprob_common.h.

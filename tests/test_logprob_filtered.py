@@ -160,8 +160,9 @@ def test_tensor_parallel_filtered_logprobs_match_the_float64_reference(world):
             uses_k = top_k is not None and top_k < true_vocab
             uses_p = top_p is not None and top_p < 1.0
             # The partials' all-gather; one all-gather of [rows, k] for top-k; for top-p, one all-reduce of the
-            # row max and one of [rows, 256] masses per radix pass (4 passes for 32-bit logits).
-            expected_calls = 1 + uses_k + (1 + 4) * uses_p
+            # row max, then (one piece of rows here) one of the masses by distance below the max and one per radix
+            # pass (4 passes for 32-bit logits).
+            expected_calls = 1 + uses_k + (1 + 1 + 4) * uses_p
             assert forward_calls == expected_calls, f"{label}: {forward_calls} collectives"
         full, targets = tied_case(rows, v_local * world, true_vocab, dtype, seed)
         grad = torch.cat([r[2] for r in results], dim=1)

@@ -411,7 +411,8 @@ def fused_accuracy(case: Case, inputs: CaseInputs, rows: int) -> dict[str, float
 
     errors = torch.tensor([
         (logprob.double() - reference)[valid].abs().max().item() if valid.any() else 0.0,
-        relative(grad_hidden, ref_hidden), relative(grad_weight, ref_weight)], dtype=torch.float64)
+        relative(grad_hidden, ref_hidden), relative(grad_weight, ref_weight)], dtype=torch.float64,
+        device=hidden.device)  # the TP group's device (NCCL on GPUs)
     if tp > 1:
         dist.all_reduce(errors, op=dist.ReduceOp.MAX, group=group)
     return {"rows": int(index.numel()), "chunks": max(full_chunks, 1), "logprob_max_abs": errors[0].item(),

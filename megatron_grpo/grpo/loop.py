@@ -187,7 +187,7 @@ class Trainer:
             **self._reward_metrics(rewards, rollout, advantages.groups_without_variance),
             **rollout_statistics(rewards, advantages.advantages, rollout.token_mask, rollout.responses,
                                  self.task.tokenizer.eos_id,
-                                 group=self.layout.dp_group),
+                                 group=self.layout.dp_group, device=self.layout.device),
             **mean_over_optimizer_steps(result.step_metrics),
             **(shaping.metrics if shaping is not None else {}),
             **self._pass_metrics(step, result.passes_run),
@@ -204,10 +204,11 @@ class Trainer:
         return record
 
     def _reward_metrics(self, rewards: torch.Tensor, rollout: Rollout, no_variance: int) -> dict[str, Any]:
-        """Reward statistics over all DP ranks (the TP ranks of a DP rank hold the same rollout)."""
+        """Reward statistics over all DP ranks (the TP ranks of a DP rank hold the same rollout). The totals are
+        reduced on the layout's device: the DP group is NCCL on GPUs."""
         response_lengths = rollout.token_mask.sum(dim=1)
         totals = torch.tensor([rewards.double().sum(), rewards.numel(), float(no_variance), response_lengths.sum(),
-                               float((rewards == 1.0).sum())], dtype=torch.float64)
+                               float((rewards == 1.0).sum())], dtype=torch.float64).to(self.layout.device)
         if self.layout.dp_size > 1:
             dist.all_reduce(totals, group=self.layout.dp_group)
         reward_sum, count, groups_without_variance, length_sum, perfect = totals.tolist()

@@ -64,6 +64,7 @@ def rollout_statistics(
     eos_id: int,
     *,
     group: Optional[dist.ProcessGroup] = None,
+    device: Optional[torch.device] = None,
 ) -> dict[str, float]:
     """Reward, advantage and response-length statistics of one step, over every rank of `group` (data parallel).
 
@@ -73,7 +74,9 @@ def rollout_statistics(
     - `responses` `[B, R]`: the generated tokens (`Rollout.responses`), `eos_id` the end-of-sequence id.
 
     Every rank of `group` must call it (the TP ranks of one DP rank hold the same rollout: pass the DP group).
-    One all-gather of a `[3, 5]` float64 tensor per rank; no collective without a group or with one rank.
+    One all-gather of a `[3, 5]` float64 tensor per rank; no collective without a group or with one rank. The
+    all-gather runs on `device` (the layout's: a group that is NCCL on GPUs takes CUDA tensors only); None: the
+    CPU.
     """
     mask = token_mask.detach().to(torch.float64).cpu()
     lengths = mask.sum(dim=1)
@@ -90,9 +93,10 @@ def rollout_statistics(
     extra = torch.tensor([truncated.sum().item(), truncated.numel()], dtype=torch.float64)
     local = torch.cat([moments.reshape(-1), extra])
     if group is not None and dist.get_world_size(group) > 1:
+        local = local if device is None else local.to(device)
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, local, group=group)
-        per_rank = torch.stack(gathered)
+        per_rank = torch.stack(gathered).cpu()
     else:
         per_rank = local[None]
     moments_per_rank = per_rank[:, : 3 * _FIELDS].reshape(-1, 3, _FIELDS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from megatron_grpo._lazy import lazy_exports
 
 _EXPORTS = {
+    "check_batch_values": "megatron_grpo.loss.batch",
     "count_valid": "megatron_grpo.loss.batch",
     "trained_token_mask": "megatron_grpo.loss.batch",
     "trained_token_targets": "megatron_grpo.loss.batch",

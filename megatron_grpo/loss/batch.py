@@ -39,10 +39,13 @@ class LossBatch:
 
 def validate_batch(
     batch: Mapping[str, torch.Tensor], logits: torch.Tensor | None, requirements: BatchRequirements,
-    *, current: Mapping[str, torch.Tensor] | None = None,
+    *, current: Mapping[str, torch.Tensor] | None = None, check_values: bool = True,
 ) -> LossBatch:
     """Checks `batch` against `logits [B, S, V_local]`, or against the precomputed `[B, S]` per-token tensors of
-    `current` (name -> tensor) when there are no logits, and returns it in the loss's working form."""
+    `current` (name -> tensor) when there are no logits, and returns it in the loss's working form.
+
+    `check_values=False` skips the checks that read values (finite advantages and rewards: host syncs), for a caller
+    that checked them once already; keys, shapes and dtypes are always checked."""
     mask = trained_token_mask(batch)
     batch_size, seq_len = mask.shape
     if logits is not None:
@@ -57,7 +60,7 @@ def validate_batch(
             raise ValueError(f"{key}: expected a tensor, got {type(tensor).__name__}")
         _check_shape(key, tensor, [(batch_size, seq_len)])
         _check_floating(key, tensor)
-    advantages = _advantages(batch, batch_size, seq_len)
+    advantages = _advantages(batch, batch_size, seq_len, check_values)
     logprobs = {}
     for key in OPTIONAL_LOGPROB_KEYS:
         reason = getattr(requirements, key)
@@ -70,10 +73,33 @@ def validate_batch(
         _check_shape(key, tensor, [(batch_size, seq_len)])
         _check_floating(key, tensor)
         logprobs[key] = _on_mask(tensor, mask)
-    rewards = _rewards(batch, batch_size, requirements.rewards) if requirements.rewards is not None else None
+    rewards = _rewards(batch, batch_size, requirements.rewards, check_values) if requirements.rewards is not None \
+        else None
     return LossBatch(
         input_ids=batch["input_ids"], mask=mask, advantages=_on_mask(advantages, mask), rewards=rewards, **logprobs
     )
+
+
+def check_batch_values(batch: Mapping[str, torch.Tensor], true_vocab_size: int) -> None:
+    """The checks of a batch's values, in one host sync: token ids in `[0, true_vocab_size)`, finite advantages (and
+    rewards, when given). For a caller that then runs the loss and the ops with `check_inputs=False` (the Megatron
+    train step checks its rollout once, not each microbatch of each pass). A bad value is a `ValueError` naming its
+    key."""
+    input_ids, advantages = _tensor(batch, "input_ids"), _tensor(batch, "advantages")
+    if input_ids.numel() == 0:
+        return
+    rewards = batch.get("rewards")
+    finite = [torch.isfinite(advantages).all()]
+    if isinstance(rewards, torch.Tensor):
+        finite.append(torch.isfinite(rewards).all())
+    smallest, largest, *all_finite = torch.stack([input_ids.min().double(), input_ids.max().double(),
+                                                  *(flag.double() for flag in finite)]).tolist()
+    if smallest < 0 or largest >= true_vocab_size:
+        bad = int(smallest) if smallest < 0 else int(largest)
+        raise ValueError(f"batch['input_ids']: contains token id {bad}, outside the vocab [0, {true_vocab_size})")
+    for key, ok in zip(("advantages", "rewards"), all_finite):
+        if not ok:
+            raise ValueError(f"batch[{key!r}]: contains NaN or infinite values")
 
 
 def trained_token_targets(input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -111,22 +137,22 @@ def count_valid(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.
     return mask.sum(), (mask.sum(dim=1) > 0).sum().to(torch.float32)
 
 
-def _advantages(batch: Mapping[str, torch.Tensor], batch_size: int, seq_len: int) -> torch.Tensor:
+def _advantages(batch: Mapping[str, torch.Tensor], batch_size: int, seq_len: int, check_values: bool) -> torch.Tensor:
     advantages = _tensor(batch, "advantages")
     _check_shape("advantages", advantages, [(batch_size, seq_len), (batch_size,)])
     _check_floating("advantages", advantages)
-    if not bool(torch.isfinite(advantages).all()):
+    if check_values and not bool(torch.isfinite(advantages).all()):
         raise ValueError("batch['advantages']: contains NaN or infinite values")
     return advantages[:, None].expand(batch_size, seq_len) if advantages.dim() == 1 else advantages
 
 
-def _rewards(batch: Mapping[str, torch.Tensor], batch_size: int, reason: str) -> torch.Tensor:
+def _rewards(batch: Mapping[str, torch.Tensor], batch_size: int, reason: str, check_values: bool) -> torch.Tensor:
     if "rewards" not in batch:
         raise ValueError(f"batch['rewards'] is missing: it is required {reason}")
     rewards = _tensor(batch, "rewards")
     _check_shape("rewards", rewards, [(batch_size,)])
     _check_floating("rewards", rewards)
-    if not bool(torch.isfinite(rewards).all()):
+    if check_values and not bool(torch.isfinite(rewards).all()):
         raise ValueError("batch['rewards']: contains NaN or infinite values")
     return rewards.to(torch.float32)
 

@@ -123,6 +123,7 @@ class ClippedPGLoss:
         curr_logprobs: torch.Tensor | None = None,
         curr_entropy: torch.Tensor | None = None,
         curr_unfiltered_logprobs: torch.Tensor | None = None,
+        check_inputs: bool = True,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This microbatch's globally normalised loss and its detached metrics (see the class docstring).
 
@@ -144,6 +145,9 @@ class ClippedPGLoss:
         computed from logits; everything after is the same code. With a sampling filter in that mode, `top_k` /
         `top_p` say which filter the precomputed logprobs used, and a KL in the loss reads
         `curr_unfiltered_logprobs` (required then, as the KL to the unfiltered reference needs them).
+        `check_inputs=False` skips the checks of values that cost a host sync (target ids within the vocab, finite
+        advantages and rewards), for a caller that checked its batch once (the Megatron train step); keys, shapes and
+        dtypes are always checked.
         """
         cfg = self.config
         prev_from_current = self._prev_from_current(prev_logprobs_from_current, prev_approximation,
@@ -154,10 +158,12 @@ class ClippedPGLoss:
             raise ValueError(f"logit_scale={logit_scale!r}: only with logits (precomputed current logprobs already "
                              "carry their temperature)")
         inputs = validate_batch(batch, logits, self._requirements(prev_from_current, prev_approximation,
-                                                                  compare_approximations), current=precomputed)
+                                                                  compare_approximations), current=precomputed,
+                                check_values=check_inputs)
         if precomputed is None:
             curr, entropy = self._current_logprobs(
                 logits, inputs, shard=shard, top_k=top_k, top_p=top_p, logit_scale=logit_scale,
+                check_inputs=check_inputs,
             )
         else:
             trained = inputs.mask.bool()
@@ -171,6 +177,7 @@ class ClippedPGLoss:
         elif cfg.kl_in_loss and (top_k is not None or top_p is not None):
             curr_unfiltered, _ = self._current_logprobs(
                 logits, inputs, shard=shard, top_k=None, top_p=None, logit_scale=logit_scale, with_entropy=False,
+                check_inputs=False,  # the same targets as above
             )
         alpha = self._interpolation_weights(batch, inputs, prev_approximation, compare_approximations)
         if prev_approximation is not None:
@@ -235,22 +242,26 @@ class ClippedPGLoss:
         compare_approximations: StepVersions | None = None,
         chunk_rows: int | None = None,
         implementation: Implementation = "auto",
+        check_inputs: bool = True,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The same loss and metrics from final hidden states `[B, S, H]` and this rank's `[V_local, H]` output
         weight shard (logits `logit_scale * hidden @ weight.T`), its gradient computed chunk by chunk in forward:
         the loss-fused linear path (`megatron_grpo.loss.linear_loss`), 3 GEMMs instead of the op's 4, exact for
         every setting of this loss because it is sequence-additive. `hidden`'s gradient is this rank's partial
         sum over its vocab shard (the caller reduces it over TP). No top-k / top-p (use `vocab_parallel_linear_
-        logprobs` and `curr_logprobs=` then)."""
+        logprobs` and `curr_logprobs=` then). `check_inputs` as for `__call__`: the batch's values are checked once
+        here, never per chunk."""
+        if check_inputs:
+            validate_batch(batch, None, self._requirements(prev_logprobs_from_current))
 
         def sequence_loss(sequences: Mapping[str, torch.Tensor], curr: torch.Tensor, entropy: torch.Tensor):
             return self(None, sequences, global_valid_tokens=global_valid_tokens, global_valid_seqs=global_valid_seqs,
                         prev_logprobs_from_current=prev_logprobs_from_current,
                         prev_approximation=prev_approximation, compare_approximations=compare_approximations,
-                        curr_logprobs=curr, curr_entropy=entropy)
+                        curr_logprobs=curr, curr_entropy=entropy, check_inputs=False)
 
         return loss_fused_linear(sequence_loss, hidden, weight, batch, shard=shard, logit_scale=logit_scale,
-                                 chunk_rows=chunk_rows, implementation=implementation)
+                                 chunk_rows=chunk_rows, implementation=implementation, check_inputs=check_inputs)
 
     def _check_precomputed(
         self, logits: torch.Tensor | None, curr_logprobs: torch.Tensor | None, curr_entropy: torch.Tensor | None,
@@ -354,13 +365,14 @@ class ClippedPGLoss:
         top_k: int | None,
         top_p: float | None,
         logit_scale: float,
+        check_inputs: bool,
         with_entropy: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`[B, S]` logprobs (and entropies) of the trained tokens, from the logits one position earlier, under
         the top-k/top-p filtered distribution when a filter is given."""
         out = vocab_parallel_logprobs(logits, trained_token_targets(inputs.input_ids, inputs.mask), shard=shard,
                                       shift=True, with_entropy=with_entropy, top_k=top_k, top_p=top_p,
-                                      logit_scale=logit_scale)
+                                      logit_scale=logit_scale, check_inputs=check_inputs)
         return out if with_entropy else (out, None)
 
     def _policy_term(

@@ -32,7 +32,8 @@ import torch
 from megatron_grpo.loss.batch import trained_token_mask, trained_token_targets
 from megatron_grpo.ops import VocabShard
 from megatron_grpo.ops.backends import Implementation, select_kernels
-from megatron_grpo.ops.linear_logprobs import (LOW_PRECISION, VocabParallelLinearLogprobs, check_linear_inputs,
+from megatron_grpo.ops.linear_logprobs import (LOW_PRECISION, VocabParallelLinearLogprobs, scaled_mm,
+                                               add_product_in_fp32, check_linear_inputs, chunk_buffer,
                                                chunk_rows_for)
 from megatron_grpo.ops.partials import combine_partials, gather_partials
 from megatron_grpo.ops.shift import next_token_targets
@@ -51,6 +52,8 @@ class LossFusedCall:
     loss_fn: SequenceLoss
     batch: Batch
     targets: torch.Tensor  # [B, S] next-token targets of each row (-1: not trained)
+    trained_rows: torch.Tensor  # [trained rows] int64: each trained row's index among the B * S rows, in order
+    rows_per_sequence: list[int]  # trained rows of each sequence (known on the host)
     shard: VocabShard  # resolved
     valid_cols: int
     logit_scale: float
@@ -74,9 +77,15 @@ class LossFusedLinear(torch.autograd.Function):
         compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         logprobs = torch.zeros(batch_size, seq_len, dtype=compute, device=hidden.device)
         entropy = torch.zeros_like(logprobs)
+        largest = max((sum(call.rows_per_sequence[sl]) for sl in call.sequences_per_chunk), default=0)
+        buffer = chunk_buffer(largest, call.valid_cols, hidden)  # one aligned logits buffer for every chunk
+        first_row = 0  # of the chunk, among the trained rows
         for sequences in call.sequences_per_chunk:
-            LossFusedLinear.chunk(hidden, weight_valid, sequences, call, kernels, grad_hidden, grad_weight_valid,
-                                  logprobs, entropy)
+            count = sum(call.rows_per_sequence[sequences])
+            rows = call.trained_rows[first_row:first_row + count] - sequences.start * seq_len  # within the chunk
+            first_row += count
+            LossFusedLinear.chunk(hidden, weight_valid, sequences, rows, buffer[:count], call, kernels, grad_hidden,
+                                  grad_weight_valid, logprobs, entropy)
         with torch.no_grad():
             loss, metrics = call.loss_fn(call.batch, logprobs, entropy)
         metrics_out.update(metrics)
@@ -93,17 +102,16 @@ class LossFusedLinear(torch.autograd.Function):
         return grad_hidden * scale, grad_weight * scale, None, None
 
     @staticmethod
-    def chunk(hidden, weight_valid, sequences: slice, call: LossFusedCall, kernels, grad_hidden, grad_weight_valid,
-              logprobs, entropy) -> None:
-        """Forward, loss gradient and backward of one chunk of whole sequences; fills its rows of `logprobs`,
+    def chunk(hidden, weight_valid, sequences: slice, rows: torch.Tensor, buffer: torch.Tensor, call: LossFusedCall,
+              kernels, grad_hidden, grad_weight_valid, logprobs, entropy) -> None:
+        """Forward, loss gradient and backward of one chunk of whole sequences, whose trained rows are `rows` (indices
+        among the chunk's flattened rows; no host sync here), its logits in `buffer`; fills its rows of `logprobs`,
         `entropy` (aligned with the tokens) and `grad_hidden`, and adds its share to `grad_weight_valid`."""
         targets = call.targets[sequences]
-        rows = (targets >= 0).reshape(-1).nonzero().squeeze(1)
         h = hidden[sequences].reshape(-1, hidden.shape[-1]).index_select(0, rows)
         row_targets = targets.reshape(-1).index_select(0, rows)
         start = call.shard.start_index
-        logits = VocabParallelLinearLogprobs.chunk_logits(h, weight_valid, call.logit_scale,
-                                                          h.new_empty(h.shape[0], call.valid_cols))
+        logits = VocabParallelLinearLogprobs.chunk_logits(h, weight_valid, call.logit_scale, buffer)
         partials = kernels.logprob_partials(logits, row_targets, start, call.valid_cols, True, None)
         stats = combine_partials(gather_partials(partials, call.shard.group), row_targets, True)
         # The rows' logprobs and entropies as leaves at their tokens' positions (row t scores token t + 1).
@@ -124,9 +132,12 @@ class LossFusedLinear(torch.autograd.Function):
         kernels.logprob_backward(logits, row_targets, start, call.valid_cols, stats.lse,
                                  None if grad_entropy_rows is None else stats.mean_x, grad_logprob_rows,
                                  grad_entropy_rows, logits, None)  # in place: logits become dlogits
-        dh = torch.mm(logits, weight_valid) * call.logit_scale
-        grad_hidden[sequences].view(-1, hidden.shape[-1]).index_copy_(0, rows, dh.to(grad_hidden.dtype))
-        grad_weight_valid.add_(torch.mm(logits.t(), h).to(grad_weight_valid.dtype), alpha=call.logit_scale)
+        dh = scaled_mm(logits, weight_valid, call.logit_scale, h.new_empty(h.shape))
+        grad_hidden[sequences].view(-1, hidden.shape[-1]).index_copy_(0, rows, dh)
+        if grad_weight_valid.dtype == logits.dtype:
+            grad_weight_valid.addmm_(logits.t(), h, alpha=call.logit_scale)
+        else:  # several low-precision chunks: summed in fp32
+            add_product_in_fp32(grad_weight_valid, logits.t(), h, call.logit_scale)
 
 
 def _rows_of(per_token: torch.Tensor | None, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -181,9 +192,16 @@ def loss_fused_linear(
     if check_inputs:
         check_target_ids(targets, shard)
     valid_cols = shard.valid_cols(weight.shape[0])
-    per_sequence = (targets >= 0).sum(dim=1).tolist()  # a host sync, as the op's row gather
-    budget = int(chunk_rows) if chunk_rows is not None else chunk_rows_for(sum(per_sequence), valid_cols, hidden.dtype)
-    call = LossFusedCall(loss_fn=loss_fn, batch=batch, targets=targets, shard=shard, valid_cols=valid_cols,
+    trained = targets >= 0
+    # The call's host syncs: the rows per sequence (to cut chunks of whole sequences) and the trained rows' indices.
+    per_sequence = trained.sum(dim=1).tolist()
+    trained_rows = trained.reshape(-1).nonzero().squeeze(1)
+    # The shard's whole width, the same on every TP rank, so that every rank cuts the same chunks (its valid columns
+    # are fewer on the rank with the padding).
+    budget = int(chunk_rows) if chunk_rows is not None else chunk_rows_for(sum(per_sequence), weight.shape[0],
+                                                                            hidden.dtype)
+    call = LossFusedCall(loss_fn=loss_fn, batch=batch, targets=targets, trained_rows=trained_rows,
+                         rows_per_sequence=per_sequence, shard=shard, valid_cols=valid_cols,
                          logit_scale=float(logit_scale), sequences_per_chunk=sequence_chunks(per_sequence, budget),
                          implementation=implementation)
     metrics: dict[str, torch.Tensor] = {}

@@ -66,6 +66,20 @@ def output_weight(model: torch.nn.Module) -> torch.Tensor:
     return model.output_layer.weight
 
 
+def compute_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype the output layer's GEMM runs in: the autocast dtype when the model's config enables autocast (fp32
+    master weights, bf16 compute), else the parameters' dtype.
+
+    The fused paths cast the hidden states and the output weight to it. Megatron-Core 0.16 autocasts only the forward
+    step, not the loss function that runs the fused GEMMs, and without Transformer Engine the local spec's final
+    LayerNorm returns fp32 hidden states even under autocast: the hidden states' dtype would make them fp32 GEMMs,
+    slower than the bf16 ones the output layer runs and unlike the logits the rollouts were sampled from."""
+    config = unwrapped(model).config
+    if getattr(config, "enable_autocast", False) and getattr(config, "autocast_dtype", None) is not None:
+        return config.autocast_dtype
+    return config.params_dtype
+
+
 def check_supported(model: torch.nn.Module) -> None:
     """The settings under which the hidden states the forward returns are the output layer's whole input."""
     config = model.config

@@ -16,6 +16,7 @@ in Megatron's DistributedDataParallel (`ddp.wrap_in_ddp`), which reduces the gra
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -29,6 +30,7 @@ from megatron_grpo.config import Config
 from megatron_grpo.loss import (
     METRIC_AGGREGATION,
     aggregate_metrics,
+    check_batch_values,
     count_valid,
     trained_token_mask,
     trained_token_targets,
@@ -43,7 +45,7 @@ from megatron_grpo.megatron.forward import (
     model_forward,
     run_schedule,
 )
-from megatron_grpo.megatron.hidden_states import output_weight
+from megatron_grpo.megatron.hidden_states import compute_dtype, output_weight
 from megatron_grpo.megatron.optimizer import (
     Optimizer,
     grad_norm_after_clipping,
@@ -117,6 +119,7 @@ def make_forward_step(
     fused_linear: bool = False,
     fused_loss: bool = False,
     versions: StepVersions | None = None,
+    check_inputs: bool = True,
 ) -> ForwardStep:
     """A `forward_step(data_iterator, model) -> (output_tensor, loss_func)` for one optimizer step.
 
@@ -143,6 +146,11 @@ def make_forward_step(
     and the average over DP ranks of Megatron's DDP (`megatron.ddp`): with DP > 1 the model must be wrapped in
     it. With pipeline parallelism the schedule calls `loss_func` on the last stage only. `loss_fn`'s metrics
     carry its loss as a detached `"loss"` (as ClippedPGLoss's do).
+
+    The fused GEMMs run in the model's compute dtype (`hidden_states.compute_dtype`: bf16 under bf16 autocast).
+    `check_inputs=False`: the loss and the ops skip their checks of values that cost a host sync per microbatch
+    (target ids, finite advantages); pass it only for batches checked once already (`train_step` does, with
+    `loss.check_batch_values`). A loss without a `check_inputs` argument is called without it.
     """
 
     # Megatron divides the returned loss in place by num_microbatches, and DDP averages over the DP ranks: hand
@@ -150,6 +158,7 @@ def make_forward_step(
     loss_scale = num_microbatches * parallel_state.get_data_parallel_world_size()
     # Only a set filter is passed on, so a loss that knows no sampling filter still works without one.
     sampling_filter = {name: value for name, value in (("top_k", top_k), ("top_p", top_p)) if value is not None}
+    unchecked = {} if check_inputs or not _takes_check_inputs(loss_fn) else {"check_inputs": False}
     if fused_loss and not (fused_linear and hasattr(loss_fn, "on_hidden_states")):
         raise ValueError("fused_loss: needs fused_linear=True and a loss with on_hidden_states (ClippedPGLoss)")
     if fused_loss and sampling_filter:
@@ -164,17 +173,19 @@ def make_forward_step(
                                                 if logits_temperature != 1.0 else {})}
         targets = trained_token_targets(batch["input_ids"], trained_token_mask(batch))
         logprobs, entropy = _linear_logprobs(model, output_tensor, targets, vocab, logits_temperature,
-                                             with_entropy=True, **sampling_filter)
+                                             with_entropy=True, check_inputs=check_inputs, **sampling_filter)
         current = {"logits": None, "curr_logprobs": logprobs, "curr_entropy": entropy}
         if sampling_filter:  # a KL to the unfiltered reference reads these; unused, they cost no backward
             current["curr_unfiltered_logprobs"] = _linear_logprobs(model, output_tensor, targets, vocab,
-                                                                   logits_temperature)
+                                                                   logits_temperature, check_inputs=False)
         return current
 
     def fused_loss_func(batch: Batch, model: torch.nn.Module, hidden: torch.Tensor):
+        hidden, weight = _in_compute_dtype(model, hidden)
         return loss_fn.on_hidden_states(
-            hidden, output_weight(model).to(hidden.dtype), batch, global_valid_tokens=global_valid_tokens,
+            hidden, weight, batch, global_valid_tokens=global_valid_tokens,
             global_valid_seqs=global_valid_seqs, shard=vocab, logit_scale=1.0 / logits_temperature, **prev_source,
+            **unchecked,
         )
 
     def loss_func(batch: Batch, model: torch.nn.Module,
@@ -191,6 +202,7 @@ def make_forward_step(
             shard=vocab,
             **prev_source,
             **sampling_filter,
+            **unchecked,
             **model_output,
         )
         return loss * loss_scale, metrics
@@ -223,7 +235,7 @@ def prev_source_kwargs(plan: LogprobPlan, versions: StepVersions | None = None) 
 def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int,
                      logits_temperature: float = 1.0, top_k: int | None = None,
                      top_p: float | None = None, fused_linear: bool = False,
-                     vocab: VocabShard | None = None) -> torch.Tensor:
+                     vocab: VocabShard | None = None, check_inputs: bool = True) -> torch.Tensor:
     """float32 `[B, S]` logprobs of `batch["input_ids"]` under softmax(logits / `logits_temperature`) of `model`,
     filtered by `top_k` / `top_p` (-inf outside the kept set), in eval mode; position 0 is 0.
 
@@ -232,6 +244,8 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
 
     `vocab`: this rank's vocab shard; by default the one `megatron.model.build_gpt_model` recorded on the model
     (`vocab_shard_of`), so a model built elsewhere passes its own.
+    `check_inputs=False`: the token ids are not checked against the vocab in each microbatch (a host sync each);
+    for a batch checked once already (`loss.check_batch_values`).
 
     A forward-only pass through Megatron's schedule; with pipeline parallelism the last stage broadcasts the
     result to the other stages.
@@ -242,9 +256,10 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
 
     def logprob_func(ids: torch.Tensor, output_tensor: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
         if fused_linear:
-            return _linear_logprobs(model, output_tensor, ids, vocab, logits_temperature, top_k=top_k, top_p=top_p)
+            return _linear_logprobs(model, output_tensor, ids, vocab, logits_temperature, top_k=top_k, top_p=top_p,
+                                    check_inputs=check_inputs)
         return vocab_parallel_logprobs(output_tensor, ids, shard=vocab, shift=True, top_k=top_k, top_p=top_p,
-                                       logit_scale=1.0 / logits_temperature)
+                                       logit_scale=1.0 / logits_temperature, check_inputs=check_inputs)
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
         ids = next(data_iterator)["input_ids"]
@@ -264,14 +279,30 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
 
 def _linear_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, vocab: VocabShard,
                      temperature: float, *, with_entropy: bool = False, top_k: int | None = None,
-                     top_p: float | None = None):
+                     top_p: float | None = None, check_inputs: bool = True):
     """Next-token logprobs (and entropies) of `targets` (`[b, s]` token ids, -1 = not trained) from `model`'s
     final hidden states `[b, s, h]` and its output weight shard at `temperature`, never materialising the
-    logits; the weight runs in the hidden states' dtype (bf16 under autocast, as the output layer would)."""
+    logits; the GEMMs run in the model's compute dtype (bf16 under bf16 autocast, as the output layer's)."""
+    hidden, weight = _in_compute_dtype(model, hidden)
     return vocab_parallel_linear_logprobs(
-        hidden, output_weight(model).to(hidden.dtype), targets, shard=vocab, shift=True, with_entropy=with_entropy,
-        logit_scale=1.0 / temperature, top_k=top_k, top_p=top_p,
+        hidden, weight, targets, shard=vocab, shift=True, with_entropy=with_entropy,
+        logit_scale=1.0 / temperature, top_k=top_k, top_p=top_p, check_inputs=check_inputs,
     )
+
+
+def _in_compute_dtype(model: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final hidden states and the output weight shard in the model's compute dtype (`compute_dtype`)."""
+    dtype = compute_dtype(model)
+    return hidden.to(dtype), output_weight(model).to(dtype)
+
+
+def _takes_check_inputs(loss_fn: LossFn) -> bool:
+    """Whether `loss_fn` takes a `check_inputs` keyword (ClippedPGLoss does; a plain callable may not)."""
+    try:
+        parameters = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "check_inputs" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def train_step(
@@ -299,6 +330,10 @@ def train_step(
     start. An interpolated prev (or the comparison with it) needs `proximal_version`, the weight version of the
     model as given (in the unit of the batch's per-sample `rollout_weight_version`); optimizer step k of the K
     that train the rollout then has current version `proximal_version + k / K` (`StepVersions`).
+
+    The batch's values (token ids within the model's vocab, finite advantages and rewards) are checked once here,
+    in one host sync (`loss.check_batch_values`); the passes and the loss then skip their own checks of values in
+    every microbatch (`check_inputs=False`). A bad value is a `ValueError` naming its batch key.
     """
     if plan.compute_reference_logprobs and reference_model is None:
         raise ValueError("reference_model: the plan computes reference logprobs, but none was given")
@@ -309,6 +344,9 @@ def train_step(
         raise ValueError(f"{missing}: required by the plan's prev ({plan.prev_source}"
                          f"{', compared with its approximations' if plan.compare_approximations else ''}): the "
                          "weight versions of the proximal policy and of each sample's generating policy")
+    vocab = vocab_shard_of(model)
+    if vocab.true_vocab_size is not None:
+        check_batch_values(batch, vocab.true_vocab_size)
     timer = timer if timer is not None else StepTimer()
     clip = step.clip_grad
     micro_batch_size = step.micro_batch_size
@@ -324,13 +362,13 @@ def train_step(
             batch["reference_policy_logprobs"] = compute_logprobs(reference_model, batch,
                                                                   micro_batch_size=micro_batch_size,
                                                                   logits_temperature=temperature,
-                                                                  fused_linear=fused)
+                                                                  fused_linear=fused, check_inputs=False)
         passes_run["reference"] = 1
     if plan.compute_prev_logprobs:
         with timer.section("prev_pass"):
             batch["prev_logprobs"] = compute_logprobs(model, batch, micro_batch_size=micro_batch_size,
                                                       logits_temperature=temperature, fused_linear=fused,
-                                                      **sampling)
+                                                      check_inputs=False, **sampling)
         passes_run["prev"] = 1
     if plan.prev_approximation == "generation":  # verl's bypass: the rollout's logprobs are prev from the start
         check_generation_logprobs(batch.get("generation_logprobs"), trained_token_mask(batch),
@@ -340,6 +378,8 @@ def train_step(
         log.info("logprob passes run: %s", ", ".join(f"{name} x{count}" for name, count in passes_run.items()))
     if prepare_batch is not None:
         batch = dict(prepare_batch(batch))
+        if vocab.true_vocab_size is not None:  # the shaped advantages are new values
+            check_batch_values(batch, vocab.true_vocab_size)
 
     step_metrics, microbatch_metrics = [], []
     rows = batch["input_ids"].shape[0]
@@ -402,7 +442,8 @@ def _forward_backward(
     forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches), global_valid_tokens=tokens,
                                      global_valid_seqs=seqs, vocab=vocab_shard_of(model),
                                      logits_temperature=logits_temperature, top_k=top_k, top_p=top_p,
-                                     fused_linear=fused_linear, fused_loss=fused_loss, versions=versions)
+                                     fused_linear=fused_linear, fused_loss=fused_loss, versions=versions,
+                                     check_inputs=False)  # train_step checked the batch's values once
     zero_optimizer_grads(model, optimizer)
     model.train()
     return run_schedule(forward_step, model, microbatches, forward_only=False)

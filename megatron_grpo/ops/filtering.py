@@ -14,9 +14,10 @@ Both rules keep the set `{x >= threshold}`, so a filter is one number per row. T
 logits at or above it. Collectives, on a TP group of more than one rank:
 
 - top-k: one all-gather of each rank's local top-k values, `[rows, k]`;
-- top-p: one all-reduce (max) of `[rows]`, then an exact radix select over the ordered bit patterns of the
-  fp32 logits, 8 bits per pass: 4 passes over the local logits, each with one all-reduce (sum) of
-  `[rows, 256]` float64 masses (8 passes for float64 logits). No host synchronisation.
+- top-p: one all-reduce (max) of `[rows]`, then per piece of rows (some 2^23 logits per rank) one all-reduce of
+  `[rows, 256]` float64 masses by distance below the row max, which leaves few candidates, and an exact radix
+  select over the candidates' ordered bit patterns, 8 bits per pass, each pass one all-reduce of `[rows, 257]`
+  float64 masses (4 passes for fp32 logits, 8 for float64). Gathering the candidates is a host sync per piece.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-ROWS_PER_CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ def kept_threshold(
     floor = (_top_k_threshold(x, sampling.top_k, group, logit_scale) if sampling.uses_top_k(true_vocab_size)
              else None)
     if sampling.uses_top_p():
-        return _top_p_threshold(x, float(sampling.top_p), floor, group, logit_scale).contiguous()
+        return _top_p_threshold(x, float(sampling.top_p), floor, group, logit_scale, true_vocab_size).contiguous()
     return floor.contiguous()
 
 
@@ -127,6 +126,13 @@ def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | N
 
 BUCKET_BITS = 8  # top-p's radix select reads 8 bits of the logits' bit pattern per pass
 BUCKETS = 1 << BUCKET_BITS
+# Top-p's first pass bins a row's logits by how far below the row max they lie: bins of 1/8 nat, 32 nats in all (the
+# last bin also takes every lower logit), so that the boundary's bin holds few of the row's logits.
+VALUE_BINS_PER_NAT = 8
+VALUE_BINS = 256
+# Top-p works on pieces of rows of at most about this many logits per rank (the fp64 masses, keys and bins of a piece
+# are its temporaries, some 20 bytes per logit); every rank cuts the same pieces (`_piece_rows`).
+PIECE_LOGITS = 2**23
 
 
 def _unsigned_keys(x: torch.Tensor) -> torch.Tensor:
@@ -146,62 +152,114 @@ def _value_of_unsigned_key(keys: torch.Tensor, width: int) -> torch.Tensor:
     return torch.where(signed < 0, signed ^ info.max, signed).view(float_dtype)
 
 
-def _bucket_masses(x: torch.Tensor, shift: torch.Tensor, floor: torch.Tensor | None, prefix: torch.Tensor,
-                   low_bit: int, width: int, group: dist.ProcessGroup | None, logit_scale: float) -> torch.Tensor:
-    """float64 `[rows, 256]`: over all ranks, the kept mass `sum exp(x - shift)` of the logits whose key starts
-    with the row's `prefix` (the bits above `low_bit + 8`), by the key's next 8 bits."""
-    rows = x.shape[0]
-    masses = torch.zeros(rows, BUCKETS, dtype=torch.float64, device=x.device)
-    prefix_bit = low_bit + BUCKET_BITS
-    for start in range(0, rows, ROWS_PER_CHUNK):
-        sl = slice(start, start + ROWS_PER_CHUNK)
-        chunk = _scaled(x[sl], logit_scale)
-        keys = _unsigned_keys(chunk)
-        mass = torch.exp(chunk - shift[sl, None].to(chunk.dtype)).to(torch.float64)  # NaN rows: see the caller
-        dropped = None
-        if prefix_bit < width:  # (the mask drops the sign extension of the arithmetic shift)
-            dropped = ((keys >> prefix_bit) & ((1 << (width - prefix_bit)) - 1)) != prefix[sl, None].to(keys.dtype)
-        if floor is not None:
-            below = chunk < floor[sl, None].to(chunk.dtype)
-            dropped = below if dropped is None else dropped.logical_or_(below)
-        if dropped is not None:
-            mass.masked_fill_(dropped, 0.0)
-        masses[sl].scatter_add_(1, ((keys >> low_bit) & (BUCKETS - 1)).to(torch.int64), mass)
-    return _all_reduce(masses, dist.ReduceOp.SUM, group)
+def _piece_rows(true_vocab_size: int, group: dist.ProcessGroup | None) -> int:
+    """Rows per piece of top-p's selection: the same on every rank (it bounds each rank's share of the true vocab,
+    never its own width, which is smaller on the rank with the padding), since each piece runs its own collectives."""
+    share = max(1, -(-true_vocab_size // _world(group)))
+    return max(1, PIECE_LOGITS // share)
 
 
-def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None,
-                     group: dist.ProcessGroup | None, logit_scale: float) -> torch.Tensor:
+def _histogram(index: torch.Tensor, mass: torch.Tensor, rows: int, bins: int,
+               group: dist.ProcessGroup | None) -> torch.Tensor:
+    """float64 `[rows, bins]`, summed over the ranks of `group`: the `mass` of each element added at its flat
+    `index` (row * bins + bin). `index_add_` (int32 or int64 indices, no host sync)."""
+    sums = torch.zeros(rows * bins, dtype=torch.float64, device=mass.device)
+    sums.index_add_(0, index.reshape(-1), mass.reshape(-1))
+    return _all_reduce(sums.view(rows, bins), dist.ReduceOp.SUM, group)
+
+
+def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None, group: dist.ProcessGroup | None,
+                     logit_scale: float, true_vocab_size: int) -> torch.Tensor:
     """The smallest logit v of each row whose strictly larger kept logits hold a mass `< p` of the kept mass.
 
-    mass(v) = the kept mass of the logits `> v` is non-increasing in v, so v is found by a radix select over
-    the logits' ordered bit patterns, 8 bits per pass (4 passes for float32): each pass histograms the kept
-    mass of the logits sharing the prefix found so far by their next 8 bits, and keeps the highest bucket
-    whose mass, together with the mass of the buckets above it, reaches what is left of p. The last bucket
-    is one bit pattern: a logit of the row.
+    mass(v) = the kept mass of the logits `> v` is non-increasing in v. After one all-reduce of the row max, each
+    piece of rows (`_piece_rows`) is selected in two stages:
+
+    1. the logits are binned by their distance below the row max (`VALUE_BINS`, in the order of the logits; ties
+       share a bin) and the bins' masses all-reduced: the boundary is in the last non-empty bin whose higher bins
+       hold less than p of the row's kept mass. Every logit above that bin is kept, every logit below it is not.
+    2. only that bin's logits (gathered out: a host sync) go through an exact radix select over their ordered bit
+       patterns, 8 bits per pass (4 passes for float32, 8 for float64), each pass one all-reduce of `[rows, 256]`
+       masses: the highest bucket whose mass, with the buckets above it, reaches what is left of p is kept, until
+       the last bucket is one bit pattern: a logit of the row.
+
+    Masses are `exp(z - row max)` in the compute dtype, summed in float64. A row with a NaN or infinite max keeps
+    everything (the kernels then make it NaN).
     """
     rows, dtype = x.shape[0], _compute_dtype(x)
     local_max = (_scaled(x.amax(dim=-1), logit_scale) if x.shape[1]
                  else torch.full((rows,), float("-inf"), dtype=dtype, device=x.device))
     row_max = _all_reduce(local_max, dist.ReduceOp.MAX, group)
     shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    width = 64 if dtype == torch.float64 else 32
-    prefix = torch.zeros(rows, dtype=torch.int64, device=x.device)
-    target = None
+    threshold = torch.empty(rows, dtype=dtype, device=x.device)
+    piece = _piece_rows(true_vocab_size, group)
+    for start in range(0, rows, piece):
+        sl = slice(start, start + piece)
+        threshold[sl] = _select_top_p(x[sl], p, shift[sl], None if floor is None else floor[sl], group, logit_scale)
+    threshold = torch.where(torch.isfinite(row_max), threshold, torch.full_like(threshold, float("-inf")))
+    return threshold if floor is None else torch.maximum(threshold, floor)
+
+
+def _select_top_p(x: torch.Tensor, p: float, shift: torch.Tensor, floor: torch.Tensor | None,
+                  group: dist.ProcessGroup | None, logit_scale: float) -> torch.Tensor:
+    """`_top_p_threshold` of one piece of rows (the two stages of its docstring)."""
+    rows = x.shape[0]
+    z = _scaled(x, logit_scale)
+    width = 64 if z.dtype == torch.float64 else 32
+    centered = z - shift[:, None].to(z.dtype)
+    mass = torch.exp(centered, out=torch.empty(z.shape, dtype=torch.float64, device=z.device))
+    below = None
+    if floor is not None:  # the top-k floor: never kept, no mass
+        below = z < floor[:, None].to(z.dtype)
+        mass.masked_fill_(below, 0.0)
+    # Stage 1. Bins in the order of z: fl(z - shift) is monotone in z, the scaling by a power of 2 exact.
+    bins = (centered.mul_(-VALUE_BINS_PER_NAT).nan_to_num_(nan=VALUE_BINS - 1).clamp_(0, VALUE_BINS - 1)
+            .to(torch.int32))
+    del centered
+    row_offsets = torch.arange(rows, dtype=torch.int32, device=z.device)[:, None] * VALUE_BINS
+    flat_bins = bins.add_(row_offsets)  # in place: each row's bins after the rows above
+    value_masses = _histogram(flat_bins, mass, rows, VALUE_BINS, group)
+    target = p * value_masses.sum(dim=-1)  # p of the whole kept mass
+    higher = value_masses.cumsum(dim=-1) - value_masses  # the mass of the bins above each bin
+    open_bins = (higher < target[:, None]) & (value_masses > 0)
+    bin_index = torch.arange(VALUE_BINS, device=z.device)
+    boundary = torch.where(open_bins, bin_index, -1).amax(dim=-1).clamp(min=0)
+    target = target - higher.gather(1, boundary[:, None]).squeeze(1)
+    # Stage 2, over the boundary bin's logits only.
+    candidates = flat_bins == (boundary.to(torch.int32)[:, None] + row_offsets)
+    if below is not None:
+        candidates &= ~below
+    del flat_bins, bins
+    flat = candidates.view(-1).nonzero().squeeze(1)
+    candidate_rows, candidate_cols = flat // z.shape[1], flat % z.shape[1]
+    keys = _unsigned_keys(z[candidate_rows, candidate_cols])  # (z may be a strided view: no copy of it)
+    candidate_mass = mass.view(-1).index_select(0, flat)
+    del mass, candidates
+    return _radix_select(keys, candidate_rows, candidate_mass, target, rows, width, group)
+
+
+def _radix_select(keys: torch.Tensor, rows_of: torch.Tensor, mass: torch.Tensor, target: torch.Tensor, rows: int,
+                  width: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Each row's threshold among its candidates (`keys`, flat, with their row in `rows_of` and their `mass`): the
+    smallest whose strictly larger candidates hold less than the row's `target` mass (see `_top_p_threshold`)."""
+    device = keys.device
+    prefix = torch.zeros(rows, dtype=torch.int64, device=device)
+    bucket_index = torch.arange(BUCKETS, device=device)
+    flat_rows = rows_of * (BUCKETS + 1)  # one more bucket per row takes the candidates off the prefix
     for low_bit in range(width - BUCKET_BITS, -1, -BUCKET_BITS):
-        masses = _bucket_masses(x, shift, floor, prefix, low_bit, width, group, logit_scale)
-        if target is None:
-            target = p * masses.sum(dim=-1)  # p of the whole kept mass
+        prefix_bit = low_bit + BUCKET_BITS
+        bucket = (keys >> low_bit) & (BUCKETS - 1)
+        if prefix_bit < width:  # (the mask drops the sign extension of the arithmetic shift)
+            on_prefix = ((keys >> prefix_bit) & ((1 << (width - prefix_bit)) - 1)) == prefix[rows_of].to(keys.dtype)
+            bucket = torch.where(on_prefix, bucket, BUCKETS)
+        masses = _histogram(flat_rows + bucket, mass, rows, BUCKETS + 1, group)[:, :BUCKETS]
         at_or_above = masses.flip(-1).cumsum(-1).flip(-1)  # mass of the buckets >= b
         reaching = (at_or_above >= target[:, None]).sum(dim=-1) - 1  # the highest bucket that reaches it
-        lowest_filled = torch.where(masses > 0, torch.arange(BUCKETS, device=x.device), BUCKETS).amin(dim=-1)
+        lowest_filled = torch.where(masses > 0, bucket_index, BUCKETS).amin(dim=-1)
         # Rounding between passes can leave the target a hair above the bucket's mass: then its lowest logit.
-        bucket = torch.where(reaching >= 0, reaching, lowest_filled.clamp(max=BUCKETS - 1))
-        above = at_or_above.gather(1, (bucket + 1).clamp(max=BUCKETS - 1)[:, None]).squeeze(1)
-        above = torch.where(bucket == BUCKETS - 1, torch.zeros_like(above), above)
+        chosen = torch.where(reaching >= 0, reaching, lowest_filled.clamp(max=BUCKETS - 1))
+        above = at_or_above.gather(1, (chosen + 1).clamp(max=BUCKETS - 1)[:, None]).squeeze(1)
+        above = torch.where(chosen == BUCKETS - 1, torch.zeros_like(above), above)
         target = target - above
-        prefix = (prefix << BUCKET_BITS) | bucket
-    threshold = _value_of_unsigned_key(prefix, width)
-    # A NaN makes its row NaN: keep everything so that the kernels see it.
-    threshold = torch.where(torch.isnan(row_max), torch.full_like(threshold, float("-inf")), threshold)
-    return threshold if floor is None else torch.maximum(threshold, floor)
+        prefix = (prefix << BUCKET_BITS) | chosen
+    return _value_of_unsigned_key(prefix, width)

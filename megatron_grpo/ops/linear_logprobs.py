@@ -21,6 +21,7 @@ backward's recompute.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +35,14 @@ from .vocab_parallel import (LOGITS_DTYPES, _row_gradient, check_target_ids, che
 from .vocab_shard import VocabShard
 
 # Default budget for one chunk of logits (in the hidden states' dtype): large enough that each GEMM is big,
-# small enough to be negligible next to the `[T, V_local]` logits the op avoids. See `chunk_rows_for`.
+# small enough to be negligible next to the `[T, V_local]` logits the op avoids. See `chunk_rows_for` (read at each
+# call, so a test may lower it).
 CHUNK_BYTES = 256 * 2**20
 MIN_CHUNKS = 8
 MIN_CHUNK_ROWS = 256
+# A chunk buffer's row stride is a multiple of this many elements (128 bytes of bf16), so every GEMM row starts
+# aligned whatever the shard's valid width; the kernels take any row stride.
+ROW_ALIGN = 64
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -57,16 +62,33 @@ class LinearCall:
         return [slice(start, min(start + self.chunk_rows, rows)) for start in range(0, rows, self.chunk_rows)]
 
 
-def chunk_rows_for(rows: int, valid_cols: int, dtype: torch.dtype, budget_bytes: int = CHUNK_BYTES) -> int:
+def chunk_rows_for(rows: int, shard_cols: int, dtype: torch.dtype, budget_bytes: int | None = None) -> int:
     """Rows per chunk when the caller gives none: a call of `rows` trained rows is cut into at least
     `MIN_CHUNKS` chunks (so one chunk's logits are at most 1/8 of the whole call's, the op's extra memory),
-    each of at least `MIN_CHUNK_ROWS` rows (so each GEMM stays large) and at most `budget_bytes` of
-    `[rows, valid_cols]` logits (256 MiB: 2048 rows of a 65536-column bf16 shard, 441 of a 152064-column fp32
-    one)."""
-    row_bytes = max(valid_cols, 1) * torch.empty((), dtype=dtype).element_size()
-    by_budget = max(1, budget_bytes // row_bytes)
+    each of at least `MIN_CHUNK_ROWS` rows (so each GEMM stays large) and at most `budget_bytes` (default
+    `CHUNK_BYTES`) of logits rows of `shard_cols` columns (256 MiB: 2048 rows of a 65536-column bf16 shard, 441 of
+    a 152064-column fp32 one).
+
+    `shard_cols` must be the same on every rank of the TP group: the shard's whole width (`weight.shape[0]`,
+    padding included), never its valid columns, which are fewer on the rank holding the padding. Ranks that cut
+    a call differently run different numbers and shapes of per-chunk collectives (a mismatch: gloo aborts, NCCL
+    hangs)."""
+    budget = CHUNK_BYTES if budget_bytes is None else budget_bytes
+    row_bytes = max(aligned_width(shard_cols), 1) * torch.empty((), dtype=dtype).element_size()
+    by_budget = max(1, budget // row_bytes)
     by_share = max(MIN_CHUNK_ROWS, -(-rows // MIN_CHUNKS))
     return max(1, min(by_budget, by_share))
+
+
+def aligned_width(cols: int) -> int:
+    """`cols` rounded up to a multiple of `ROW_ALIGN`: the row stride of a chunk buffer."""
+    return -(-cols // ROW_ALIGN) * ROW_ALIGN
+
+
+def chunk_buffer(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised `[rows, cols]` buffer in `like`'s dtype and device whose row stride is `aligned_width(cols)`
+    (the GEMMs write into it through `out=`, the kernels read and write it in place)."""
+    return like.new_empty(rows, aligned_width(cols))[:, :cols]
 
 
 class VocabParallelLinearLogprobs(torch.autograd.Function):
@@ -103,7 +125,7 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
     def chunk_logits(hidden_chunk: torch.Tensor, weight_valid: torch.Tensor, scale: float,
                      out: torch.Tensor) -> torch.Tensor:
         """`out = scale * hidden_chunk @ weight_valid.T`, the chunk's logits over the real columns."""
-        return _scaled_mm(hidden_chunk, weight_valid.t(), scale, out)
+        return scaled_mm(hidden_chunk, weight_valid.t(), scale, out)
 
     @staticmethod
     def local_partials(hidden, weight, targets, call: LinearCall) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -114,7 +136,7 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         rows = hidden.shape[0]
         filtered = call.sampling.active(shard.true_vocab_size)
         partials, thresholds = [], []
-        buffer = hidden.new_empty(min(call.chunk_rows, rows), valid)
+        buffer = chunk_buffer(min(call.chunk_rows, rows), valid, hidden)
         for sl in call.chunks(rows):
             logits = VocabParallelLinearLogprobs.chunk_logits(hidden[sl], weight_valid, call.logit_scale,
                                                               buffer[:sl.stop - sl.start])
@@ -145,7 +167,7 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         weight_sum = torch.zeros(weight_valid.shape, dtype=torch.float32, device=weight.device) if accumulate_fp32 \
             else None
         grad_weight = torch.zeros_like(weight) if need_weight and not accumulate_fp32 else None
-        buffer = hidden.new_empty(min(call.chunk_rows, rows), valid)
+        buffer = chunk_buffer(min(call.chunk_rows, rows), valid, hidden)
         for sl in chunks:
             h = hidden[sl]
             grad_logits = VocabParallelLinearLogprobs.chunk_logits(h, weight_valid, scale,
@@ -157,9 +179,9 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
                 None if threshold is None else threshold[sl],
             )  # in place: the chunk's logits become d(objective)/d(logits)
             if need_hidden:
-                _scaled_mm(grad_logits, weight_valid, scale, grad_hidden[sl])
+                scaled_mm(grad_logits, weight_valid, scale, grad_hidden[sl])
             if weight_sum is not None:
-                weight_sum.add_(torch.mm(grad_logits.t(), h), alpha=scale)
+                add_product_in_fp32(weight_sum, grad_logits.t(), h, scale)
             elif need_weight:
                 grad_weight[:valid].addmm_(grad_logits.t(), h, alpha=scale)
         if weight_sum is not None:
@@ -208,7 +230,8 @@ def vocab_parallel_linear_logprobs(
         chunk_rows: trained rows per chunk; None picks one (`chunk_rows_for`): at least 8 chunks of at least 256
             rows, each at most 256 MiB of logits.
         check_inputs: check target ids against the vocab (a host sync); pass False in hot loops. Gathering
-            the trained rows is a host sync of its own whenever some rows are ignored.
+            the trained rows is a host sync of its own whenever some rows are ignored (always with `shift`, whose
+            last position has no target) or, with `check_inputs=False`, may be.
         implementation: "auto" (fused kernels where available), "fused" or "reference".
 
     Returns:
@@ -239,22 +262,25 @@ class TrainedRows:
         check_linear_inputs(hidden, weight, targets, logit_scale, chunk_rows)
         shard = (VocabShard() if shard is None else shard).resolve(weight.shape[0])
         valid_cols = shard.valid_cols(weight.shape[0])
-        if check_inputs:
-            check_target_ids(targets, shard)
+        # Whether some rows are ignored: the target check's sync says so; a shift always ignores the last position.
+        some_ignored = check_target_ids(targets, shard) if check_inputs else None
         if shift:
             check_shiftable(targets)
             targets = next_token_targets(targets)
+            some_ignored = targets.shape[-1] > 0
         rows_hidden = hidden.reshape(-1, hidden.shape[-1])
         rows_targets = targets.reshape(-1).to(torch.int64)
-        index = (rows_targets >= 0).nonzero().squeeze(1)
-        if index.numel() == rows_targets.numel():
-            index = None
-        else:  # index_select's backward gives the ignored rows exactly 0
-            rows_hidden = rows_hidden.index_select(0, index)
-            rows_targets = rows_targets.index_select(0, index)
+        index = None
+        if some_ignored is not False:  # nonzero is a host sync: only where rows are (or may be) ignored
+            index = (rows_targets >= 0).nonzero().squeeze(1)
+            if index.numel() == rows_targets.numel():
+                index = None
+            else:  # index_select's backward gives the ignored rows exactly 0
+                rows_hidden = rows_hidden.index_select(0, index)
+                rows_targets = rows_targets.index_select(0, index)
         call = LinearCall(shard=shard, valid_cols=valid_cols, logit_scale=float(logit_scale),
                           chunk_rows=int(chunk_rows) if chunk_rows is not None
-                          else chunk_rows_for(rows_targets.numel(), valid_cols, hidden.dtype),
+                          else chunk_rows_for(rows_targets.numel(), weight.shape[0], hidden.dtype),
                           with_entropy=with_entropy, sampling=SamplingFilter(top_k=top_k, top_p=top_p),
                           kernels=select_kernels(weight, implementation))
         return TrainedRows(hidden=rows_hidden.contiguous(), targets=rows_targets.contiguous(), index=index,
@@ -269,9 +295,38 @@ class TrainedRows:
         return per_token(values if with_entropy else values[0], self.batch_shape, with_entropy, self.shift)
 
 
-def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
     """`out = scale * a @ b` in one GEMM (fp32 accumulation), the scale applied before the single rounding."""
     return torch.addmm(out.new_zeros(()), a, b, beta=0, alpha=scale, out=out)
+
+
+def add_product_in_fp32(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+    """`total += alpha * a @ b` for an fp32 `total` and bf16/fp16 `a`, `b` (dW summed over chunks).
+
+    On CUDA one GEMM writes its fp32 accumulator straight into `total` (`addmm` with `out_dtype=torch.float32`),
+    so no chunk's product is rounded to bf16 first; where this torch cannot take an fp32 `total` there
+    (`fp32_out_addmm_accumulates`), the product comes out in fp32 and is added. Elsewhere (the CPU) the product is
+    rounded to `a`'s dtype, then added in fp32."""
+    if a.device.type == "cuda":
+        if fp32_out_addmm_accumulates(a.device, a.dtype):
+            torch.addmm(total, a, b, alpha=alpha, out_dtype=torch.float32, out=total)
+        else:
+            total.add_(torch.mm(a, b, out_dtype=torch.float32), alpha=alpha)
+        return
+    total.add_(torch.mm(a, b), alpha=alpha)
+
+
+@functools.cache
+def fp32_out_addmm_accumulates(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch.addmm(total_fp32, a, b, out_dtype=torch.float32, out=total_fp32)` runs for `dtype` a, b on
+    `device` (CUDA builds of torch take it; some want `total` in `a`'s dtype), tried once on 1x1 tensors."""
+    one = torch.ones(1, 1, dtype=dtype, device=device)
+    total = torch.zeros(1, 1, dtype=torch.float32, device=device)
+    try:
+        torch.addmm(total, one, one, out_dtype=torch.float32, out=total)
+    except (RuntimeError, TypeError):
+        return False
+    return float(total) == 1.0
 
 
 def _scatter_rows(values: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:

@@ -269,13 +269,15 @@ def _check_tensors(logits: torch.Tensor, targets: torch.Tensor) -> None:
         raise ValueError(f"logits are on {logits.device} but targets on {targets.device}")
 
 
-def check_target_ids(targets: torch.Tensor, shard: VocabShard) -> None:
-    """Target ids beyond the true vocab are an error, never a silent -inf (a host sync)."""
+def check_target_ids(targets: torch.Tensor, shard: VocabShard) -> bool:
+    """Target ids beyond the true vocab are an error, never a silent -inf (a host sync). Returns whether some
+    target is ignored (< 0), read in the same sync."""
     if targets.numel() == 0:
-        return
-    largest = int(targets.max())
+        return False
+    smallest, largest = (int(v) for v in torch.stack([targets.min(), targets.max()]).tolist())
     if largest >= shard.true_vocab_size:
         raise ValueError(
             f"targets contain token id {largest}, which is >= true_vocab_size={shard.true_vocab_size} "
             f"(ids at or beyond it are vocab padding and cannot be targets)"
         )
+    return smallest < 0

@@ -1,0 +1,102 @@
+"""Where the fused paths read values back to the host (a sync on a GPU), counted on the CPU with a torch-function mode:
+`nonzero`, `tolist`, `item` and a tensor's truth value.
+
+- `vocab_parallel_linear_logprobs` gathers the trained rows (`nonzero`) only where some row is ignored: with
+  `check_inputs=True` and every row trained, the target check's one sync says so and no `nonzero` runs.
+- The loss-fused path syncs a fixed number of times per call, however many chunks it cuts.
+- `check_inputs=False` removes the checks of values: the loss then reads nothing back per call;
+  `check_batch_values` does those checks once, naming a bad key.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from _loss_inputs import batch_for_logits, loss_config
+from torch.overrides import TorchFunctionMode
+
+from megatron_grpo.loss import ClippedPGLoss, check_batch_values, count_valid
+from megatron_grpo.ops import VocabShard, vocab_parallel_linear_logprobs
+
+SYNCS = {torch.Tensor.nonzero: "nonzero", torch.nonzero: "nonzero", torch.Tensor.tolist: "tolist",
+         torch.Tensor.item: "item", torch.Tensor.__bool__: "bool", torch.Tensor.__int__: "int",
+         torch.Tensor.__float__: "float"}
+
+
+class CountSyncs(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in SYNCS:
+            self.counts[SYNCS[func]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def problem(rows: int = 40, hidden_size: int = 8, vocab: int = 29):
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(rows, hidden_size, generator=gen), torch.randn(32, hidden_size, generator=gen),
+            torch.randint(0, vocab, (rows,), generator=gen))
+
+
+def test_trained_rows_are_gathered_only_where_some_row_is_ignored():
+    hidden, weight, targets = problem()
+    shard = VocabShard(true_vocab_size=29)
+    with CountSyncs() as all_trained:
+        vocab_parallel_linear_logprobs(hidden, weight, targets, shard=shard)
+    ignored = targets.clone()
+    ignored[3] = -1
+    with CountSyncs() as some_ignored:
+        vocab_parallel_linear_logprobs(hidden, weight, ignored, shard=shard)
+    with CountSyncs() as unchecked:
+        vocab_parallel_linear_logprobs(hidden, weight, targets, shard=shard, check_inputs=False)
+    assert all_trained.counts == Counter(tolist=1)  # the target check, which also says that no row is ignored
+    assert some_ignored.counts == Counter(tolist=1, nonzero=1)
+    assert unchecked.counts == Counter(nonzero=1)  # not known without a look: gathered (none ignored, as it finds)
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 3, 1])
+def test_the_loss_fused_path_syncs_per_call_not_per_chunk(chunk_rows):
+    gen = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(6, 9, 8, generator=gen), torch.randn(32, 8, generator=gen)
+    batch = batch_for_logits(hidden @ weight.t(), 29, seed=2)
+    tokens, seqs = count_valid(batch)
+    loss_fn = ClippedPGLoss(loss_config())
+    with CountSyncs() as checked:
+        loss_fn.on_hidden_states(hidden, weight, batch, global_valid_tokens=tokens, global_valid_seqs=seqs,
+                                 shard=VocabShard(true_vocab_size=29), chunk_rows=chunk_rows)
+    with CountSyncs() as unchecked:
+        loss_fn.on_hidden_states(hidden, weight, batch, global_valid_tokens=tokens, global_valid_seqs=seqs,
+                                 shard=VocabShard(true_vocab_size=29), chunk_rows=chunk_rows, check_inputs=False)
+    # The rows per sequence (tolist) and the trained rows (nonzero); checked, once: finite advantages (bool; the
+    # rewards are not read by this config) and the target ids (tolist).
+    assert unchecked.counts == Counter(tolist=1, nonzero=1)
+    assert checked.counts == Counter(tolist=2, nonzero=1, bool=1)
+
+
+def test_the_loss_without_value_checks_reads_nothing_back():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 7, 29, generator=gen)
+    batch = batch_for_logits(logits, 29, seed=4)
+    tokens, seqs = count_valid(batch)
+    with CountSyncs() as unchecked:
+        ClippedPGLoss(loss_config())(logits, batch, global_valid_tokens=tokens, global_valid_seqs=seqs,
+                                     check_inputs=False)
+    assert unchecked.counts == Counter()
+
+
+def test_check_batch_values_names_the_bad_key():
+    batch = {"input_ids": torch.tensor([[1, 2, 28]]), "advantages": torch.tensor([0.5]),
+             "rewards": torch.tensor([1.0])}
+    check_batch_values(batch, 29)
+    with pytest.raises(ValueError, match=r"batch\['input_ids'\]: contains token id 29, outside the vocab \[0, 29\)"):
+        check_batch_values({**batch, "input_ids": torch.tensor([[1, 29]])}, 29)
+    with pytest.raises(ValueError, match=r"batch\['input_ids'\]: contains token id -1"):
+        check_batch_values({**batch, "input_ids": torch.tensor([[-1, 3]])}, 29)
+    with pytest.raises(ValueError, match=r"batch\['advantages'\]: contains NaN or infinite values"):
+        check_batch_values({**batch, "advantages": torch.tensor([float("nan")])}, 29)
+    with pytest.raises(ValueError, match=r"batch\['rewards'\]: contains NaN or infinite values"):
+        check_batch_values({**batch, "rewards": torch.tensor([float("inf")])}, 29)

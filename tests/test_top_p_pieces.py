@@ -1,0 +1,60 @@
+"""Top-p's selection works on pieces of rows (`filtering.PIECE_LOGITS` logits per rank, rows per piece the same on
+every rank): cutting a call into many pieces changes nothing, bit for bit, on one rank and over TP = 2 with a last
+shard narrower than the first; the kept sets match the sorting reference of tests/logprob_reference.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import counted_collectives, run_on_ranks
+from logprob_reference import filtered_keep_mask
+
+from megatron_grpo.ops import filtering
+from megatron_grpo.ops.filtering import SamplingFilter, kept_threshold
+
+ROWS, TRUE_VOCAB, V_LOCAL = 13, 95, 50  # at TP 2 the second shard holds 45 real columns and 5 of padding
+
+
+def logits_with_ties(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(ROWS, TRUE_VOCAB, generator=gen) * 2
+    logits[:, ::7] = (logits[:, ::7] * 2).round() / 2  # exact ties, some at the boundary
+    logits[3] = 0.5  # a flat row: every logit is a candidate of the boundary bin
+    return logits
+
+
+@pytest.mark.parametrize("top_k, top_p", [(None, 0.9), (None, 0.3), (20, 0.7)])
+def test_pieces_change_nothing_on_one_rank(monkeypatch, top_k, top_p):
+    logits = logits_with_ties(seed=1)
+    sampling = SamplingFilter(top_k=top_k, top_p=top_p)
+    whole = kept_threshold(logits, sampling, true_vocab_size=TRUE_VOCAB)
+    monkeypatch.setattr(filtering, "PIECE_LOGITS", 3 * TRUE_VOCAB)  # pieces of 3 rows, the last of 1
+    assert filtering._piece_rows(TRUE_VOCAB, None) == 3
+    pieces = kept_threshold(logits, sampling, true_vocab_size=TRUE_VOCAB)
+    assert torch.equal(whole, pieces)
+    assert torch.equal(logits >= pieces[:, None], filtered_keep_mask(logits, top_k, top_p))
+
+
+def sharded_worker(rank: int, world: int, top_p: float) -> tuple[torch.Tensor, int]:
+    filtering.PIECE_LOGITS = 4 * V_LOCAL  # this process only: pieces of 4 rows on both ranks
+    logits = logits_with_ties(seed=2)
+    padded = torch.cat([logits, torch.full((ROWS, 2 * V_LOCAL - TRUE_VOCAB), 1e4)], dim=1)
+    local = padded[:, rank * V_LOCAL:(rank + 1) * V_LOCAL]
+    valid = min(TRUE_VOCAB - rank * V_LOCAL, V_LOCAL)
+    with counted_collectives() as calls:
+        threshold = kept_threshold(local[:, :valid], SamplingFilter(top_p=top_p), true_vocab_size=TRUE_VOCAB,
+                                   group=dist.group.WORLD)
+    return threshold, calls["n"]
+
+
+def test_pieces_agree_over_tensor_parallel_ranks():
+    top_p = 0.8
+    per_rank = run_on_ranks(2, sharded_worker, top_p)
+    pieces = -(-ROWS // 4)
+    for threshold, collectives in per_rank:
+        assert torch.equal(threshold, per_rank[0][0])
+        assert collectives == 1 + pieces * (1 + 4)  # the row max; per piece the value bins and 4 radix passes
+    logits = logits_with_ties(seed=2)
+    assert torch.equal(logits >= per_rank[0][0][:, None], filtered_keep_mask(logits, None, top_p))
+    assert torch.equal(per_rank[0][0], kept_threshold(logits, SamplingFilter(top_p=top_p), true_vocab_size=TRUE_VOCAB))
