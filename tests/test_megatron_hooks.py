@@ -14,6 +14,7 @@ import pytest
 import torch
 from _configs import config_with
 from _dist import run_on_ranks
+from _tolerances import FP32_U, MODEL_GRAD_RTOL, MODEL_LOGPROB_ATOL
 
 VOCAB = 13  # odd, padded to 16 (divisible_by 8 × TP 2): rank 1 holds 3 real columns and 5 padding columns
 ROWS, SEQ = 8, 7
@@ -32,14 +33,6 @@ TINY_MODEL = {
 }
 MICROBATCH_COUNTS = (1, 2, 4)
 SGD_LR = 0.1  # the skipped-prev step's SGD: a clipped gradient of norm <= 1 moves some weight by well over 1e-3
-
-# Tolerances (fp32 unit roundoff u = 2^-24 = 6e-8). None may depend on how one CPU blocks its sums.
-# A gradient element's rounding error is relative to the terms summed into it, not to its own size (it may cancel
-# to about 0): up to ~56 tokens x 40 features through two layers, bounded at 1e-5 (~170 u) of the largest element.
-GRAD_RTOL = 1e-5
-# An fp32 logprob of the tiny model: logits of a few units carry a few ulps each (2.4e-7 at 2 to 4) through the
-# embedding, two layers and the head; 1e-5 is ~40 ulps of the largest logprob.
-LOGPROB_ATOL = 1e-5
 
 
 def make_batch(seed: int) -> dict[str, torch.Tensor]:
@@ -139,6 +132,7 @@ def scenario_microbatches(cfg) -> dict:
     return {"logits_shape": logits_shape, "vocab_sizes": (model.true_vocab_size, model.padded_vocab_size),
             "grad_errors": errors, "losses": losses, "reference_loss": reference_on_policy_loss64(model, batch).item(),
             "grad_scale": max(g.abs().max().item() for g in expected.values()), "logprob_error": logprob_error,
+            "advantage_scale": batch["advantages"].abs().max().item(),
             "tempered_logprob_error": tempered_error, "tempered_logprob_shift": tempered_shift}
 
 
@@ -173,6 +167,7 @@ def scenario_skipped_prev(cfg) -> dict:
     (skipped_step,), (computed_step,) = skipped["result"].step_metrics, computed["result"].step_metrics
     return {
         "loss": (skipped_step["loss"], computed_step["loss"]),
+        "advantage_scale": batch["advantages"].abs().max().item(),
         "grad_error": max_difference(skipped["grads"], computed["grads"]),
         "grad_scale": max(g.abs().max().item() for g in skipped["grads"]),
         "update_error": max_difference(skipped["params"], computed["params"]),
@@ -273,20 +268,21 @@ def test_schedule_gradient_matches_full_batch_float64(ranks, count):
         result = rank["microbatches"]
         assert result["grad_scale"] > 1e-3  # a real gradient, not zeros
         # the same fp32 model backward, batched into microbatches, against a float64 loss head on the whole batch
-        assert result["grad_errors"][count] <= GRAD_RTOL * result["grad_scale"]
+        assert result["grad_errors"][count] <= MODEL_GRAD_RTOL * result["grad_scale"]
         # the on-policy loss is -sum(A * mask) / tokens: an fp32 sum of <= 56 terms of |A| < 3, each summand and
         # the running sum rounded, so within 56 * 2 u * 3 = 2e-5 however the microbatches split it
+        assert result["advantage_scale"] < 3
         assert result["losses"][count] == pytest.approx(result["reference_loss"], abs=2e-5)
 
 
 def test_compute_logprobs_matches_float64_reference(ranks):
-    assert all(rank["microbatches"]["logprob_error"] <= LOGPROB_ATOL for rank in ranks)
+    assert all(rank["microbatches"]["logprob_error"] <= MODEL_LOGPROB_ATOL for rank in ranks)
 
 
 def test_compute_logprobs_at_the_sampling_temperature(ranks):
     for rank in ranks:
         assert rank["microbatches"]["tempered_logprob_shift"] > 1e-2  # the temperature really changes them
-        assert rank["microbatches"]["tempered_logprob_error"] <= LOGPROB_ATOL
+        assert rank["microbatches"]["tempered_logprob_error"] <= MODEL_LOGPROB_ATOL
 
 
 def test_skipped_prev_gives_the_same_update_as_computed_prev(ranks):
@@ -295,18 +291,21 @@ def test_skipped_prev_gives_the_same_update_as_computed_prev(ranks):
         assert result["initial_difference"] == 0  # both runs start from the same weights
         assert result["weights_moved"] > 1e-3  # the step really changed the weights
         assert result["skipped_prev_is_curr"]  # backfilled from curr, no zero placeholder
-        # the computed prev is a second fp32 forward of the same weights that batches the rows differently: both it
-        # and curr are within LOGPROB_ATOL of the float64 forward (test above), so within 2 * LOGPROB_ATOL of each other
+        # the computed prev is a second fp32 forward of the same weights that batches the rows differently: it and
+        # curr are each within MODEL_LOGPROB_ATOL of the float64 forward (the test above), so within twice that
         prev_error = result["prev_error_on_mask"]
-        assert prev_error <= 2 * LOGPROB_ATOL
+        assert prev_error <= 2 * MODEL_LOGPROB_ATOL
         # The training forward and backward are the same operations in both runs; only the ratio exp(curr - prev)
-        # differs, by a factor within exp(+-prev_error) of 1 per token. So the loss (|A| < 3 per token) and the
-        # gradient (relative to its scale) differ by at most about prev_error times that, well within GRAD_RTOL.
+        # differs, by a factor within exp(+-prev_error) of 1 per token. So the loss moves by at most 3 prev_error
+        # (|A| < 3), plus the rounding of its fp32 sum of 56 terms (2e-5, as above), and the gradient by about
+        # prev_error relative to its terms, well within MODEL_GRAD_RTOL.
+        assert result["advantage_scale"] < 3
         skipped_loss, computed_loss = result["loss"]
-        assert computed_loss == pytest.approx(skipped_loss, rel=0, abs=3 * 2 * LOGPROB_ATOL)
-        assert result["grad_error"] <= GRAD_RTOL * result["grad_scale"]
-        # SGD's update is lr x the gradient, plus one fp32 rounding of each weight (half an ulp: u relative)
-        assert result["update_error"] <= SGD_LR * GRAD_RTOL * result["grad_scale"] + 2**-24 * result["weight_scale"]
+        assert computed_loss == pytest.approx(skipped_loss, rel=0, abs=3 * prev_error + 2e-5)
+        assert result["grad_error"] <= MODEL_GRAD_RTOL * result["grad_scale"]
+        # SGD's update is lr times the gradient, plus one fp32 rounding of each weight per run (u |w|)
+        assert result["update_error"] <= (SGD_LR * MODEL_GRAD_RTOL * result["grad_scale"]
+                                          + 2 * FP32_U * result["weight_scale"])
 
 
 def test_prev_pass_runs_only_when_planned_and_is_counted_and_logged(ranks):
@@ -324,7 +323,7 @@ def test_step_metrics_are_aggregated_with_grad_norm(ranks):
     for rank in ranks:
         for metrics in rank["skipped_prev"]["step_metrics"].values():
             (step,) = metrics
-            assert step["probs_ratio"] == pytest.approx(1.0, abs=1e-6)
+            assert step["probs_ratio"] == pytest.approx(1.0, abs=1e-6)  # exact 1s, token-averaged: a few u
             assert step["num_valid_tokens"] > 0 and step["grad_norm"] > 0
 
 
