@@ -52,7 +52,8 @@ def why_isa_cannot_run(isa: str) -> str | None:
 
 
 CANNOT_RUN = {isa: why_isa_cannot_run(isa) for isa in ("avx2", "avx512")}
-ISAS = [pytest.param(isa, marks=pytest.mark.skipif(why is not None, reason=str(why))) for isa, why in CANNOT_RUN.items()]
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(why is not None, reason=str(why)))
+        for isa, why in CANNOT_RUN.items()]
 needs_avx512 = pytest.mark.skipif(CANNOT_RUN["avx512"] is not None, reason=str(CANNOT_RUN["avx512"]))
 
 
