@@ -136,7 +136,7 @@ def test_tokens_and_rewards_of_three_steps_match_tp1(runs, name):
     """Exact: a layout's logprobs differ from TP1's by rounding (a few 1e-7), and a draw changes only when its random
     number falls that close to a boundary of the sampled distribution, about once in a million draws (a run of three
     steps makes about 2000). Runs of 200 steps with other fp32 kernels (MKL_CBWR=COMPATIBLE, ATEN_CPU_CAPABILITY=
-    default) drew every token as the default build did."""
+    default) had the default run's mean reward at every step (docs/design.md, Tolerances)."""
     reference, other = runs["tp1"], runs[name]
     for step in range(STEPS):
         for key in ("input_ids", "rewards"):

@@ -291,8 +291,8 @@ def test_skipped_prev_gives_the_same_update_as_computed_prev(ranks):
         assert result["initial_difference"] == 0  # both runs start from the same weights
         assert result["weights_moved"] > 1e-3  # the step really changed the weights
         assert result["skipped_prev_is_curr"]  # backfilled from curr, no zero placeholder
-        # the computed prev is a second fp32 forward of the same weights that batches the rows differently: it and
-        # curr are each within MODEL_LOGPROB_ATOL of the float64 forward (the test above), so within twice that
+        # the computed prev is another fp32 forward of the same weights, which need not round as the training forward
+        # does: it and curr are each within MODEL_LOGPROB_ATOL of the float64 forward (as above), so within twice that
         prev_error = result["prev_error_on_mask"]
         assert prev_error <= 2 * MODEL_LOGPROB_ATOL
         # The training forward and backward are the same operations in both runs; only the ratio exp(curr - prev)
