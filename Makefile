@@ -25,7 +25,7 @@ MEGATRON_TESTS := tests/test_megatron_hooks.py tests/test_megatron_fused_linear.
 	$(filter-out %_learning.py,$(wildcard tests/test_grpo_*.py))
 MCORE_NEW_SLOW := tests/test_grpo_layouts.py tests/test_example_training_loop.py
 
-.PHONY: install demo demo-figure test test-fast test-mcore-new bench bench-linear cuda-check gpu-wheels clean
+.PHONY: install demo demo-figure test test-fast test-avx2 test-mcore-new bench bench-linear cuda-check gpu-wheels clean
 
 $(STAMP): $(SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,11 @@ test: install
 # The edit loop: everything but the end-to-end multi-process runs (marked `slow`).
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# The suite with torch's CPU kernels and ours capped at AVX2, as an AVX2-only machine runs it (on an AVX2 machine, the
+# same as `make test`). Each kernel build is also checked against the float64 anchor within `make test` itself.
+test-avx2: install
+	ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q tests
 
 test-mcore-new: install
 	test -d $(MCORE_NEW_DIR)/megatron || $(BIN)/pip install -q --ignore-requires-python --no-deps \

@@ -8,9 +8,17 @@ from dataclasses import dataclass
 
 import torch
 
-# Elementwise gradient tolerance: relative rounding of the gradient into the logits' dtype, plus fp32 maths.
-GRAD_RTOL = {torch.float32: 2e-5, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float64: 1e-12}
-GRAD_ATOL = {torch.float32: 1e-6, torch.bfloat16: 1e-6, torch.float16: 1e-6, torch.float64: 1e-12}
+# Gradient tolerance. A gradient element d = g_lp (1[v = y] - p) + g_H p (E[x] - x) is computed in fp32 and rounded
+# once into the logits' dtype (UNIT_ROUNDOFF of the element itself). The fp32 maths before that errs relative to the
+# terms summed into it, not to their sum, which may cancel to about 0: p = exp(x - lse) carries the kernels' exp
+# (20 ulps, 2.4e-6) and lse's rounding, E[x] errs like the entropy; MATH_RTOL = 2e-5 bounds both, relative to
+# `Expected.grad_terms` (float64 maths: 1e-12). Below UNDERFLOW nothing is relative: far below fp32's and bf16's
+# normal range; for fp16, values under 6.1e-5 are spaced 2^-24, so a rounding errs by 2^-25 absolute, and the exp
+# mode's stored e by that times |g_lp| scale (< 8) in the gradient: 2^-21 covers both.
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float64: 2.0**-53}
+MATH_RTOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5, torch.float16: 2e-5, torch.float64: 1e-12}
+UNDERFLOW = {torch.float32: 1e-30, torch.bfloat16: 1e-30, torch.float16: 2.0**-21, torch.float64: 1e-300}
+NO_TERMS_ATOL = 1e-6
 
 
 @dataclass
@@ -18,6 +26,10 @@ class Expected:
     logprob: torch.Tensor   # float64 [T]
     entropy: torch.Tensor   # float64 [T]
     grad: torch.Tensor      # float64 [T, V_padded]; padding columns 0
+    # float64 [T, V_padded]: the magnitude of the terms summed into each gradient element, |g_lp| (1[v = y] + p) +
+    # |g_H| p (|x - E[x]| + max(1, H)) (E[x]'s error is like the entropy's, relative to max(1, H)); 0 where the
+    # gradient is exactly 0 (padding, ignored rows, filtered logits)
+    grad_terms: torch.Tensor | None = None
 
 
 def expected_logprobs(
@@ -40,14 +52,23 @@ def torch_fp32_logprob_error(full_logits: torch.Tensor, targets: torch.Tensor, t
     return float((lp - expected.logprob).abs().max()) if lp.numel() else 0.0
 
 
-def assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, roundings: int = 1) -> None:
-    """Elementwise |actual - expected| <= roundings * (half an ulp of dtype, relative) + atol."""
+def assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, roundings: int = 1,
+                      terms: torch.Tensor | None = None) -> None:
+    """Elementwise |actual - expected| <= roundings * (UNIT_ROUNDOFF |expected| + MATH_RTOL terms) + a floor.
+
+    `terms`: `Expected.grad_terms`, the magnitude of what each element sums; the floor is then UNDERFLOW. Without
+    them (a caller comparing two results, or elements of one term each) terms = |expected| and the floor is
+    NO_TERMS_ATOL, which covers cancelling elements only up to terms of about 0.05. `roundings` = 2 where the result
+    went through its dtype twice, or where two computed results are compared."""
     err = (actual.double() - expected).abs()
-    bound = roundings * GRAD_RTOL[dtype] * expected.abs() + GRAD_ATOL[dtype]
+    floor = NO_TERMS_ATOL if terms is None else UNDERFLOW[dtype]
+    terms = expected.abs() if terms is None else terms
+    bound = roundings * (UNIT_ROUNDOFF[dtype] * expected.abs() + MATH_RTOL[dtype] * terms) + floor
     worst = int(torch.argmax(err - bound)) if err.numel() else 0
     assert bool((err <= bound).all()), (
-        f"gradient off by {err.flatten()[worst]:.3g} at flat index {worst} "
-        f"(expected {expected.flatten()[worst]:.6g}, got {actual.double().flatten()[worst]:.6g}, dtype {dtype})"
+        f"gradient off by {err.flatten()[worst]:.3g} at flat index {worst} (expected "
+        f"{expected.flatten()[worst]:.6g} from terms of {terms.flatten()[worst]:.3g}, got "
+        f"{actual.double().flatten()[worst]:.6g}, dtype {dtype})"
     )
 
 
@@ -119,21 +140,46 @@ def expected_filtered_logprobs(
     if grad_entropy is not None:
         objective = objective + (entropy * grad_entropy.to(torch.float64)).sum()
     grad = torch.zeros(full_logits.shape, dtype=torch.float64)
+    terms = torch.zeros(full_logits.shape, dtype=torch.float64)
     if objective.requires_grad:
         (g,) = torch.autograd.grad(objective, x)
         grad[:, :true_vocab_size] = g
-    return Expected(logprob=logprob.detach(), entropy=entropy.detach(), grad=grad)
+        terms[:, :true_vocab_size] = _gradient_terms(x.detach(), keep, targets, p.detach(), entropy.detach(),
+                                                     torch.isfinite(logprob.detach()), grad_logprob, grad_entropy)
+    return Expected(logprob=logprob.detach(), entropy=entropy.detach(), grad=grad, grad_terms=terms)
 
 
+def _gradient_terms(x, keep, targets, p, entropy, finite, grad_logprob, grad_entropy) -> torch.Tensor:
+    """|g_lp| (1[v = y] + p) + |g_H| p (|x - E[x]| + max(1, H)) on trained rows (and the logprob part only where the
+    target's logprob is finite), 0 elsewhere and on filtered logits (p = 0)."""
+    trained = (targets >= 0).to(torch.float64)
+    terms = torch.zeros_like(x)
+    if grad_logprob is not None:
+        one_hot = torch.zeros_like(x).scatter_(1, targets.clamp(min=0)[:, None], 1.0) * keep
+        weight = trained * finite.to(torch.float64) * grad_logprob.double().abs()
+        terms += weight[:, None] * (one_hot + p)
+    if grad_entropy is not None:
+        live = p > 0  # not filtered, not -inf
+        live_x = x.masked_fill(~live, 0.0)
+        mean_x = (p * live_x).sum(-1, keepdim=True)
+        spread = (live_x - mean_x).abs() + entropy.abs().clamp(min=1.0)[:, None]
+        terms += (trained * grad_entropy.double().abs())[:, None] * torch.where(live, p * spread, 0.0)
+    return terms
+
+
+# fp32 logprob: lse carries the exp's 20 ulps (2.4e-6) and the sums' rounding (chains of up to ~100 additions in
+# the kernels' lanes and tiles, 6e-6 at worst), then one rounding of |logprob| < 16 (1e-6).
 LOGPROB_ATOL_FP32 = 1e-5
-ENTROPY_ATOL = 1e-5  # relative to max(1, the largest entropy)
-LOW_PRECISION_MARGIN = 2e-6  # bf16/fp16 logprob: at most torch's fp32-upcast error on the same input, plus this
+ENTROPY_ATOL = 1e-5  # relative to max(1, the largest entropy): the same sums, relative to log D and S / D
+# bf16/fp16 logprob: the inputs are exact in fp32, so only the fp32 maths errs, ours with the exp's 20 ulps where
+# torch's upcast errs by one: at most torch's fp32-upcast error on the same input plus the fp32 tolerance.
+LOW_PRECISION_MARGIN = LOGPROB_ATOL_FP32
 
 
 def assert_matches_anchor(logits, targets, true_vocab, g_lp, g_h, logprob, entropy, grad, expected=None):
     """Values and gradient against the float64 anchor (all on the CPU; g_h None without entropy): fp32 logprobs to
-    1e-5, bf16/fp16 ones no worse than torch's fp32 upcast, entropy to 1e-5 relative, padding and ignored rows
-    with exactly zero gradient, and the gradient within `assert_grad_close`'s per-dtype tolerance."""
+    1e-5, bf16/fp16 ones within that of torch's fp32 upcast, entropy to 1e-5 relative, padding and ignored rows
+    with exactly zero gradient, and the gradient within `assert_grad_close`'s per-dtype tolerance of its terms."""
     if expected is None:
         expected = expected_logprobs(logits, targets, true_vocab, g_lp, g_h)
     assert logprob.dtype == torch.float32
@@ -149,5 +195,5 @@ def assert_matches_anchor(logits, targets, true_vocab, g_lp, g_h, logprob, entro
     assert grad.dtype == logits.dtype
     assert bool((grad[:, true_vocab:] == 0).all()), "padding columns must get exactly zero gradient"
     assert bool((grad[targets < 0] == 0).all()), "ignored rows must get exactly zero gradient"
-    assert_grad_close(grad, expected.grad, logits.dtype)
+    assert_grad_close(grad, expected.grad, logits.dtype, terms=expected.grad_terms)
 

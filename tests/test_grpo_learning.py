@@ -1,5 +1,10 @@
 """The tiny config learns by RL alone, under data and pipeline parallelism: with a fixed seed, the mean reward of
-the first 10 steps is at most 0.2, and some 10-step window reaches 0.9 within 100 steps, as the demo does.
+the first 10 steps is at most 0.25, and some 10-step window reaches 0.7 within 120 steps.
+
+Another CPU's rounding could change one sampled token, and the run after it would then be like another seed's, so
+the levels are those every measured seed reaches with steps to spare (`tests/grpo_workers/learning_margins.py`,
+seeds 1234 and 1-9): a first-10 mean of at most 0.19, and 0.7 by step 106 at DP = 2 and 107 at TP2 x PP2 (the
+default seed passes 0.9 by step 90 and 83; other seeds by step 140, or not within 130 steps).
 
 DP = 2 (TP 1) trains on the loss-fused path (`policy.fused_linear_loss`). TP = 2 × PP = 2 is the shipped
 configs/grpo_tiny_cpu_tp2_pp2.yaml on the fused op (the demo's path), launched as the README's two "nodes": two
@@ -15,8 +20,9 @@ from megatron_grpo.grpo.reporting import read_metrics
 from _dist import free_port
 from grpo_workers.launch import REPO, TINY_CONFIG, run, start, stop_job, torchrun_command, write_config
 
-STEPS = 100
+STEPS = 120
 WINDOW = 10
+START_AT_MOST, REACH = 0.25, 0.7
 pytestmark = pytest.mark.slow  # torchrun jobs, end to end
 
 LAYOUTS = {  # name: base config, overrides, torchrun agents, ranks per agent
@@ -50,5 +56,5 @@ def test_reward_rises_from_at_most_0_2_to_0_9(tmp_path, name):
     rewards = [record["reward_mean"] for record in read_metrics(tmp_path / "run")]
     assert len(rewards) == STEPS
     means = window_means(rewards)
-    assert means[0] <= 0.2, f"a random policy should start near 0, got {means[0]:.3f}"
-    assert max(means) >= 0.9, f"the best 10-step mean reward was {max(means):.3f}"
+    assert means[0] <= START_AT_MOST, f"a random policy should start near 0, got {means[0]:.3f}"
+    assert max(means) >= REACH, f"the best 10-step mean reward was {max(means):.3f}"

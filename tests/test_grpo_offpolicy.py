@@ -12,6 +12,7 @@ import torch
 import yaml
 from _configs import CONFIGS, config_with, set_key
 from _dist import run_on_ranks
+from _tolerances import MODEL_LOGPROB_ATOL
 
 from megatron_grpo.config import load_config
 from megatron_grpo.grpo.checkpoint_dir import step_dir_name
@@ -87,7 +88,9 @@ def test_stale_rollouts_come_from_older_weights_and_the_ratio_moves():
     checks, records = result["checks"], result["records"]
     assert [c["weight_version"] for c in checks] == [0, 0, 1, 2]  # step s trains on weights of step max(0, s-1)
     for check in checks:
-        assert check["gen_vs_generating_weights"] < 1e-5, check  # generation logprobs: the generating weights'
+        # generation logprobs: the generating weights' (one fp32 forward per decoding step against a float64 head on
+        # one full-sequence forward: rounding only)
+        assert check["gen_vs_generating_weights"] <= MODEL_LOGPROB_ATOL, check
     for check in checks[1:]:
         assert check["gen_vs_current_weights"] > 1e-4, check  # ... not the current ones once the weights moved
     assert [r["rollout_age"] for r in records] == [0, 1, 1, 1]

@@ -22,6 +22,7 @@ from megatron_grpo.grpo import runner
 from megatron_grpo.grpo.checkpoint_dir import latest_checkpoint, saved_world_size, step_dir_name
 from megatron_grpo.grpo.reporting import METRICS_FILE, PLOT_FILE, read_metrics, without_timings
 from megatron_grpo.grpo.tensorboard_log import demo_record
+from _tolerances import MODEL_LOGPROB_ATOL
 from grpo_workers.launch import (
     REPO,
     job_processes,
@@ -62,10 +63,12 @@ def test_a_run_writes_finite_metrics_that_follow_the_plan(reference_run):
         # the tiny config is on-policy without KL: the plan skips both passes, and prev is backfilled from curr
         assert not record["reference_pass_ran"] and not record["prev_pass_ran"]
         assert record["reference_passes_skipped"] == record["prev_passes_skipped"] == record["step"] + 1
-        assert record["probs_ratio"] == pytest.approx(1.0, abs=1e-6)
+        assert record["probs_ratio"] == pytest.approx(1.0, abs=1e-6)  # exact 1s, token-averaged: a few u
         assert record["clip_fraction_lower"] == record["clip_fraction_upper"] == 0.0
-        # the rollout's generation logprobs agree with the training forward's: same weights, same distribution
-        assert 1.0 <= record["token_mult_prob_error"] < 1.0 + 1e-4 and abs(record["gen_kl_error"]) < 1e-5
+        # the rollout's generation logprobs agree with the training forward's: same weights, same distribution, two
+        # fp32 forwards batched differently, each within MODEL_LOGPROB_ATOL of the float64 values
+        assert 1.0 <= record["token_mult_prob_error"] < 1.0 + 1e-4
+        assert abs(record["gen_kl_error"]) <= 2 * MODEL_LOGPROB_ATOL
     assert "reference logprob passes skipped  6 of 6" in output
     assert "prev logprob passes skipped       6 of 6" in output
     assert (directory / "run" / PLOT_FILE).stat().st_size > 1000
@@ -81,7 +84,8 @@ def test_training_logprobs_use_the_sampling_temperature_and_filter(tmp_path):
     code, output = run(torchrun_command(config, nproc=2), tmp_path / "log.txt")
     assert code == 0, output
     for record in read_metrics(tmp_path / "run"):
-        assert 1.0 <= record["token_mult_prob_error"] < 1.0 + 1e-4 and abs(record["gen_kl_error"]) < 1e-5
+        assert 1.0 <= record["token_mult_prob_error"] < 1.0 + 1e-4  # as above
+        assert abs(record["gen_kl_error"]) <= 2 * MODEL_LOGPROB_ATOL
 
 
 def _megatron_forks_checkpoint_writers() -> bool:

@@ -25,7 +25,7 @@ def anchor(full: torch.Tensor, targets: torch.Tensor, true_vocab: int, scale: fl
     z = x * scale
     expected = expected_filtered_logprobs(z.detach(), targets, true_vocab, top_k, top_p, g_lp, g_h)
     (grad,) = torch.autograd.grad(z, x, expected.grad)  # = scale * dL/dz
-    expected.grad = grad
+    expected.grad, expected.grad_terms = grad, expected.grad_terms * scale
     return expected
 
 
@@ -42,7 +42,7 @@ def check(logprob, entropy, grad, expected, targets, true_vocab, dtype, label=""
     assert grad.dtype == dtype
     assert bool((grad[:, true_vocab:] == 0).all()), f"{label}: padding must get exactly zero gradient"
     assert bool((grad[targets < 0] == 0).all()), f"{label}: ignored rows must get exactly zero gradient"
-    assert_grad_close(grad, expected.grad, dtype, roundings)
+    assert_grad_close(grad, expected.grad, dtype, roundings, terms=expected.grad_terms)
 
 
 def run(full, targets, true_vocab, scale, *, implementation, device, top_k=None, top_p=None,

@@ -15,11 +15,15 @@ import pytest
 import torch
 from _configs import config_with, drop_key, tiny
 from _dist import run_on_ranks
+from _tolerances import MODEL_GRAD_RTOL, MODEL_LOGPROB_ATOL
 from test_megatron_hooks import ROWS, SEQ, TINY_MODEL, VOCAB, make_batch
 
 from megatron_grpo.config import ConfigError, load_config
 
-TOL = 1e-5
+# The fused paths compute the materialised path's fp32 maths with the logits formed chunk by chunk (another GEMM
+# blocking): logprobs and gradients to MODEL_LOGPROB_ATOL and MODEL_GRAD_RTOL. The loss and the mean entropy are
+# token means of functions of the logprobs with slope below 4 (|A| ratio, the KL's, the entropy's own).
+METRIC_ATOL = 4 * MODEL_LOGPROB_ATOL
 CASES = {
     # temperature 1, the default passes (prev and reference skipped), no entropy term
     "plain": {},
@@ -126,6 +130,7 @@ def _compare(plain: dict, fused: dict) -> dict:
         "passes_run": (a.passes_run, b.passes_run),
         "metric_errors": {key: abs(step_a[key] - step_b[key]) for key in ("loss", "entropy", "grad_norm")
                           if key in step_a},
+        "grad_norm": step_a["grad_norm"],
         "kl_in_metrics": "kl_penalty" in step_a and "kl_penalty" in step_b,
         "grad_error": max(_max_diff(plain["grads"][n], fused["grads"][n]) for n in plain["grads"]),
         "grad_scale": max(g.abs().max().item() for g in plain["grads"].values()),
@@ -171,12 +176,13 @@ def test_fused_train_step_equals_materialised(ranks, case, mode):
     for rank in ranks:
         result = rank[case][mode]
         assert result["grad_scale"] > 1e-3  # a real gradient
-        assert result["curr_error"] < TOL and result["prev_error"] < TOL
+        assert result["curr_error"] <= MODEL_LOGPROB_ATOL and result["prev_error"] <= MODEL_LOGPROB_ATOL
         # Gradients, not the updated weights: Adam's first step is nearly lr * sign(grad), so a 1e-9 rounding
         # difference in a ~1e-8 gradient entry can move that weight by a sizeable fraction of lr.
-        assert result["grad_error"] < TOL
-        assert all(error < TOL for error in result["metric_errors"].values()), result["metric_errors"]
-        assert {"loss", "entropy"} <= set(result["metric_errors"])
+        assert result["grad_error"] <= MODEL_GRAD_RTOL * result["grad_scale"]
+        errors = result["metric_errors"]
+        assert errors["loss"] <= METRIC_ATOL and errors["entropy"] <= METRIC_ATOL, errors
+        assert errors["grad_norm"] <= MODEL_GRAD_RTOL * result["grad_norm"], errors
 
 
 @pytest.mark.parametrize("case", ["tempered_kl_entropy", "top_k_kl"])
@@ -186,7 +192,7 @@ def test_all_three_passes_run_fused_and_agree(ranks, case):
             result = rank[case][mode]
             passes = {"reference": 1, "prev": 1} if case == "tempered_kl_entropy" else {"reference": 1}
             assert result["passes_run"] == (passes, passes)
-            assert result["reference_error"] < TOL and result["kl_in_metrics"]
+            assert result["reference_error"] <= MODEL_LOGPROB_ATOL and result["kl_in_metrics"]
 
 
 def test_tied_embeddings_fused_weight_is_the_embedding_and_its_gradient_matches(ranks):
@@ -199,7 +205,7 @@ def test_tied_embeddings_fused_weight_is_the_embedding_and_its_gradient_matches(
             assert tying["weight_is_embedding"] and "output_layer.weight" not in tying["parameter_names"]
             assert EMBEDDING in tying["parameter_names"]
             assert result["embedding_grad_scale"] > 1e-3
-            assert result["embedding_grad_error"] < TOL
+            assert result["embedding_grad_error"] <= MODEL_GRAD_RTOL * result["embedding_grad_scale"]
 
 
 def test_untied_fused_weight_is_the_output_layer(ranks):
@@ -222,7 +228,9 @@ def test_fused_per_token_logprobs_and_entropy(ranks):
             per_token = rank[case]["per_token"]
             assert per_token["hidden_shape"] == (ROWS, SEQ, TINY_MODEL["policy.model.hidden_size"])
             assert per_token["entropy_scale"] > 0.1
-            assert per_token["logprob_error"] < TOL and per_token["entropy_error"] < TOL
+            assert per_token["logprob_error"] <= MODEL_LOGPROB_ATOL
+            # the entropy, like a logprob, from the same partials: relative to max(1, H) as the op's anchor tests
+            assert per_token["entropy_error"] <= MODEL_LOGPROB_ATOL * max(1.0, per_token["entropy_scale"])
 
 
 def test_fused_never_runs_the_output_layer_and_restores_it(ranks):
