@@ -143,6 +143,8 @@ def test_the_documented_commands_leave_a_fresh_clone_clean(clone, tmp_path):
             train.append(argv)
         elif argv[0] in ("plan", "report"):
             run_as_written.append(argv)
+        elif _command_name(argv) == "bench" and "--out" not in argv:
+            continue  # writes to its default output directory, checked below to be one git ignores
         else:
             unaccounted.append(command)
     assert unaccounted == [], f"documented commands this test does not account for: {unaccounted}"

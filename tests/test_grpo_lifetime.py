@@ -71,10 +71,18 @@ def test_a_forked_child_leaves_the_ranks_signal_handlers_behind():
     rank = _python("""
         import multiprocessing, signal, time
         from megatron_grpo.grpo.lifetime import bind_forked_children, on_signal
+
+        def child_main(started):
+            started.set()  # the at-fork hooks have run: from now on a signal meets the child's own handlers
+            time.sleep(600)
+
         bind_forked_children()
         on_signal(signal.SIGINT, lambda: "rank's sentence", 130)
-        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+        context = multiprocessing.get_context("fork")
+        started = context.Event()
+        child = context.Process(target=child_main, args=(started,))
         child.start()
+        started.wait()
         print(child.pid, flush=True)
         child.join()
         print("child exit code", child.exitcode, flush=True)
