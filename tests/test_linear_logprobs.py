@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from _dist import counted_collectives, run_on_ranks
 from logprob_reference import expected_filtered_logprobs, expected_logprobs
-from megatron_grpo.ops import VocabShard, linear_logprobs, vocab_parallel_linear_logprobs
-from megatron_grpo.ops.linear_logprobs import chunk_rows_for
+from megatron_grpo.ops import SamplingDistribution, VocabShard, linear_logprobs, vocab_parallel_linear_logprobs
+from megatron_grpo.ops.chunks import chunk_rows_for
 
 IMPLEMENTATIONS = ("fused", "reference")
 LOGPROB_ATOL_FP32 = 2e-5
@@ -147,7 +147,8 @@ def test_single_rank_matches_float64_anchor(case, dtype, implementation, device)
     g_h = g_h if entropy else None
     expected = anchor(hidden, weight, targets, true_vocab, scale, g_lp, g_h)
     result = run_op(hidden, weight, targets, g_lp, g_h, device, shard=VocabShard(true_vocab_size=true_vocab),
-                    logit_scale=scale, chunk_rows=chunk_rows, implementation=implementation)
+                    distribution=SamplingDistribution(logit_scale=scale), chunk_rows=chunk_rows,
+                    implementation=implementation)
     assert result[0].shape == targets.shape and result[2].shape == hidden.shape
     assert_matches(*result, targets, true_vocab, dtype, expected, label=f"{case} {dtype} {implementation} {device}")
 
@@ -156,7 +157,8 @@ def test_float64_takes_the_reference_kernels_and_matches_tightly():
     hidden, weight, targets, g_lp, g_h = make_linear_case((21,), 8, 17, 15, torch.float64, seed=11)
     logprob, entropy, grad_hidden, grad_weight = run_op(hidden, weight, targets, g_lp, g_h,
                                                         shard=VocabShard(true_vocab_size=15),
-                                                        logit_scale=1.5, chunk_rows=4)
+                                                        distribution=SamplingDistribution(logit_scale=1.5),
+                                                        chunk_rows=4)
     expected = anchor(hidden, weight, targets, 15, 1.5, g_lp, g_h)
     assert logprob.dtype == torch.float64 and grad_weight.dtype == torch.float64
     for actual, wanted in ((logprob, expected.logprob), (entropy, expected.entropy),
@@ -217,9 +219,10 @@ def test_ignored_rows_cost_nothing_and_chunks_bound_the_logits(counting, impleme
     trained = int((targets >= 0).sum())
     logprob, entropy, grad_hidden, grad_weight = run_op(hidden, weight, targets, g_lp, g_h, chunk_rows=7,
                                                         implementation=implementation)
-    (kernels,) = counting
-    assert sum(kernels.partial_rows) == trained and sum(kernels.backward_rows) == trained
-    assert kernels.partial_rows == [7, 7, 7, 3] == kernels.backward_rows  # ceil(24 / 7) chunks, none over 7 rows
+    partial_rows = [rows for kernels in counting for rows in kernels.partial_rows]  # forward's and backward's calls
+    backward_rows = [rows for kernels in counting for rows in kernels.backward_rows]
+    assert sum(partial_rows) == trained and sum(backward_rows) == trained
+    assert partial_rows == [7, 7, 7, 3] == backward_rows  # ceil(24 / 7) chunks, none over 7 rows
     assert bool((grad_hidden[targets < 0] == 0).all()) and bool((logprob[targets < 0] == 0).all())
     assert bool((entropy[targets < 0] == 0).all())
     assert_matches(logprob, entropy, grad_hidden, grad_weight, targets, 30, torch.float32,
@@ -278,7 +281,7 @@ def test_all_rows_ignored_runs_no_kernel_and_gives_zeros(counting):
     hidden, weight, targets, g_lp, g_h = make_linear_case((6,), 8, 10, 10, torch.float32, seed=8, ignore_every=0)
     targets[:] = -1
     logprob, entropy, grad_hidden, grad_weight = run_op(hidden, weight, targets, g_lp, g_h, chunk_rows=2)
-    assert counting[0].partial_rows == [] and counting[0].backward_rows == []
+    assert all(kernels.partial_rows == [] and kernels.backward_rows == [] for kernels in counting)
     assert bool((logprob == 0).all()) and bool((entropy == 0).all())
     assert bool((grad_hidden == 0).all()) and bool((grad_weight == 0).all())
 
@@ -310,7 +313,8 @@ def filtered_run(hidden, weight, targets, g_lp, g_h, shard, top_k, top_p, chunk_
     no gradient); results on the CPU."""
     h, w = hidden.to(device, copy=True).requires_grad_(True), weight.to(device, copy=True).requires_grad_(True)
     logprob, entropy = vocab_parallel_linear_logprobs(h, w, targets.to(device), shard=shard, with_entropy=True,
-                                                      top_k=top_k, top_p=top_p, logit_scale=1.3,
+                                                      distribution=SamplingDistribution(logit_scale=1.3, top_k=top_k,
+                                                                                        top_p=top_p),
                                                       chunk_rows=chunk_rows)
     g_lp, g_h = g_lp.to(device), g_h.to(device)
     (torch.where(torch.isfinite(logprob), logprob, 0.0) * g_lp + entropy * g_h).sum().backward()
@@ -402,7 +406,8 @@ def tp_worker(rank, world, cases):
         with counted_collectives() as calls:
             logprob, entropy = vocab_parallel_linear_logprobs(
                 h, w, targets, shard=VocabShard(true_vocab_size=true_vocab, group=dist.group.WORLD),
-                with_entropy=True, logit_scale=scale, chunk_rows=chunk_rows, implementation=implementation,
+                with_entropy=True, distribution=SamplingDistribution(logit_scale=scale), chunk_rows=chunk_rows,
+                implementation=implementation,
             )
             forward_calls = calls["n"]
             ((logprob * g_lp).sum() + (entropy * g_h).sum()).backward()
@@ -452,7 +457,8 @@ def test_tensor_parallel_matches_the_full_vocab(world):
         assert_matches(logprob, entropy, grad_hidden, grad_weight, targets, true_vocab, dtype, expected, label)
         # The same computation on one rank over the full, unsharded vocab.
         single = run_op(hidden, weight, targets, g_lp, g_h, shard=VocabShard(true_vocab_size=true_vocab),
-                        logit_scale=scale, chunk_rows=chunk_rows, implementation=impl)
+                        distribution=SamplingDistribution(logit_scale=scale), chunk_rows=chunk_rows,
+                        implementation=impl)
         if dtype == torch.float32:
             for name, a, b in zip(("logprob", "entropy", "grad hidden", "grad weight"),
                                   (logprob, entropy, grad_hidden, grad_weight), single):
@@ -477,10 +483,6 @@ BAD_INPUTS = [
     ("true_vocab_size=11 exceeds the sharded vocab of 1 rank",
      lambda h, w, t: (h, w, t, {"shard": VocabShard(true_vocab_size=11)})),
     ("start_index must be >= 0", lambda h, w, t: (h, w, t, {"shard": VocabShard(start_index=-3, true_vocab_size=9)})),
-    ("logit_scale", lambda h, w, t: (h, w, t, {"logit_scale": 0.0})),
-    ("logit_scale", lambda h, w, t: (h, w, t, {"logit_scale": -1.0})),
-    ("logit_scale", lambda h, w, t: (h, w, t, {"logit_scale": float("inf")})),
-    ("logit_scale", lambda h, w, t: (h, w, t, {"logit_scale": float("nan")})),
     ("chunk_rows", lambda h, w, t: (h, w, t, {"chunk_rows": 0})),
     ("chunk_rows", lambda h, w, t: (h, w, t, {"chunk_rows": -3})),
     ("implementation", lambda h, w, t: (h, w, t, {"implementation": "cuda"})),
@@ -493,10 +495,3 @@ def test_bad_input_names_the_problem(message, make):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         vocab_parallel_linear_logprobs(hidden, weight, targets, **kwargs)
 
-
-def test_bad_sampling_filter_names_the_problem():
-    hidden, weight, targets = _ok()
-    with pytest.raises(ValueError, match="top_k must be None or an int >= 1"):
-        vocab_parallel_linear_logprobs(hidden, weight, targets, top_k=0)
-    with pytest.raises(ValueError, match="top_p must be None or a number in"):
-        vocab_parallel_linear_logprobs(hidden, weight, targets, top_p=1.5)

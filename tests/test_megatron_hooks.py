@@ -100,6 +100,7 @@ def scenario_microbatches(cfg) -> dict:
     from megatron_grpo.loss import ClippedPGLoss, count_valid
     from megatron_grpo.megatron import compute_logprobs, make_forward_step
     from megatron_grpo.megatron.vocab import vocab_shard_of
+    from megatron_grpo.ops import SamplingDistribution
     from megatron_grpo.scheduler import plan_logprob_passes
 
     model, batch = build(cfg), make_batch(seed=11)
@@ -125,7 +126,8 @@ def scenario_microbatches(cfg) -> dict:
     with torch.no_grad():
         logprob_error = (compute_logprobs(model, batch, micro_batch_size=2).double()
                          - reference_logprobs64(model, batch["input_ids"])).abs().max().item()
-        tempered_error = (compute_logprobs(model, batch, micro_batch_size=2, logits_temperature=0.7).double()
+        tempered_error = (compute_logprobs(model, batch, micro_batch_size=2,
+                                           distribution=SamplingDistribution.of_sampling(0.7)).double()
                           - reference_logprobs64(model, batch["input_ids"], temperature=0.7)).abs().max().item()
         tempered_shift = (reference_logprobs64(model, batch["input_ids"], temperature=0.7)
                           - reference_logprobs64(model, batch["input_ids"])).abs().max().item()
