@@ -495,3 +495,46 @@ def test_bad_input_names_the_problem(message, make):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         vocab_parallel_linear_logprobs(hidden, weight, targets, **kwargs)
 
+
+
+# ---- under Megatron's DDP: dW into the weight's main_grad ----
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_under_megatron_ddp_the_weight_gradient_goes_into_main_grad(dtype, tied):
+    """A weight with Megatron DDP's `main_grad` and `grad_added_to_main_grad` gets dW added into `main_grad` (fp32,
+    accumulating over microbatches: two calls here), the flag set, and Megatron's dummy as its autograd gradient
+    (zeros where `zero_out_wgrad` says the weight is also the embedding)."""
+    hidden, weight, targets, g_lp, _ = make_linear_case((40,), 8, 16, 14, dtype, seed=14)
+    expected = anchor(hidden, weight, targets, 14, 1.0, g_lp, None)
+    w = weight.clone().requires_grad_(True)
+    w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+    w.grad_added_to_main_grad = False
+    if tied:
+        w.zero_out_wgrad = True
+    for _ in range(2):  # two microbatches
+        (vocab_parallel_linear_logprobs(hidden, w, targets, shard=VocabShard(true_vocab_size=14), chunk_rows=7)
+         * g_lp).sum().backward()
+    assert w.grad_added_to_main_grad is True
+    assert w.grad.shape == w.shape and w.grad.dtype == dtype
+    if tied:
+        assert bool((w.grad == 0).all()), "a tied weight's dummy gradient must be zeros (the hook adds it)"
+    assert bool((w.main_grad[14:] == 0).all()), "padding rows of main_grad must stay exactly 0"
+    # fp32: as the op's own dW (twice, in fp32); bf16: the chunks' products are rounded to bf16 on the CPU before
+    # the fp32 sum, as in test_only_the_inputs_that_require_grad_get_one
+    bound = GRAD_RTOL_FP32 if dtype == torch.float32 else 2 * BF16_UNIT_ROUNDOFF * (expected.max_logit + 2)
+    error = float((w.main_grad.double() / 2 - expected.grad_weight).abs().max())
+    assert error <= bound * float(expected.grad_weight.abs().max()), error
+
+
+def test_a_cast_of_the_parameter_takes_the_plain_path():
+    """Only the parameter itself carries `main_grad`: a weight cast to the compute dtype returns its gradient (which
+    autograd carries back to the parameter, whose DDP hook adds it)."""
+    hidden, weight, targets, g_lp, _ = make_linear_case((20,), 8, 16, 16, torch.float32, seed=15)
+    w = weight.clone().requires_grad_(True)
+    w.main_grad = torch.zeros(w.shape)
+    w.grad_added_to_main_grad = False
+    (vocab_parallel_linear_logprobs(hidden.double(), w.double(), targets) * g_lp).sum().backward()
+    assert w.grad_added_to_main_grad is False and bool((w.main_grad == 0).all())
+    expected = anchor(hidden, weight, targets, 16, 1.0, g_lp, None)
+    torch.testing.assert_close(w.grad.double(), expected.grad_weight, atol=1e-6, rtol=1e-6)

@@ -146,3 +146,25 @@ def test_bad_hidden_shape_is_named():
         with pytest.raises(ValueError, match=r"hidden: expected shape \[5, 9, H\] to match input_ids, got \[5, 8, 12\]"):
             ClippedPGLoss(loss_config()).on_hidden_states(hidden[:, :-1], weight, batch, global_valid_tokens=tokens,
                                                           global_valid_seqs=seqs, loss_fused=loss_fused)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_under_megatron_ddp_the_loss_fused_weight_gradient_goes_into_main_grad(tied):
+    """The loss-fused path keeps dW until backward (the upstream gradient scales it), then adds it into the weight's
+    `main_grad` (Megatron DDP's) and hands autograd Megatron's dummy (zeros for a tied weight)."""
+    cfg = loss_config(**SETTINGS["entropy, KL, VAPO"])
+    hidden, weight, batch = make_problem(seed=3, dtype=torch.float64)
+    shard = VocabShard(true_vocab_size=VOCAB)
+    want = materialised(cfg, hidden, weight, batch, shard)
+    w = weight.clone().requires_grad_(True)
+    w.main_grad = torch.zeros_like(weight)
+    w.grad_added_to_main_grad = False
+    if tied:
+        w.zero_out_wgrad = True
+    tokens, seqs = count_valid(batch)
+    loss, _ = ClippedPGLoss(cfg).on_hidden_states(hidden, w, batch, global_valid_tokens=tokens, global_valid_seqs=seqs,
+                                                  shard=shard, distribution=SamplingDistribution(logit_scale=SCALE),
+                                                  chunk_rows=7)
+    (loss * 3.0).backward()
+    assert w.grad_added_to_main_grad is True and (not tied or bool((w.grad == 0).all()))
+    torch.testing.assert_close(w.main_grad / 3.0, want[3], rtol=1e-10, atol=1e-10)  # float64 throughout

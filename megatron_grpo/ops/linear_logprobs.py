@@ -160,16 +160,15 @@ def _linear_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
                           torch.Tensor]:
     """`(logprob, entropy, index, hidden_rows, lse, mean_x, threshold)` of `[rows, H]` hidden states: logprob and
     entropy `[rows]` (0 on ignored rows), `index` the trained rows' indices `[n]`, `hidden_rows` their hidden states
-    `[n, H]` (a copy, which backward keeps instead of all rows), and per trained row `lse`, `mean_x` (with entropy)
-    and the filter's `threshold` (with a filter); `[0]` where absent."""
+    `[n, H]` where some rows are ignored (a copy, which backward keeps instead of all rows; `[0, H]` when every row
+    is trained: backward reads the input then), and per trained row `lse`, `mean_x` (with entropy) and the filter's
+    `threshold` (with a filter); `[0]` where absent."""
     shard, distribution = _shard_and_distribution(start_index, true_vocab_size, group_name, logit_scale, top_k, top_p)
     shard = shard.resolve(weight.shape[0])
     # Whether some rows are ignored: the target check's sync says so; without it, they may be.
     index = trained_index(targets, check_target_ids(targets, shard) if check_inputs else None)
-    # A copy even when every row is trained: an op's output may not alias its input.
-    hidden_rows = (hidden.index_select(0, index) if index.numel() != hidden.shape[0]
-                   else hidden.clone(memory_format=torch.contiguous_format))
-    target_rows = rows_at(targets, index)
+    gathered = index.numel() != hidden.shape[0]
+    hidden_rows, target_rows = rows_at(hidden, index), rows_at(targets, index)
     call = LinearCall.of(weight, index.numel(), shard, distribution, with_entropy, chunk_rows, implementation)
     partials, threshold = linear_partials(hidden_rows, weight.contiguous(), target_rows, call)
     stats = combine_partials(gather_partials(partials, shard.group), target_rows, with_entropy)
@@ -181,7 +180,9 @@ def _linear_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
         return value if value is not None else stats.lse.new_empty(0)
 
     entropy = scattered(stats.entropy, index, rows) if with_entropy else None
-    return (scattered(stats.logprob, index, rows), present(entropy), index, hidden_rows, stats.lse,
+    # An op's output may not alias its input: every row trained, the rows are the input's, and no output.
+    kept_rows = hidden_rows if gathered else hidden.new_empty((0, hidden.shape[1]))
+    return (scattered(stats.logprob, index, rows), present(entropy), index, kept_rows, stats.lse,
             present(stats.mean_x), present(threshold))
 
 
@@ -189,27 +190,30 @@ def _linear_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 def _(hidden, weight, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
       chunk_rows, check_inputs, implementation):
     rows, dtype = hidden.shape[0], compute_dtype(hidden.dtype)
-    trained = torch.library.get_ctx().new_dynamic_size()
+    ctx = torch.library.get_ctx()
+    trained, kept = ctx.new_dynamic_size(), ctx.new_dynamic_size()
     filtered = SamplingDistribution(logit_scale=logit_scale, top_k=top_k, top_p=top_p).filtered
 
     def per_row(count, present: bool = True) -> torch.Tensor:
         return hidden.new_empty(count if present else 0, dtype=dtype)
 
     return (per_row(rows), per_row(rows, with_entropy), targets.new_empty(trained, dtype=torch.int64),
-            hidden.new_empty(trained, hidden.shape[1]), per_row(trained), per_row(trained, with_entropy),
+            hidden.new_empty(kept, hidden.shape[1]), per_row(trained), per_row(trained, with_entropy),
             per_row(trained, filtered))
 
 
 @torch.library.custom_op("megatron_grpo::vocab_parallel_linear_logprobs_backward", mutates_args=("main_grad",))
-def _linear_backward_op(hidden_rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, index: torch.Tensor,
-                        logprob: torch.Tensor, lse: torch.Tensor, mean_x: torch.Tensor, threshold: torch.Tensor,
+def _linear_backward_op(hidden: torch.Tensor, hidden_rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                        index: torch.Tensor, logprob: torch.Tensor, lse: torch.Tensor, mean_x: torch.Tensor,
+                        threshold: torch.Tensor,
                         grad_logprob: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor],
                         main_grad: Optional[torch.Tensor], rows: int, start_index: Optional[int],
                         true_vocab_size: Optional[int], group_name: str, logit_scale: float, top_k: Optional[int],
                         top_p: Optional[float], chunk_rows: Optional[int], implementation: str, need_hidden: bool,
                         need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(dH [rows, H], dW [V_local, H])` from the trained rows' hidden states; `[0]` for one not needed, and for dW
-    when it was added to `main_grad`."""
+    """`(dH [rows, H], dW [V_local, H])` from the trained rows' hidden states (`hidden_rows`, or all of `hidden` when
+    every row is trained); `[0]` for one not needed, and for dW when it was added to `main_grad`."""
+    hidden_rows = hidden_rows if index.numel() != rows else hidden.contiguous()
     shard, distribution = _shard_and_distribution(start_index, true_vocab_size, group_name, logit_scale, top_k, top_p)
     with_entropy = mean_x.numel() > 0
     call = LinearCall.of(weight, index.numel(), shard, distribution, with_entropy, chunk_rows, implementation)
@@ -230,9 +234,9 @@ def _linear_backward_op(hidden_rows: torch.Tensor, weight: torch.Tensor, targets
 
 
 @_linear_backward_op.register_fake
-def _(hidden_rows, weight, targets, index, logprob, lse, mean_x, threshold, grad_logprob, grad_entropy, main_grad, rows,
-      start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, chunk_rows, implementation, need_hidden,
-      need_weight):
+def _(hidden, hidden_rows, weight, targets, index, logprob, lse, mean_x, threshold, grad_logprob, grad_entropy,
+      main_grad, rows, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, chunk_rows, implementation,
+      need_hidden, need_weight):
     grad_hidden = hidden_rows.new_empty((rows, hidden_rows.shape[1]) if need_hidden else (0,))
     return grad_hidden, weight.new_empty(weight.shape if need_weight and main_grad is None else (0,))
 
@@ -240,7 +244,12 @@ def _(hidden_rows, weight, targets, index, logprob, lse, mean_x, threshold, grad
 def _setup_context(ctx, inputs, output) -> None:
     hidden, weight, targets, *args = inputs
     logprob, _, index, hidden_rows, lse, mean_x, threshold = output
-    ctx.save_for_backward(hidden_rows, weight, targets, index, logprob, lse, mean_x, threshold)
+    # Eager: the input only where every row is trained (then `hidden_rows` is empty), so that a gathered call keeps
+    # just its trained rows. Traced, the count is symbolic: both are kept.
+    traced = isinstance(hidden_rows.shape[0], torch.SymInt)
+    keep_input = traced or hidden_rows.shape[0] == 0
+    ctx.save_for_backward(hidden if keep_input else hidden.new_empty((0, hidden.shape[1])), hidden_rows, weight,
+                          targets, index, logprob, lse, mean_x, threshold)
     ctx.rows = hidden.shape[0]
     ctx.weight = weight  # eager: the parameter itself, whose `main_grad` backward may add dW into
     start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, _, chunk_rows, _, implementation = args
@@ -249,10 +258,10 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad_logprob, grad_entropy, *_):
-    hidden_rows, weight, targets, index, logprob, lse, mean_x, threshold = ctx.saved_tensors
+    hidden, hidden_rows, weight, targets, index, logprob, lse, mean_x, threshold = ctx.saved_tensors
     need_hidden, need_weight = ctx.needs_input_grad[:2]
     main_grad = main_grad_of(ctx.weight) if need_weight else None
-    grad_hidden, grad_weight = _linear_backward_op(hidden_rows, weight, targets, index, logprob, lse, mean_x,
+    grad_hidden, grad_weight = _linear_backward_op(hidden, hidden_rows, weight, targets, index, logprob, lse, mean_x,
                                                    threshold, grad_logprob, grad_entropy, main_grad, ctx.rows,
                                                    *ctx.args, need_hidden, need_weight)
     if main_grad is not None:
