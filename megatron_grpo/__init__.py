@@ -15,6 +15,7 @@ _EXPORTS = {
     "vocab_parallel_logprobs": "megatron_grpo.ops",
     "vocab_parallel_linear_logprobs": "megatron_grpo.ops",
     "VocabShard": "megatron_grpo.ops",
+    "SamplingDistribution": "megatron_grpo.ops",
     "ClippedPGLoss": "megatron_grpo.loss",
     "ClippedPGLossConfig": "megatron_grpo.loss",
     "LogprobPlan": "megatron_grpo.scheduler",

@@ -111,20 +111,23 @@ def _result(response: float, times: dict[str, float], peaks: dict[str, float]) -
 
 def test_report_ratios_and_target_verdicts():
     results = [
-        _result(1.0, {"materialised": 100.0, "fused": 125.0, "megatron": 200.0},
-                {"materialised": 1000.0, "fused": 50.0, "megatron": 1500.0}),
+        _result(1.0, {"materialised": 100.0, "fused": 125.0, "fused-main-grad": 120.0, "megatron": 200.0,
+                      "materialised-loss": 100.0, "materialised-loss-inplace": 80.0},
+                {"materialised": 1000.0, "fused": 50.0, "fused-main-grad": 40.0, "megatron": 1500.0,
+                 "materialised-loss": 1000.0, "materialised-loss-inplace": 500.0}),
         _result(0.25, {"materialised": 100.0, "fused": 50.0}, {"materialised": 1000.0, "fused": 200.0}),
         _result(0.25, {"materialised": 100.0, "fused": 10.0}, {"materialised": 0.5, "fused": 0.0}),
     ]
     text = report(results, torch.device("cpu"), 3, 1, "python -m megatron_grpo bench linear")
     assert "| fused | 125.0 | 0.80x | 1.60x | 50 | 5% |" in text
     assert "| megatron | 200.0 | 0.50x | 1.00x | 1500 | 150% |" in text
+    assert "| materialised-loss-inplace | 80.0 | 1.25x | 2.50x | 500 | 50% |" in text  # against materialised-loss
     assert "| fused | 50.0 | 2.00x | - | 200 | 20% |" in text  # no Megatron in this case
     assert "| liger | skipped: RuntimeError: no GPU |" in text
     targets = text.split("## Targets")[1].split("\n## ")[0]
-    assert "| 0.80x | >= 0.75x met | 5.0% | <= 10% met |" in targets
-    assert "| 2.00x | >= 2.5x NOT met | 20.0% | <= 10% NOT met |" in targets
-    assert "| 10.00x | >= 2.5x met | - | below 1 MiB: not measurable |" in targets
+    assert "| 0.80x | >= 0.75x met | 5.0% (<= 10% met) | 4.0% (<= 10% met) | - | 1.25x, 50% |" in targets
+    assert "| 2.00x | >= 2.5x NOT met | 20.0% (<= 10% NOT met) | - | - | - |" in targets
+    assert "| 10.00x | >= 2.5x met | - (below 1 MiB: not measurable) | - | - | - |" in targets
 
 
 @pytest.mark.parametrize("argv, message", [

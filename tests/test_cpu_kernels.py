@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from logprob_reference import make_case
-from megatron_grpo.ops import VocabShard, vocab_parallel_logprobs
+from megatron_grpo.ops import SamplingDistribution, VocabShard, vocab_parallel_logprobs
 from megatron_grpo.ops.backends import cpu_kernel_isa, cpu_kernel_status, extension_status, set_cpu_kernel_isa
 from test_logprob_temperature import anchor, check
 
@@ -99,8 +99,9 @@ def run_all_modes(full, targets, true_vocab, scale):
     for filters, inplace in [({}, False), ({"top_k": 9, "top_p": 0.8}, False), ({}, "exp")]:
         x = full.clone().requires_grad_(True)
         logprob, entropy = vocab_parallel_logprobs(x, targets, shard=VocabShard(true_vocab_size=true_vocab),
-                                                   with_entropy=True, implementation="fused", logit_scale=scale,
-                                                   inplace_backward=inplace, **filters)
+                                                   with_entropy=True, implementation="fused",
+                                                   distribution=SamplingDistribution(logit_scale=scale, **filters),
+                                                   inplace_backward=inplace)
         finite = torch.isfinite(logprob)
         objective = (torch.where(finite, logprob, 0.0) * g_lp).sum()
         if inplace != "exp":
@@ -160,3 +161,14 @@ def test_fast_exp_keeps_a_poisoned_row_nan_in_the_gradient(poison, inplace_backw
     assert bool(torch.isnan(x.grad[2]).any())
     others = torch.arange(6) != 2
     assert bool(torch.isfinite(x.grad[others]).all())
+
+
+@needs_x86
+def test_a_capability_capped_by_the_environment_names_the_variable(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    usable, reason = cpu_kernel_status()
+    assert not usable
+    assert reason.startswith("ATEN_CPU_CAPABILITY=default caps torch's CPU capability at 'DEFAULT'"), reason
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert cpu_kernel_status()[1].startswith("this CPU lacks AVX2 (torch reports 'DEFAULT')")

@@ -29,14 +29,14 @@ def _train_step_dtypes(cfg) -> dict:
     from megatron_grpo.megatron import build_gpt_model, build_optimizer, train_step
     from megatron_grpo.megatron.hidden_states import compute_dtype
     from megatron_grpo.megatron.train_step import StepConfig
-    from megatron_grpo.ops.linear_logprobs import VocabParallelLinearLogprobs
+    from megatron_grpo.ops import linear_logprobs, loss_fused_linear
     from megatron_grpo.scheduler import plan_logprob_passes
     from test_megatron_hooks import VOCAB
 
     torch.manual_seed(cfg.seed)
     model = build_gpt_model(cfg, VOCAB)
     seen = {"chunk_logits": set(), "hidden": set()}
-    chunk_logits = VocabParallelLinearLogprobs.chunk_logits
+    chunk_logits = linear_logprobs.chunk_logits  # the one chunk GEMM (ops.chunks), as both fused paths import it
 
     def recording(hidden_chunk, weight_valid, scale, out):
         seen["chunk_logits"].add(out.dtype)
@@ -49,13 +49,13 @@ def _train_step_dtypes(cfg) -> dict:
         seen["hidden"].add(output.dtype)
         return output
 
-    VocabParallelLinearLogprobs.chunk_logits = staticmethod(recording)
+    linear_logprobs.chunk_logits = loss_fused_linear.chunk_logits = recording
     type(model).forward = forward_recording_output
     try:
         result = train_step(StepConfig.of(cfg), model, build_optimizer(model, cfg.policy.optimizer),
                             ClippedPGLoss(cfg.loss_fn), plan_logprob_passes(cfg), make_batch(seed=3))
     finally:
-        VocabParallelLinearLogprobs.chunk_logits = staticmethod(chunk_logits)
+        linear_logprobs.chunk_logits = loss_fused_linear.chunk_logits = chunk_logits
         type(model).forward = original_forward
     weight = model.output_layer.weight
     return {"chunk_logits": seen["chunk_logits"], "hidden": seen["hidden"], "compute_dtype": compute_dtype(model),

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from logprob_reference import assert_grad_close, assert_matches_anchor, expected_logprobs, make_case, upstream_grads
-from megatron_grpo.ops import VocabShard, fused_supports, vocab_parallel_linear_logprobs, vocab_parallel_logprobs
+from megatron_grpo.ops import (SamplingDistribution, VocabShard, fused_supports, vocab_parallel_linear_logprobs,
+                               vocab_parallel_logprobs)
 from test_linear_logprobs import Anchor, assert_matches  # its fp32 / bf16 tolerance model
 
 pytestmark = pytest.mark.gpu  # conftest skips it, with the reason, where there is no CUDA device
@@ -368,8 +369,9 @@ def test_logit_scale_in_rows_split_across_blocks(dtype, top_k, top_p):
     g_lp, g_h = upstream_grads(rows, seed=rows)
     leaf = logits.to(DEVICE).requires_grad_(True)
     logprob, entropy = vocab_parallel_logprobs(leaf, targets.to(DEVICE), shard=VocabShard(true_vocab_size=true_vocab),
-                                               with_entropy=True, implementation="fused", logit_scale=scale,
-                                               top_k=top_k, top_p=top_p)
+                                               with_entropy=True, implementation="fused",
+                                               distribution=SamplingDistribution(logit_scale=scale, top_k=top_k,
+                                                                                 top_p=top_p))
     finite = torch.isfinite(logprob)
     ((torch.where(finite, logprob, 0.0) * g_lp.to(DEVICE)).sum() + (entropy * g_h.to(DEVICE)).sum()).backward()
     expected = anchor(logits, targets, true_vocab, scale, top_k, top_p, g_lp, g_h)
@@ -489,8 +491,8 @@ def check_linear_case(rows, hidden_size, local_vocab, vocab_start, true_vocab, s
                                                         true_vocab, dtype, seed)
     g_h = g_h if with_entropy else None
     result = run_linear(hidden, weight, targets, g_lp, g_h,
-                        shard=VocabShard(start_index=vocab_start, true_vocab_size=true_vocab), logit_scale=scale,
-                        chunk_rows=chunk_rows)
+                        shard=VocabShard(start_index=vocab_start, true_vocab_size=true_vocab),
+                        distribution=SamplingDistribution(logit_scale=scale), chunk_rows=chunk_rows)
     expected = linear_anchor64(hidden, weight, targets, vocab_start, true_vocab, scale, g_lp, g_h)
     baseline = materialised_fp32(hidden, weight, targets, vocab_start, true_vocab, scale, g_lp, g_h) \
         if dtype == torch.float32 else None
@@ -543,7 +545,7 @@ def test_fused_linear_peak_memory_stays_far_below_the_logits(ignore_every):
     path's working memory holds at least the [T, V_local] logits (2 GiB); the fused op's holds one chunk of
     logits, the fp32 dW accumulator it documents ([valid, H], when there is more than one chunk) and, with
     ignored rows, the trained rows of hidden and of dH: far below the logits."""
-    from megatron_grpo.ops.linear_logprobs import chunk_rows_for
+    from megatron_grpo.ops.chunks import chunk_rows_for
 
     rows, hidden_size, local_vocab, true_vocab, dtype = 32768, 4096, 32768, 32768 - 77, torch.bfloat16
     hidden, weight, targets, g_lp, g_h = linear_case_on(DEVICE, rows, hidden_size, local_vocab, 0, true_vocab,

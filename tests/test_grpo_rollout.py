@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megatron_grpo.ops import vocab_parallel_logprobs
+from megatron_grpo.ops import SamplingDistribution, vocab_parallel_logprobs
 from megatron_grpo.grpo.rollout import SamplingParams, generate, sampling_log_probs
 from _dist import run_on_ranks
 from logprob_reference import LOGPROB_ATOL_FP32
@@ -42,8 +42,10 @@ def _generators(seed: int, groups: range = range(3)) -> list[torch.Generator]:
     return [torch.Generator().manual_seed(seed * 1000 + group) for group in groups]
 
 
-def _params(**overrides) -> SamplingParams:
-    values = dict(max_new_tokens=6, temperature=1.0, top_k=None, top_p=None, eos_id=EOS, pad_id=PAD)
+def _params(temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+            **overrides) -> SamplingParams:
+    values = dict(max_new_tokens=6, distribution=SamplingDistribution.of_sampling(temperature, top_k, top_p),
+                  eos_id=EOS, pad_id=PAD)
     values.update(overrides)
     return SamplingParams(**values)
 
@@ -122,13 +124,15 @@ def test_sampling_is_deterministic_per_seed():
 
 @pytest.mark.parametrize("top_k, top_p", [(None, 0.8), (6, 0.5), (3, None), (None, 1.0)])
 def test_sampler_and_training_op_share_one_filtered_distribution(top_k, top_p):
-    """The rollout's log-probabilities are the op's filtered logprobs, token for token, at every vocab id."""
+    """The rollout's log-probabilities are the op's filtered logprobs, token for token, at every vocab id: one
+    distribution object, the same scaled logits and the same filter on both sides."""
     gen = torch.Generator().manual_seed(3)
     logits = (torch.randn(6, TRUE_VOCAB, generator=gen) * 2).round() / 2  # ties included
-    sampler = sampling_log_probs(logits, 0.8, top_k, top_p)
+    distribution = SamplingDistribution.of_sampling(0.8, top_k, top_p)
+    sampler = sampling_log_probs(logits, distribution)
     for token in range(TRUE_VOCAB):
         targets = torch.full((6,), token)
-        op = vocab_parallel_logprobs(logits / 0.8, targets, top_k=top_k, top_p=top_p)
+        op = vocab_parallel_logprobs(logits, targets, distribution=distribution)
         assert torch.equal(op == float("-inf"), sampler[:, token] == float("-inf")), token
         finite = op > float("-inf")
         # ours carries the kernels' exp (20 ulps: 2.4e-6 of lse) where torch's log_softmax carries one, and each
@@ -150,11 +154,6 @@ def test_rows_that_do_not_split_into_the_generators_groups_are_rejected_by_name(
     with pytest.raises(ValueError, match="generators: 9 prompt rows do not split into 2 equal groups"):
         generate(_toy_logits_fn(_toy_logits_table()), _prompts(), _params(), true_vocab_size=TRUE_VOCAB,
                  generators=_generators(7, range(2)))
-
-
-def test_non_positive_temperature_is_rejected_by_name():
-    with pytest.raises(ValueError, match="generation.temperature"):
-        sampling_log_probs(torch.zeros(2, 5), 0.0, None)
 
 
 def _distributed_rollout(rank: int, world_size: int, split: str) -> dict:

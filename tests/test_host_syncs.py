@@ -15,6 +15,7 @@ from collections import Counter
 import pytest
 import torch
 from _loss_inputs import batch_for_logits, loss_config
+from torch._library.custom_ops import OPDEFS
 from torch.overrides import TorchFunctionMode
 
 from megatron_grpo.loss import ClippedPGLoss, check_batch_values, count_valid
@@ -26,6 +27,9 @@ SYNCS = {torch.Tensor.nonzero: "nonzero", torch.nonzero: "nonzero", torch.Tensor
 
 
 class CountSyncs(TorchFunctionMode):
+    """Counts the host syncs of a forward, inside the project's `torch.library` ops too: a mode sees an op as one
+    call, so their Python bodies run here under the mode (forward only: autograd does not record them)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
@@ -33,6 +37,10 @@ class CountSyncs(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in SYNCS:
             self.counts[SYNCS[func]] += 1
+        name = getattr(func, "_qualified_op_name", "")
+        if name.startswith("megatron_grpo::") and name in OPDEFS:
+            with self:
+                return OPDEFS[name]._init_fn(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from _dist import counted_collectives, run_on_ranks
 from logprob_reference import expected_filtered_logprobs, expected_logprobs
-from megatron_grpo.ops import VocabShard, linear_logprobs, vocab_parallel_linear_logprobs
-from megatron_grpo.ops.linear_logprobs import chunk_rows_for
+from megatron_grpo.ops import SamplingDistribution, VocabShard, linear_logprobs, vocab_parallel_linear_logprobs
+from megatron_grpo.ops.chunks import chunk_rows_for
 
 IMPLEMENTATIONS = ("fused", "reference")
 LOGPROB_ATOL_FP32 = 2e-5
@@ -147,7 +147,8 @@ def test_single_rank_matches_float64_anchor(case, dtype, implementation, device)
     g_h = g_h if entropy else None
     expected = anchor(hidden, weight, targets, true_vocab, scale, g_lp, g_h)
     result = run_op(hidden, weight, targets, g_lp, g_h, device, shard=VocabShard(true_vocab_size=true_vocab),
-                    logit_scale=scale, chunk_rows=chunk_rows, implementation=implementation)
+                    distribution=SamplingDistribution(logit_scale=scale), chunk_rows=chunk_rows,
+                    implementation=implementation)
     assert result[0].shape == targets.shape and result[2].shape == hidden.shape
     assert_matches(*result, targets, true_vocab, dtype, expected, label=f"{case} {dtype} {implementation} {device}")
 
@@ -156,7 +157,8 @@ def test_float64_takes_the_reference_kernels_and_matches_tightly():
     hidden, weight, targets, g_lp, g_h = make_linear_case((21,), 8, 17, 15, torch.float64, seed=11)
     logprob, entropy, grad_hidden, grad_weight = run_op(hidden, weight, targets, g_lp, g_h,
                                                         shard=VocabShard(true_vocab_size=15),
-                                                        logit_scale=1.5, chunk_rows=4)
+                                                        distribution=SamplingDistribution(logit_scale=1.5),
+                                                        chunk_rows=4)
     expected = anchor(hidden, weight, targets, 15, 1.5, g_lp, g_h)
     assert logprob.dtype == torch.float64 and grad_weight.dtype == torch.float64
     for actual, wanted in ((logprob, expected.logprob), (entropy, expected.entropy),
@@ -217,9 +219,10 @@ def test_ignored_rows_cost_nothing_and_chunks_bound_the_logits(counting, impleme
     trained = int((targets >= 0).sum())
     logprob, entropy, grad_hidden, grad_weight = run_op(hidden, weight, targets, g_lp, g_h, chunk_rows=7,
                                                         implementation=implementation)
-    (kernels,) = counting
-    assert sum(kernels.partial_rows) == trained and sum(kernels.backward_rows) == trained
-    assert kernels.partial_rows == [7, 7, 7, 3] == kernels.backward_rows  # ceil(24 / 7) chunks, none over 7 rows
+    partial_rows = [rows for kernels in counting for rows in kernels.partial_rows]  # forward's and backward's calls
+    backward_rows = [rows for kernels in counting for rows in kernels.backward_rows]
+    assert sum(partial_rows) == trained and sum(backward_rows) == trained
+    assert partial_rows == [7, 7, 7, 3] == backward_rows  # ceil(24 / 7) chunks, none over 7 rows
     assert bool((grad_hidden[targets < 0] == 0).all()) and bool((logprob[targets < 0] == 0).all())
     assert bool((entropy[targets < 0] == 0).all())
     assert_matches(logprob, entropy, grad_hidden, grad_weight, targets, 30, torch.float32,
@@ -278,7 +281,7 @@ def test_all_rows_ignored_runs_no_kernel_and_gives_zeros(counting):
     hidden, weight, targets, g_lp, g_h = make_linear_case((6,), 8, 10, 10, torch.float32, seed=8, ignore_every=0)
     targets[:] = -1
     logprob, entropy, grad_hidden, grad_weight = run_op(hidden, weight, targets, g_lp, g_h, chunk_rows=2)
-    assert counting[0].partial_rows == [] and counting[0].backward_rows == []
+    assert all(kernels.partial_rows == [] and kernels.backward_rows == [] for kernels in counting)
     assert bool((logprob == 0).all()) and bool((entropy == 0).all())
     assert bool((grad_hidden == 0).all()) and bool((grad_weight == 0).all())
 
@@ -310,7 +313,8 @@ def filtered_run(hidden, weight, targets, g_lp, g_h, shard, top_k, top_p, chunk_
     no gradient); results on the CPU."""
     h, w = hidden.to(device, copy=True).requires_grad_(True), weight.to(device, copy=True).requires_grad_(True)
     logprob, entropy = vocab_parallel_linear_logprobs(h, w, targets.to(device), shard=shard, with_entropy=True,
-                                                      top_k=top_k, top_p=top_p, logit_scale=1.3,
+                                                      distribution=SamplingDistribution(logit_scale=1.3, top_k=top_k,
+                                                                                        top_p=top_p),
                                                       chunk_rows=chunk_rows)
     g_lp, g_h = g_lp.to(device), g_h.to(device)
     (torch.where(torch.isfinite(logprob), logprob, 0.0) * g_lp + entropy * g_h).sum().backward()
@@ -402,7 +406,8 @@ def tp_worker(rank, world, cases):
         with counted_collectives() as calls:
             logprob, entropy = vocab_parallel_linear_logprobs(
                 h, w, targets, shard=VocabShard(true_vocab_size=true_vocab, group=dist.group.WORLD),
-                with_entropy=True, logit_scale=scale, chunk_rows=chunk_rows, implementation=implementation,
+                with_entropy=True, distribution=SamplingDistribution(logit_scale=scale), chunk_rows=chunk_rows,
+                implementation=implementation,
             )
             forward_calls = calls["n"]
             ((logprob * g_lp).sum() + (entropy * g_h).sum()).backward()
@@ -452,7 +457,8 @@ def test_tensor_parallel_matches_the_full_vocab(world):
         assert_matches(logprob, entropy, grad_hidden, grad_weight, targets, true_vocab, dtype, expected, label)
         # The same computation on one rank over the full, unsharded vocab.
         single = run_op(hidden, weight, targets, g_lp, g_h, shard=VocabShard(true_vocab_size=true_vocab),
-                        logit_scale=scale, chunk_rows=chunk_rows, implementation=impl)
+                        distribution=SamplingDistribution(logit_scale=scale), chunk_rows=chunk_rows,
+                        implementation=impl)
         if dtype == torch.float32:
             for name, a, b in zip(("logprob", "entropy", "grad hidden", "grad weight"),
                                   (logprob, entropy, grad_hidden, grad_weight), single):
@@ -477,10 +483,6 @@ BAD_INPUTS = [
     ("true_vocab_size=11 exceeds the sharded vocab of 1 rank",
      lambda h, w, t: (h, w, t, {"shard": VocabShard(true_vocab_size=11)})),
     ("start_index must be >= 0", lambda h, w, t: (h, w, t, {"shard": VocabShard(start_index=-3, true_vocab_size=9)})),
-    ("logit_scale", lambda h, w, t: (h, w, t, {"logit_scale": 0.0})),
-    ("logit_scale", lambda h, w, t: (h, w, t, {"logit_scale": -1.0})),
-    ("logit_scale", lambda h, w, t: (h, w, t, {"logit_scale": float("inf")})),
-    ("logit_scale", lambda h, w, t: (h, w, t, {"logit_scale": float("nan")})),
     ("chunk_rows", lambda h, w, t: (h, w, t, {"chunk_rows": 0})),
     ("chunk_rows", lambda h, w, t: (h, w, t, {"chunk_rows": -3})),
     ("implementation", lambda h, w, t: (h, w, t, {"implementation": "cuda"})),
@@ -494,9 +496,45 @@ def test_bad_input_names_the_problem(message, make):
         vocab_parallel_linear_logprobs(hidden, weight, targets, **kwargs)
 
 
-def test_bad_sampling_filter_names_the_problem():
-    hidden, weight, targets = _ok()
-    with pytest.raises(ValueError, match="top_k must be None or an int >= 1"):
-        vocab_parallel_linear_logprobs(hidden, weight, targets, top_k=0)
-    with pytest.raises(ValueError, match="top_p must be None or a number in"):
-        vocab_parallel_linear_logprobs(hidden, weight, targets, top_p=1.5)
+
+# ---- under Megatron's DDP: dW into the weight's main_grad ----
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_under_megatron_ddp_the_weight_gradient_goes_into_main_grad(dtype, tied):
+    """A weight with Megatron DDP's `main_grad` and `grad_added_to_main_grad` gets dW added into `main_grad` (fp32,
+    accumulating over microbatches: two calls here), the flag set, and Megatron's dummy as its autograd gradient
+    (zeros where `zero_out_wgrad` says the weight is also the embedding)."""
+    hidden, weight, targets, g_lp, _ = make_linear_case((40,), 8, 16, 14, dtype, seed=14)
+    expected = anchor(hidden, weight, targets, 14, 1.0, g_lp, None)
+    w = weight.clone().requires_grad_(True)
+    w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+    w.grad_added_to_main_grad = False
+    if tied:
+        w.zero_out_wgrad = True
+    for _ in range(2):  # two microbatches
+        (vocab_parallel_linear_logprobs(hidden, w, targets, shard=VocabShard(true_vocab_size=14), chunk_rows=7)
+         * g_lp).sum().backward()
+    assert w.grad_added_to_main_grad is True
+    assert w.grad.shape == w.shape and w.grad.dtype == dtype
+    if tied:
+        assert bool((w.grad == 0).all()), "a tied weight's dummy gradient must be zeros (the hook adds it)"
+    assert bool((w.main_grad[14:] == 0).all()), "padding rows of main_grad must stay exactly 0"
+    # fp32: as the op's own dW (twice, in fp32); bf16: the chunks' products are rounded to bf16 on the CPU before
+    # the fp32 sum, as in test_only_the_inputs_that_require_grad_get_one
+    bound = GRAD_RTOL_FP32 if dtype == torch.float32 else 2 * BF16_UNIT_ROUNDOFF * (expected.max_logit + 2)
+    error = float((w.main_grad.double() / 2 - expected.grad_weight).abs().max())
+    assert error <= bound * float(expected.grad_weight.abs().max()), error
+
+
+def test_a_cast_of_the_parameter_takes_the_plain_path():
+    """Only the parameter itself carries `main_grad`: a weight cast to the compute dtype returns its gradient (which
+    autograd carries back to the parameter, whose DDP hook adds it)."""
+    hidden, weight, targets, g_lp, _ = make_linear_case((20,), 8, 16, 16, torch.float32, seed=15)
+    w = weight.clone().requires_grad_(True)
+    w.main_grad = torch.zeros(w.shape)
+    w.grad_added_to_main_grad = False
+    (vocab_parallel_linear_logprobs(hidden.double(), w.double(), targets) * g_lp).sum().backward()
+    assert w.grad_added_to_main_grad is False and bool((w.main_grad == 0).all())
+    expected = anchor(hidden, weight, targets, 16, 1.0, g_lp, None)
+    torch.testing.assert_close(w.grad.double(), expected.grad_weight, atol=1e-6, rtol=1e-6)

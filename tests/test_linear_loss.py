@@ -13,8 +13,8 @@ import torch.distributed as dist
 from _dist import counted_collectives, run_on_ranks
 from _loss_inputs import batch_for_logits, loss_config
 from megatron_grpo.loss import ClippedPGLoss, count_valid
-from megatron_grpo.loss.linear_loss import sequence_chunks
-from megatron_grpo.ops import VocabShard
+from megatron_grpo.ops import SamplingDistribution, VocabShard
+from megatron_grpo.ops.loss_fused_linear import sequence_chunks
 
 BATCH, SEQ, HIDDEN, VOCAB, PADDED, SCALE = 5, 9, 12, 29, 32, 1.25
 SETTINGS = {
@@ -52,7 +52,8 @@ def fused(cfg, hidden, weight, batch, shard, chunk_rows):
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     tokens, seqs = count_valid(batch)
     loss, metrics = ClippedPGLoss(cfg).on_hidden_states(h, w, batch, global_valid_tokens=tokens,
-                                                        global_valid_seqs=seqs, shard=shard, logit_scale=SCALE,
+                                                        global_valid_seqs=seqs, shard=shard,
+                                                        distribution=SamplingDistribution(logit_scale=SCALE),
                                                         chunk_rows=chunk_rows)
     (loss * 3.0).backward()  # the upstream gradient scales dH and dW (Megatron's loss scale)
     return loss.detach(), metrics, h.grad / 3.0, w.grad / 3.0
@@ -141,6 +142,29 @@ def test_sequence_chunks_keep_sequences_whole():
 def test_bad_hidden_shape_is_named():
     hidden, weight, batch = make_problem(seed=1, dtype=torch.float32)
     tokens, seqs = count_valid(batch)
-    with pytest.raises(ValueError, match=r"hidden must be \[B, S, H\]"):
-        ClippedPGLoss(loss_config()).on_hidden_states(hidden[:, :-1], weight, batch, global_valid_tokens=tokens,
-                                                      global_valid_seqs=seqs)
+    for loss_fused in (True, False):
+        with pytest.raises(ValueError, match=r"hidden: expected shape \[5, 9, H\] to match input_ids, got \[5, 8, 12\]"):
+            ClippedPGLoss(loss_config()).on_hidden_states(hidden[:, :-1], weight, batch, global_valid_tokens=tokens,
+                                                          global_valid_seqs=seqs, loss_fused=loss_fused)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_under_megatron_ddp_the_loss_fused_weight_gradient_goes_into_main_grad(tied):
+    """The loss-fused path keeps dW until backward (the upstream gradient scales it), then adds it into the weight's
+    `main_grad` (Megatron DDP's) and hands autograd Megatron's dummy (zeros for a tied weight)."""
+    cfg = loss_config(**SETTINGS["entropy, KL, VAPO"])
+    hidden, weight, batch = make_problem(seed=3, dtype=torch.float64)
+    shard = VocabShard(true_vocab_size=VOCAB)
+    want = materialised(cfg, hidden, weight, batch, shard)
+    w = weight.clone().requires_grad_(True)
+    w.main_grad = torch.zeros_like(weight)
+    w.grad_added_to_main_grad = False
+    if tied:
+        w.zero_out_wgrad = True
+    tokens, seqs = count_valid(batch)
+    loss, _ = ClippedPGLoss(cfg).on_hidden_states(hidden, w, batch, global_valid_tokens=tokens, global_valid_seqs=seqs,
+                                                  shard=shard, distribution=SamplingDistribution(logit_scale=SCALE),
+                                                  chunk_rows=7)
+    (loss * 3.0).backward()
+    assert w.grad_added_to_main_grad is True and (not tied or bool((w.grad == 0).all()))
+    torch.testing.assert_close(w.main_grad / 3.0, want[3], rtol=1e-10, atol=1e-10)  # float64 throughout

@@ -108,13 +108,6 @@ def test_targets_on_another_device(device):
         vocab_parallel_logprobs(logits, targets.to("meta"))
 
 
-@pytest.mark.parametrize("scale", [0.0, -0.5, float("nan"), float("inf"), True, "2", None])
-def test_logit_scale_must_be_a_finite_positive_number(device, scale):
-    logits, targets = logits_and_targets(device)
-    with pytest.raises(ValueError, match=r"logit_scale must be a finite number > 0 \(1 / temperature\)"):
-        vocab_parallel_logprobs(logits, targets, logit_scale=scale)
-
-
 def test_kernel_op_refuses_a_bad_logit_scale(device):
     import megatron_grpo._C  # noqa: F401  (registers torch.ops.megatron_grpo)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from logprob_reference import make_case
-from megatron_grpo.ops import VocabShard, vocab_parallel_logprobs
+from megatron_grpo.ops import SamplingDistribution, VocabShard, vocab_parallel_logprobs
 from megatron_grpo.ops.backends import FusedKernels
 from test_logprob_temperature import anchor, check
 
@@ -22,7 +22,7 @@ def run_exp_mode(full, targets, true_vocab, *, implementation, scale=1.0, top_k=
     x = full.clone().requires_grad_(True)
     logprob, entropy = vocab_parallel_logprobs(
         x, targets, shard=VocabShard(true_vocab_size=true_vocab), with_entropy=True, implementation=implementation,
-        logit_scale=scale, top_k=top_k, top_p=top_p, inplace_backward="exp",
+        distribution=SamplingDistribution(logit_scale=scale, top_k=top_k, top_p=top_p), inplace_backward="exp",
     )
     (torch.where(torch.isfinite(logprob), logprob, 0.0) * g_lp).sum().backward()
     return logprob.detach(), entropy.detach(), x.grad, g_lp
@@ -51,7 +51,7 @@ def test_forward_leaves_exps_in_the_buffer_and_never_touches_padding_or_ignored_
     full, targets = make_case(rows, padded, true_vocab, torch.float32, seed=2)
     x = full.clone()
     vocab_parallel_logprobs(x, targets, shard=VocabShard(true_vocab_size=true_vocab), implementation=implementation,
-                            logit_scale=scale, inplace_backward="exp")
+                            distribution=SamplingDistribution(logit_scale=scale), inplace_backward="exp")
     z = full[:, :true_vocab].double() * scale
     expected = torch.exp(z - z.amax(dim=-1, keepdim=True))
     trained = targets >= 0

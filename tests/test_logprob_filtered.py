@@ -1,8 +1,9 @@
 """vocab_parallel_logprobs with top_k / top_p against an independent float64 reference of the filtered
 distribution (tests/logprob_reference.py sorts; the op uses thresholds), on one rank and on 2 and 4 gloo ranks,
 with padding, ties, ignored targets, k = 1, k >= V, p = 1 and odd shapes; plus the gradient buffer's
-alignment and the op's argument errors. The one-rank cases that hold on any device run on every device
-(conftest's `device`: the cpu case, and the cuda case marked `gpu`)."""
+alignment and the op's argument errors (the distribution's own are in test_sampling_distribution.py). The one-rank
+cases that hold on any device run on every device (conftest's `device`: the cpu case, and the cuda case marked
+`gpu`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from _dist import counted_collectives, run_on_ranks
 from logprob_reference import (assert_grad_close, expected_filtered_logprobs, expected_logprobs, make_case,
                                upstream_grads)
-from megatron_grpo.ops import VocabShard, vocab_parallel_logprobs
+from megatron_grpo.ops import SamplingDistribution, VocabShard, vocab_parallel_logprobs
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (top_k, top_p): k = 1 (greedy), k in the middle, k >= V, p = 1 (no filter), p alone, both.
@@ -55,8 +56,8 @@ def test_filtered_logprobs_match_the_float64_reference(device, implementation, d
         label = f"{device} {implementation} {dtype} top_k={top_k} top_p={top_p}"
         x = full.clone().to(device).requires_grad_(True)
         logprob, entropy = vocab_parallel_logprobs(
-            x, targets.to(device), shard=VocabShard(true_vocab_size=true_vocab), with_entropy=True, top_k=top_k,
-            top_p=top_p,
+            x, targets.to(device), shard=VocabShard(true_vocab_size=true_vocab), with_entropy=True,
+            distribution=SamplingDistribution(top_k=top_k, top_p=top_p),
             implementation=implementation,
         )
         objective = torch.where(torch.isfinite(logprob), logprob, 0.0) * g_lp.to(device) + entropy * g_h.to(device)
@@ -78,7 +79,8 @@ def test_float64_logits_on_the_reference_path(device):
     for top_k, top_p in [(None, 0.7), (9, 0.5), (1, None)]:
         x = full.to(device, copy=True).requires_grad_(True)
         logprob, entropy = vocab_parallel_logprobs(x, targets.to(device), shard=VocabShard(true_vocab_size=64),
-                                                   with_entropy=True, top_k=top_k, top_p=top_p,
+                                                   with_entropy=True,
+                                                   distribution=SamplingDistribution(top_k=top_k, top_p=top_p),
                                                    implementation="reference")
         objective = torch.where(torch.isfinite(logprob), logprob, 0.0) * g_lp.to(device) + entropy * g_h.to(device)
         objective.sum().backward()
@@ -91,7 +93,8 @@ def test_a_nan_logit_poisons_its_own_row_only_under_a_filter(implementation, dev
     full, targets = make_case(6, 20, 20, torch.float32, seed=3, ignore_every=0)
     full[2, 5] = float("nan")
     for top_k, top_p in [(4, None), (None, 0.8), (3, 0.9)]:
-        logprob = vocab_parallel_logprobs(full.to(device), targets.to(device), top_k=top_k, top_p=top_p,
+        logprob = vocab_parallel_logprobs(full.to(device), targets.to(device),
+                                          distribution=SamplingDistribution(top_k=top_k, top_p=top_p),
                                           implementation=implementation).cpu()
         assert bool(torch.isnan(logprob[2])), (top_k, top_p)
         expected = expected_filtered_logprobs(full[[0, 1, 3, 4, 5]], targets[[0, 1, 3, 4, 5]], 20, top_k, top_p)
@@ -104,19 +107,19 @@ def test_filters_that_keep_everything_take_the_unfiltered_path_bit_for_bit(devic
     plain = vocab_parallel_logprobs(full, targets, shard=VocabShard(true_vocab_size=33), with_entropy=True)
     for top_k, top_p in [(33, None), (None, 1.0), (10**6, 1.0)]:
         same = vocab_parallel_logprobs(full, targets, shard=VocabShard(true_vocab_size=33), with_entropy=True,
-                                       top_k=top_k, top_p=top_p)
+                                       distribution=SamplingDistribution(top_k=top_k, top_p=top_p))
         assert all(torch.equal(a, b) for a, b in zip(plain, same))
 
 
 def test_filtered_targets_are_counted_per_rule():
     logits = torch.tensor([[3.0, 2.0, 2.0, 1.0, 0.0]])
     # top-k = 2: the tie with the 2nd largest stays, so 3 tokens are kept.
-    kept = [bool(vocab_parallel_logprobs(logits, torch.tensor([t]), top_k=2) > float("-inf")) for t in range(5)]
+    kept = [bool(vocab_parallel_logprobs(logits, torch.tensor([t]), distribution=SamplingDistribution(top_k=2)) > float("-inf")) for t in range(5)]
     assert kept == [True, True, True, False, False]
     # top-p: p(3.0) = 0.53 < 0.6, so the tied 2.0s join (the mass strictly above each is 0.53 < 0.6), whole.
-    kept = [bool(vocab_parallel_logprobs(logits, torch.tensor([t]), top_p=0.6) > float("-inf")) for t in range(5)]
+    kept = [bool(vocab_parallel_logprobs(logits, torch.tensor([t]), distribution=SamplingDistribution(top_p=0.6)) > float("-inf")) for t in range(5)]
     assert kept == [True, True, True, False, False]
-    kept = [bool(vocab_parallel_logprobs(logits, torch.tensor([t]), top_p=0.5) > float("-inf")) for t in range(5)]
+    kept = [bool(vocab_parallel_logprobs(logits, torch.tensor([t]), distribution=SamplingDistribution(top_p=0.5)) > float("-inf")) for t in range(5)]
     assert kept == [True, False, False, False, False]
 
 
@@ -127,7 +130,7 @@ def sharded_filtered_run(rank, world, rows, v_local, true_vocab, dtype, top_k, t
     with counted_collectives() as calls:
         logprob, entropy = vocab_parallel_logprobs(
             local, targets, shard=VocabShard(true_vocab_size=true_vocab, group=dist.group.WORLD), with_entropy=True,
-            top_k=top_k, top_p=top_p, implementation=implementation,
+            distribution=SamplingDistribution(top_k=top_k, top_p=top_p), implementation=implementation,
         )
         forward_calls = calls["n"]
         (torch.where(torch.isfinite(logprob), logprob, 0.0) * g_lp + entropy * g_h).sum().backward()
@@ -195,19 +198,6 @@ def test_unknown_implementation_is_a_named_error():
         vocab_parallel_logprobs(logits, targets, implementation="bogus")
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"top_k": 0}, "top_k must be None or an int >= 1, got 0"),
-    ({"top_k": 2.5}, "top_k must be None or an int >= 1"),
-    ({"top_k": True}, "top_k must be None or an int >= 1"),
-    ({"top_p": 0.0}, r"top_p must be None or a number in \(0, 1\], got 0.0"),
-    ({"top_p": 1.5}, r"top_p must be None or a number in \(0, 1\]"),
-    ({"top_p": float("nan")}, r"top_p must be None or a number in \(0, 1\]"),
-])
-def test_bad_filters_are_named_errors(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        vocab_parallel_logprobs(torch.randn(3, 5), torch.zeros(3, dtype=torch.long), **kwargs)
-
-
 def test_clipped_pg_loss_trains_the_filtered_policy_and_takes_the_kl_unfiltered():
     """With a sampling filter, the ratio uses filtered current logprobs, and the KL to the (unfiltered)
     reference uses unfiltered ones, as NeMo-RL's loss does."""
@@ -221,6 +211,6 @@ def test_clipped_pg_loss_trains_the_filtered_policy_and_takes_the_kl_unfiltered(
     loss_fn = ClippedPGLoss(loss_config(reference_policy_kl_penalty=0.1))
     counts = {"global_valid_tokens": 10.0, "global_valid_seqs": 3.0}
     _, plain = loss_fn(logits, batch, **counts)
-    _, filtered = loss_fn(logits, batch, **counts, top_k=3)
+    _, filtered = loss_fn(logits, batch, **counts, distribution=SamplingDistribution(top_k=3))
     assert float(filtered["kl_penalty"]) == pytest.approx(float(plain["kl_penalty"]), rel=1e-6)
     assert float(filtered["probs_ratio"]) > float(plain["probs_ratio"])  # filtered logprobs are larger

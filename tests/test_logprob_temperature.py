@@ -1,4 +1,4 @@
-"""vocab_parallel_logprobs with `logit_scale` (1 / temperature) against the float64 anchor of softmax(scale * x),
+"""vocab_parallel_logprobs with a `SamplingDistribution`'s `logit_scale` (1 / temperature) against the float64 anchor of softmax(scale * x),
 on one rank and on 2 gloo ranks: padded vocab, ignored rows, entropy, top-k/top-p on the tempered distribution,
 both implementations, fp32 and bf16. The anchor's gradient is d/dx = scale * d/dz (chain rule, by autograd).
 The one-rank cases run on every device (conftest's `device`: the cpu case, and the cuda case marked `gpu`)."""
@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from _dist import run_on_ranks
 from logprob_reference import assert_grad_close, expected_filtered_logprobs, filtered_keep_mask, make_case
-from megatron_grpo.ops import VocabShard, vocab_parallel_logprobs
+from megatron_grpo.ops import SamplingDistribution, VocabShard, vocab_parallel_logprobs
 
 SCALES = [1 / 0.7, 0.4]  # temperature 0.7 (sharper) and 2.5 (flatter)
 DTYPES = [torch.float32, torch.bfloat16]
@@ -54,7 +54,8 @@ def run(full, targets, true_vocab, scale, *, implementation, device, top_k=None,
     x = full.to(device, copy=True).requires_grad_(True)
     logprob, entropy = vocab_parallel_logprobs(
         x, targets.to(device), shard=VocabShard(true_vocab_size=true_vocab), with_entropy=True,
-        implementation=implementation, logit_scale=scale, top_k=top_k, top_p=top_p, inplace_backward=inplace_backward,
+        implementation=implementation, distribution=SamplingDistribution(logit_scale=scale, top_k=top_k, top_p=top_p),
+        inplace_backward=inplace_backward,
     )
     finite = torch.isfinite(logprob)
     ((torch.where(finite, logprob, 0.0) * g_lp.to(device)).sum() + (entropy * g_h.to(device)).sum()).backward()
@@ -109,7 +110,8 @@ def tp_worker(rank, world, cases):
         out_ = vocab_parallel_logprobs(local, targets,
                                        shard=VocabShard(true_vocab_size=true_vocab, group=dist.group.WORLD),
                                        with_entropy=with_entropy, implementation=implementation,
-                                       logit_scale=scale, top_k=top_k, top_p=top_p, inplace_backward=inplace)
+                                       distribution=SamplingDistribution(logit_scale=scale, top_k=top_k, top_p=top_p),
+                                       inplace_backward=inplace)
         logprob, entropy = out_ if with_entropy else (out_, None)
         objective = (torch.where(torch.isfinite(logprob), logprob, 0.0) * g_lp).sum()
         if entropy is not None:

@@ -14,7 +14,7 @@ from _loss_inputs import loss_config, random_inputs
 
 from megatron_grpo.config import ConfigError
 from megatron_grpo.loss import ClippedPGLoss, aggregate_metrics, count_valid
-from megatron_grpo.ops import VocabShard
+from megatron_grpo.ops import SamplingDistribution, VocabShard
 
 IS_ON = dict(use_importance_sampling_correction=True)
 
@@ -328,7 +328,7 @@ def test_the_kl_keeps_filtered_out_tokens_through_the_unfiltered_logprobs(agg):
         logits = inputs.logits.clone().requires_grad_()
         loss, metrics = ClippedPGLoss(cfg)(
             logits, batch, global_valid_tokens=tokens, global_valid_seqs=seqs, shard=VocabShard(true_vocab_size=9),
-            top_k=top_k,
+            distribution=SamplingDistribution(top_k=top_k),
         )
         loss.backward()
         results.append((loss.detach(), logits.grad, metrics))

@@ -19,6 +19,7 @@ from _tolerances import MODEL_GRAD_RTOL, MODEL_LOGPROB_ATOL
 from test_megatron_hooks import ROWS, SEQ, TINY_MODEL, VOCAB, make_batch
 
 from megatron_grpo.config import ConfigError, load_config
+from megatron_grpo.ops import SamplingDistribution
 
 # The fused paths compute the materialised path's fp32 maths with the logits formed chunk by chunk (another GEMM
 # blocking): logprobs and gradients to MODEL_LOGPROB_ATOL and MODEL_GRAD_RTOL. The loss and the mean entropy are
@@ -36,7 +37,13 @@ CASES = {
 CASES["tied_embeddings"] = {"generation.temperature": 0.7, "loss_fn.entropy_coef": 0.01}
 # A sampling filter with a KL in the loss: the fused op filters, and the KL reads unfiltered current logprobs.
 CASES["top_k_kl"] = {"generation.top_k": 5, "loss_fn.reference_policy_kl_penalty": 0.1}
-TIED = {"tied_embeddings"}
+# Under Megatron's DDP (as the runner trains): the fused paths add dW into the output weight's fp32 `main_grad`
+# (Megatron's protocol: `grad_added_to_main_grad`, and a zero dummy gradient for a weight tied to the embedding,
+# whose own gradient arrives through the same hook), untied and tied.
+CASES["ddp"] = {"generation.temperature": 0.7, "loss_fn.entropy_coef": 0.01}
+CASES["ddp_tied"] = {"generation.temperature": 0.7, "loss_fn.entropy_coef": 0.01}
+TIED = {"tied_embeddings", "ddp_tied"}
+DDP = {"ddp", "ddp_tied"}
 FILTERED = {"top_k_kl"}
 # (fused_linear_logprobs, fused_linear_loss): the fused op, and the loss-fused path (no sampling filter there).
 MODES = {"fused": (True, False), "loss_fused": (True, True)}
@@ -69,9 +76,11 @@ def _tying(model) -> dict:
             "vocab_sizes": (model.true_vocab_size, model.padded_vocab_size)}
 
 
-def _run_train_step(cfg, batch, tied: bool) -> dict:
+def _run_train_step(cfg, batch, tied: bool, ddp: bool = False) -> dict:
     from megatron_grpo.loss import ClippedPGLoss
-    from megatron_grpo.megatron import build_optimizer, train_step
+    from megatron_grpo.megatron import build_optimizer, train_step, wrap_in_ddp
+    from megatron_grpo.megatron.ddp import gradient
+    from megatron_grpo.megatron.hidden_states import output_weight
     from megatron_grpo.megatron.train_step import StepConfig
     from megatron_grpo.scheduler import plan_logprob_passes
 
@@ -82,11 +91,14 @@ def _run_train_step(cfg, batch, tied: bool) -> dict:
     output_layer = model.output_layer
     output_layer_calls = [0]
     output_layer.register_forward_hook(lambda *_: output_layer_calls.__setitem__(0, output_layer_calls[0] + 1))
-    result = train_step(StepConfig.of(cfg), model, build_optimizer(model, cfg.policy.optimizer),
+    trained = wrap_in_ddp(model) if ddp else model
+    result = train_step(StepConfig.of(cfg), trained, build_optimizer(trained, cfg.policy.optimizer),
                         ClippedPGLoss(cfg.loss_fn), plan, batch, reference_model=reference)
     return {
         "result": result,
-        "grads": {name: p.grad.detach().clone() for name, p in model.named_parameters()},
+        "grads": {name: gradient(p).detach().clone() for name, p in model.named_parameters()},
+        "added_to_main_grad": getattr(output_weight(model), "grad_added_to_main_grad", None),
+        "dense_grad": output_weight(model).grad is not None,
         "output_layer_calls": output_layer_calls[0],
         "output_layer_restored": model.output_layer is output_layer,
         "tying": tying,
@@ -97,20 +109,24 @@ def _per_token(cfg, batch, tied: bool) -> dict:
     """Per-token logprobs and entropies of the trained tokens, both ways, at the config's temperature and filter."""
     from megatron_grpo.loss import trained_token_mask, trained_token_targets
     from megatron_grpo.megatron import model_forward
-    from megatron_grpo.megatron.train_step import _linear_logprobs
+    from megatron_grpo.megatron.hidden_states import output_weight
+    from megatron_grpo.megatron.train_step import StepConfig
     from megatron_grpo.megatron.vocab import vocab_shard_of
-    from megatron_grpo.ops import vocab_parallel_logprobs
+    from megatron_grpo.ops import HiddenStates, SamplingDistribution, current_logprobs, vocab_parallel_logprobs
 
     model, temperature = build(cfg, tied), cfg.generation.temperature
-    sampling = {"top_k": cfg.generation.top_k, "top_p": cfg.generation.top_p}
+    distribution = StepConfig.of(cfg).distribution
+    filtered = SamplingDistribution(top_k=cfg.generation.top_k, top_p=cfg.generation.top_p)
     vocab = vocab_shard_of(model)
     targets = trained_token_targets(batch["input_ids"], trained_token_mask(batch))
     with torch.no_grad():
         logits = model_forward(model, batch["input_ids"])
         hidden = model_forward(model, batch["input_ids"], hidden_states=True)
         materialised = vocab_parallel_logprobs(logits / temperature, targets, shard=vocab, shift=True,
-                                               with_entropy=True, **sampling)
-        fused = _linear_logprobs(model, hidden, targets, vocab, temperature, with_entropy=True, **sampling)
+                                               with_entropy=True, distribution=filtered)
+        current = current_logprobs(HiddenStates(hidden, output_weight(model)), targets, shard=vocab,
+                                   distribution=distribution)
+        fused = current.logprobs, current.entropy
     finite = torch.isfinite(materialised[0])
     assert torch.equal(finite, torch.isfinite(fused[0])), "filtered tokens differ"
     return {"hidden_shape": tuple(hidden.shape),
@@ -136,6 +152,8 @@ def _compare(plain: dict, fused: dict) -> dict:
         "grad_scale": max(g.abs().max().item() for g in plain["grads"].values()),
         "output_layer_calls": (plain["output_layer_calls"], fused["output_layer_calls"]),
         "output_layer_restored": fused["output_layer_restored"],
+        "added_to_main_grad": (plain["added_to_main_grad"], fused["added_to_main_grad"]),
+        "dense_grad": (plain["dense_grad"], fused["dense_grad"]),
         "tying": fused["tying"],
         "embedding_grad_error": _max_diff(plain["grads"][EMBEDDING], fused["grads"][EMBEDDING]),
         "embedding_grad_scale": plain["grads"][EMBEDDING].abs().max().item(),
@@ -150,12 +168,12 @@ def run_cases(rank: int, world_size: int) -> dict:
     try:
         outcome = {}
         for name, overrides in CASES.items():
-            tied = name in TIED
+            tied, ddp = name in TIED, name in DDP
             plain = _run_train_step(config_with({**base, **overrides, "policy.fused_linear_logprobs": False}),
-                                    make_batch(seed=21), tied)
+                                    make_batch(seed=21), tied, ddp)
             outcome[name] = {mode: _compare(plain, _run_train_step(
                 config_with({**base, **overrides, "policy.fused_linear_logprobs": MODES[mode][0],
-                             "policy.fused_linear_loss": MODES[mode][1]}), make_batch(seed=21), tied))
+                             "policy.fused_linear_loss": MODES[mode][1]}), make_batch(seed=21), tied, ddp))
                 for mode in modes_of(name)}
             outcome[name]["per_token"] = _per_token(config_with({**base, **overrides}), make_batch(seed=22), tied)
         return outcome
@@ -206,6 +224,20 @@ def test_tied_embeddings_fused_weight_is_the_embedding_and_its_gradient_matches(
             assert EMBEDDING in tying["parameter_names"]
             assert result["embedding_grad_scale"] > 1e-3
             assert result["embedding_grad_error"] <= MODEL_GRAD_RTOL * result["embedding_grad_scale"]
+
+
+def test_under_ddp_the_fused_paths_add_the_weight_gradient_into_main_grad(ranks):
+    """The materialised path's output layer hands DDP's hook a dense gradient (Megatron's layer without
+    gradient_accumulation_fusion); the fused paths add dW into `main_grad` themselves and say so. The gradients
+    themselves (main_grad, tied or not) equal the materialised path's in test_fused_train_step_equals_materialised;
+    without DDP the fused paths return a dense dW."""
+    for rank in ranks:
+        for case in DDP:
+            for mode in modes_of(case):
+                assert rank[case][mode]["added_to_main_grad"] == (False, True), (case, mode)
+        for mode in modes_of("plain"):
+            assert rank["plain"][mode]["added_to_main_grad"] == (None, None)
+            assert rank["plain"][mode]["dense_grad"] == (True, True)
 
 
 def test_untied_fused_weight_is_the_output_layer(ranks):
@@ -274,10 +306,11 @@ def test_loss_takes_either_logits_or_precomputed_logprobs():
         loss(None, batch, curr_logprobs=logprobs, **counts)
     with pytest.raises(ValueError, match="not both"):
         loss(torch.zeros(ROWS, SEQ, 16), batch, curr_logprobs=logprobs, curr_entropy=logprobs, **counts)
-    with pytest.raises(ValueError, match="curr_unfiltered_logprobs: only with top_k / top_p"):
+    with pytest.raises(ValueError, match="curr_unfiltered_logprobs: only with a top-k / top-p distribution"):
         loss(None, batch, curr_logprobs=logprobs, curr_entropy=logprobs, curr_unfiltered_logprobs=logprobs, **counts)
     kl = ClippedPGLoss(config_with({"loss_fn.reference_policy_kl_penalty": 0.1}).loss_fn)
-    with pytest.raises(ValueError, match="curr_unfiltered_logprobs: required with top_k / top_p and a KL"):
-        kl(None, batch, curr_logprobs=logprobs, curr_entropy=logprobs, top_k=3, **counts)
+    with pytest.raises(ValueError, match="curr_unfiltered_logprobs: required with a top-k / top-p distribution and a KL"):
+        kl(None, batch, curr_logprobs=logprobs, curr_entropy=logprobs, distribution=SamplingDistribution(top_k=3),
+           **counts)
     value, metrics = loss(None, batch, curr_logprobs=logprobs, curr_entropy=logprobs, **counts)
     assert torch.isfinite(value) and metrics["entropy"] == 0

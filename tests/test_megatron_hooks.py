@@ -100,6 +100,7 @@ def scenario_microbatches(cfg) -> dict:
     from megatron_grpo.loss import ClippedPGLoss, count_valid
     from megatron_grpo.megatron import compute_logprobs, make_forward_step
     from megatron_grpo.megatron.vocab import vocab_shard_of
+    from megatron_grpo.ops import SamplingDistribution
     from megatron_grpo.scheduler import plan_logprob_passes
 
     model, batch = build(cfg), make_batch(seed=11)
@@ -125,7 +126,8 @@ def scenario_microbatches(cfg) -> dict:
     with torch.no_grad():
         logprob_error = (compute_logprobs(model, batch, micro_batch_size=2).double()
                          - reference_logprobs64(model, batch["input_ids"])).abs().max().item()
-        tempered_error = (compute_logprobs(model, batch, micro_batch_size=2, logits_temperature=0.7).double()
+        tempered_error = (compute_logprobs(model, batch, micro_batch_size=2,
+                                           distribution=SamplingDistribution.of_sampling(0.7)).double()
                           - reference_logprobs64(model, batch["input_ids"], temperature=0.7)).abs().max().item()
         tempered_shift = (reference_logprobs64(model, batch["input_ids"], temperature=0.7)
                           - reference_logprobs64(model, batch["input_ids"])).abs().max().item()
@@ -216,6 +218,34 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def scenario_inplace_backward(cfg) -> dict:
+    """make_forward_step through Megatron's schedule with the loss's in-place backward (the default) and without:
+    the model's output logits after backward (their version counter: bumped once by the in-place write), and the
+    gradients both ways."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_grpo.loss import ClippedPGLoss, count_valid
+    from megatron_grpo.megatron import make_forward_step
+    from megatron_grpo.megatron.vocab import vocab_shard_of
+    from megatron_grpo.scheduler import plan_logprob_passes
+
+    batch = make_batch(seed=12)
+    tokens, seqs = count_valid(batch)
+    out = {}
+    for inplace in (True, False):
+        model = build(cfg)
+        outputs = []
+        model.register_forward_hook(lambda module, args, output: outputs.append(output))
+        forward_step = make_forward_step(ClippedPGLoss(cfg.loss_fn), plan_logprob_passes(cfg), num_microbatches=1,
+                                         global_valid_tokens=tokens, global_valid_seqs=seqs,
+                                         vocab=vocab_shard_of(model), inplace_backward=inplace)
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([batch]), model=model,
+                                    num_microbatches=1, seq_length=SEQ, micro_batch_size=ROWS, forward_only=False)
+        (logits,) = outputs
+        out[inplace] = {"logits_version": logits._version, "grads": grads_of(model)}
+    return out
+
+
 def cpu_support_is_idempotent() -> bool:
     from megatron.core.pipeline_parallel import schedules
 
@@ -241,6 +271,7 @@ def run_all_scenarios(rank: int, world_size: int) -> dict:
         results["skipped_prev"] = scenario_skipped_prev(cfg)
         results["skipped_prev_log"] = list(records.messages)
         results["reference"] = scenario_reference(cfg)
+        results["inplace"] = scenario_inplace_backward(cfg)
         return results
     finally:
         destroy_parallel()
@@ -273,6 +304,16 @@ def test_schedule_gradient_matches_full_batch_float64(ranks, count):
         # the running sum rounded, so within 56 * 2 u * 3 = 2e-5 however the microbatches split it
         assert result["advantage_scale"] < 3
         assert result["losses"][count] == pytest.approx(result["reference_loss"], abs=2e-5)
+
+
+def test_the_training_forward_step_writes_the_logits_gradient_in_place(ranks):
+    """The logits are the loss's alone in Megatron's schedule: backward overwrites them with their gradient (one
+    version bump, so any other reader would fail loudly) and gives the same gradients bit for bit."""
+    for rank in ranks:
+        result = rank["inplace"]
+        assert result[True]["logits_version"] == 1 and result[False]["logits_version"] == 0
+        for name, grad in result[False]["grads"].items():
+            assert torch.equal(result[True]["grads"][name], grad), name
 
 
 def test_compute_logprobs_matches_float64_reference(ranks):

@@ -26,9 +26,9 @@ from _loss_inputs import loss_config
 from logprob_reference import filtered_keep_mask
 
 from megatron_grpo.loss import ClippedPGLoss, count_valid
-from megatron_grpo.loss.linear_loss import sequence_chunks
-from megatron_grpo.ops import VocabShard, vocab_parallel_linear_logprobs
-from megatron_grpo.ops.linear_logprobs import chunk_rows_for
+from megatron_grpo.ops import SamplingDistribution, VocabShard, vocab_parallel_linear_logprobs
+from megatron_grpo.ops.chunks import chunk_rows_for
+from megatron_grpo.ops.loss_fused_linear import sequence_chunks
 
 TRUE_VOCAB, PADDED, TP = 151_936, 152_064, 2
 SEQUENCES, TRAINED, HIDDEN = 16, 442, 16
@@ -75,11 +75,11 @@ def worker(rank: int, world: int) -> dict:
     targets = batch["input_ids"]
     out = {"losses": {}, "logprobs": {}, "collectives": {}}
 
-    def op_path(name, **sampling):
+    def op_path(name, distribution=None):
         h, w = hidden.clone().requires_grad_(True), shard_weight.clone().requires_grad_(True)
         with counted_collectives() as calls:
             logprobs, entropy = vocab_parallel_linear_logprobs(h, w, targets, shard=shard, shift=True,
-                                                               with_entropy=True, **sampling)
+                                                               with_entropy=True, distribution=distribution)
             loss = _loss_on(cfg, batch, logprobs, entropy)
             loss.backward()
         out["losses"][name], out["logprobs"][name] = loss.detach(), logprobs.detach()
@@ -88,7 +88,7 @@ def worker(rank: int, world: int) -> dict:
         assert bool((w.grad[VALID[rank]:] == 0).all()), f"{name}: padding rows of dW must be exactly 0"
 
     op_path(PATHS[0])
-    op_path(PATHS[1], top_k=TOP_K)
+    op_path(PATHS[1], SamplingDistribution(top_k=TOP_K))
 
     h, w = hidden.clone().requires_grad_(True), shard_weight.clone().requires_grad_(True)
     tokens, seqs = count_valid(batch)
@@ -101,7 +101,8 @@ def worker(rank: int, world: int) -> dict:
     out["collectives"][PATHS[2]] = calls["n"]
 
     with torch.no_grad(), counted_collectives() as calls:
-        logprobs = vocab_parallel_linear_logprobs(hidden, shard_weight, targets, shard=shard, shift=True, top_p=TOP_P)
+        logprobs = vocab_parallel_linear_logprobs(hidden, shard_weight, targets, shard=shard, shift=True,
+                                                  distribution=SamplingDistribution(top_p=TOP_P))
     out["losses"][PATHS[3]], out["logprobs"][PATHS[3]] = logprobs.double().sum(), logprobs
     out["collectives"][PATHS[3]] = calls["n"]
     return out

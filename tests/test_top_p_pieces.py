@@ -11,7 +11,8 @@ from _dist import counted_collectives, run_on_ranks
 from logprob_reference import filtered_keep_mask
 
 from megatron_grpo.ops import filtering
-from megatron_grpo.ops.filtering import SamplingFilter, kept_threshold
+from megatron_grpo.ops.distribution import SamplingDistribution
+from megatron_grpo.ops.filtering import kept_threshold
 
 ROWS, TRUE_VOCAB, V_LOCAL = 13, 95, 50  # at TP 2 the second shard holds 45 real columns and 5 of padding
 
@@ -27,7 +28,7 @@ def logits_with_ties(seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("top_k, top_p", [(None, 0.9), (None, 0.3), (20, 0.7)])
 def test_pieces_change_nothing_on_one_rank(monkeypatch, top_k, top_p):
     logits = logits_with_ties(seed=1)
-    sampling = SamplingFilter(top_k=top_k, top_p=top_p)
+    sampling = SamplingDistribution(top_k=top_k, top_p=top_p)
     whole = kept_threshold(logits, sampling, true_vocab_size=TRUE_VOCAB)
     monkeypatch.setattr(filtering, "PIECE_LOGITS", 3 * TRUE_VOCAB)  # pieces of 3 rows, the last of 1
     assert filtering._piece_rows(TRUE_VOCAB, None) == 3
@@ -43,7 +44,7 @@ def sharded_worker(rank: int, world: int, top_p: float) -> tuple[torch.Tensor, i
     local = padded[:, rank * V_LOCAL:(rank + 1) * V_LOCAL]
     valid = min(TRUE_VOCAB - rank * V_LOCAL, V_LOCAL)
     with counted_collectives() as calls:
-        threshold = kept_threshold(local[:, :valid], SamplingFilter(top_p=top_p), true_vocab_size=TRUE_VOCAB,
+        threshold = kept_threshold(local[:, :valid], SamplingDistribution(top_p=top_p), true_vocab_size=TRUE_VOCAB,
                                    group=dist.group.WORLD)
     return threshold, calls["n"]
 
@@ -57,4 +58,5 @@ def test_pieces_agree_over_tensor_parallel_ranks():
         assert collectives == 1 + pieces * (1 + 4)  # the row max; per piece the value bins and 4 radix passes
     logits = logits_with_ties(seed=2)
     assert torch.equal(logits >= per_rank[0][0][:, None], filtered_keep_mask(logits, None, top_p))
-    assert torch.equal(per_rank[0][0], kept_threshold(logits, SamplingFilter(top_p=top_p), true_vocab_size=TRUE_VOCAB))
+    assert torch.equal(per_rank[0][0], kept_threshold(logits, SamplingDistribution(top_p=top_p),
+                                                     true_vocab_size=TRUE_VOCAB))

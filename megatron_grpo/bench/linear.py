@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megatron_grpo.helptext import DefaultsHelpFormatter
 from megatron_grpo.ops import VocabShard, vocab_parallel_linear_logprobs, vocab_parallel_logprobs
-from megatron_grpo.ops.linear_logprobs import chunk_rows_for
+from megatron_grpo.ops.chunks import chunk_rows_for
 
 from .measure import (DEFAULT_OUT, OUT_HELP, PeakMemory, grouped_bar_plot, machine_description, median_seconds,
                       run_ranks, write_results)
@@ -110,6 +110,30 @@ def build_fused(case: Case, inputs: CaseInputs) -> Step:
     def forward(hidden, weight):
         return vocab_parallel_linear_logprobs(hidden, weight, inputs.targets, shard=VocabShard(group=inputs.group),
                                               chunk_rows=case.chunk_rows, check_inputs=False)
+
+    return Step(forward, inputs.upstream)
+
+
+def with_main_grad(inputs: CaseInputs) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What Megatron's DDP gives the weight: an fp32 `main_grad` buffer (allocated here, once, before any timed step:
+    it counts with the inputs) and the flag `grad_added_to_main_grad`. Returns the function that attaches them to a
+    step's fresh weight leaf."""
+    main_grad = torch.zeros(inputs.weight.shape, dtype=torch.float32, device=inputs.weight.device)
+
+    def attach(weight: torch.Tensor) -> torch.Tensor:
+        weight.main_grad, weight.grad_added_to_main_grad = main_grad, False
+        return weight
+
+    return attach
+
+
+def build_fused_main_grad(case: Case, inputs: CaseInputs) -> Step:
+    attach = with_main_grad(inputs)
+
+    def forward(hidden, weight):
+        return vocab_parallel_linear_logprobs(hidden, attach(weight), inputs.targets,
+                                              shard=VocabShard(group=inputs.group), chunk_rows=case.chunk_rows,
+                                              check_inputs=False)
 
     return Step(forward, inputs.upstream)
 
@@ -266,6 +290,19 @@ def build_materialised_loss(case: Case, inputs: CaseInputs) -> Step:
     return Step(forward, None)
 
 
+def build_materialised_loss_inplace(case: Case, inputs: CaseInputs) -> Step:
+    loss = _loss_inputs(case, inputs)
+    shape = (*loss.batch["input_ids"].shape, case.hidden)
+
+    def forward(hidden, weight):
+        value, _ = loss.loss_fn(hidden.view(shape) @ weight.t(), loss.batch, global_valid_tokens=loss.tokens,
+                                global_valid_seqs=loss.seqs, shard=VocabShard(group=inputs.group),
+                                inplace_backward=True)
+        return value
+
+    return Step(forward, None)
+
+
 def build_recompute_loss(case: Case, inputs: CaseInputs) -> Step:
     from megatron_grpo.loss import trained_token_mask, trained_token_targets
 
@@ -297,14 +334,31 @@ def build_loss_fused(case: Case, inputs: CaseInputs) -> Step:
     return Step(forward, None)
 
 
+def build_loss_fused_main_grad(case: Case, inputs: CaseInputs) -> Step:
+    loss = _loss_inputs(case, inputs)
+    shape = (*loss.batch["input_ids"].shape, case.hidden)
+    attach = with_main_grad(inputs)
+
+    def forward(hidden, weight):
+        value, _ = loss.loss_fn.on_hidden_states(hidden.view(shape), attach(weight), loss.batch,
+                                                 global_valid_tokens=loss.tokens, global_valid_seqs=loss.seqs,
+                                                 shard=VocabShard(group=inputs.group), chunk_rows=case.chunk_rows)
+        return value
+
+    return Step(forward, None)
+
+
 MATERIALISED, FUSED, MEGATRON = "materialised", "fused", "megatron"
-MATERIALISED_LOSS = "materialised-loss"
+FUSED_MAIN_GRAD = "fused-main-grad"
+MATERIALISED_LOSS, MATERIALISED_LOSS_INPLACE = "materialised-loss", "materialised-loss-inplace"
 
 # The benchmark's entries, in report order. A new one is a builder and one line here; a scalar loss returns
 # `Step(forward, None)` (no upstream gradient) and names its own baseline.
 CANDIDATES: dict[str, Candidate] = {
     MATERIALISED: Candidate(build_materialised, "`logits = hidden @ weight.T`, then `vocab_parallel_logprobs`"),
     FUSED: Candidate(build_fused, "`vocab_parallel_linear_logprobs`, default chunk_rows (unless --chunk-rows)"),
+    FUSED_MAIN_GRAD: Candidate(build_fused_main_grad, "the same under Megatron's DDP: the weight has an fp32 "
+                                                      "`main_grad` (allocated with the inputs), and dW goes there"),
     "fused+entropy": Candidate(build_fused_entropy, "the same with `with_entropy=True`, both outputs trained"),
     MEGATRON: Candidate(build_megatron, "the linear in `[s, b, h]`, then Megatron-Core's "
                                         "`vocab_parallel_cross_entropy` (it overwrites fp32 logits in place: here "
@@ -318,11 +372,17 @@ CANDIDATES: dict[str, Candidate] = {
     MATERIALISED_LOSS: Candidate(build_materialised_loss, "the GRPO loss step: `logits = hidden @ weight.T`, then "
                                                           "`ClippedPGLoss` (with entropy, as the train step)",
                                  baseline=MATERIALISED_LOSS),
+    MATERIALISED_LOSS_INPLACE: Candidate(build_materialised_loss_inplace,
+                                         "the same with `inplace_backward=True`, as the train step runs it: the "
+                                         "logits' gradient overwrites the logits", baseline=MATERIALISED_LOSS),
     "recompute-loss": Candidate(build_recompute_loss, "`vocab_parallel_linear_logprobs(..., with_entropy=True)`, "
                                                       "then `ClippedPGLoss(None, curr_logprobs=...)` (4 GEMMs)",
                                 baseline=MATERIALISED_LOSS),
     "loss-fused": Candidate(build_loss_fused, "`ClippedPGLoss.on_hidden_states`: the loss gradient in forward, "
                                               "chunks of whole sequences (3 GEMMs)", baseline=MATERIALISED_LOSS),
+    "loss-fused-main-grad": Candidate(build_loss_fused_main_grad, "the same under Megatron's DDP (an fp32 "
+                                                                  "`main_grad`, as for `fused-main-grad`)",
+                                      baseline=MATERIALISED_LOSS),
 }
 
 
@@ -463,20 +523,34 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
+def peak_fraction(row: dict | None, baseline: dict | None) -> float | None:
+    """`row`'s extra peak as a fraction of `baseline`'s; None when either is missing or the baseline's is below
+    1 MiB (noise: page granularity, allocator caches)."""
+    if row is None or baseline is None or baseline["extra_peak_mib"] < 1.0:
+        return None
+    return max(row["extra_peak_mib"], 0.0) / baseline["extra_peak_mib"]
+
+
 def case_summary(result: dict) -> dict:
-    """The targets' figures for one case: fused speed and extra peak memory relative to the materialised path."""
+    """The targets' figures for one case: fused speed and extra peak memory relative to the materialised path
+    (plain, and under Megatron's DDP), and the loss step's: loss-fused and in-place against the materialised one."""
     by_name = {r["candidate"]: r for r in result["rows"]}
     fused, materialised = by_name.get(FUSED), by_name.get(MATERIALISED)
     if fused is None or materialised is None:
         return {}
     speed = materialised["forward_backward_ms"] / fused["forward_backward_ms"]
-    peak = max(fused["extra_peak_mib"], 0.0) / materialised["extra_peak_mib"] \
-        if materialised["extra_peak_mib"] >= 1.0 else None  # below 1 MiB the measure is noise
     target = TARGET_SPEED_ALL_ROWS if result["case"]["response"] >= 1.0 else TARGET_SPEED_QUARTER_ROWS
-    loss_fused, materialised_loss = by_name.get("loss-fused"), by_name.get(MATERIALISED_LOSS)
-    loss_speed = None if loss_fused is None or materialised_loss is None \
-        else materialised_loss["forward_backward_ms"] / loss_fused["forward_backward_ms"]
-    return {"speed": speed, "speed_target": target, "peak_fraction": peak, "loss_speed": loss_speed}
+    materialised_loss = by_name.get(MATERIALISED_LOSS)
+
+    def loss_speed(name: str) -> float | None:
+        row = by_name.get(name)
+        return None if row is None or materialised_loss is None \
+            else materialised_loss["forward_backward_ms"] / row["forward_backward_ms"]
+
+    return {"speed": speed, "speed_target": target, "peak_fraction": peak_fraction(fused, materialised),
+            "main_grad_peak_fraction": peak_fraction(by_name.get(FUSED_MAIN_GRAD), materialised),
+            "loss_speed": loss_speed("loss-fused"), "inplace_loss_speed": loss_speed(MATERIALISED_LOSS_INPLACE),
+            "inplace_loss_peak_fraction": peak_fraction(by_name.get(MATERIALISED_LOSS_INPLACE), materialised_loss)}
 
 
 def report(results: list[dict], device: torch.device, repeats: int, warmup: int, command: str) -> str:
@@ -498,7 +572,7 @@ def report(results: list[dict], device: torch.device, repeats: int, warmup: int,
         "- TP > 1: every candidate's hidden gradient is this rank's partial sum over its vocab shard (Megatron's "
         "output layer all-reduces it afterwards, for all of them alike, so no candidate's time includes it).",
         f"- targets: fused extra peak <= {100 * TARGET_PEAK_FRACTION:.0f}% of the materialised "
-        f"path's; materialised/fused time >= {TARGET_SPEED_ALL_ROWS}x at 100% response rows, >= "
+        f"path's (under Megatron's DDP: `{FUSED_MAIN_GRAD}`); materialised/fused time >= {TARGET_SPEED_ALL_ROWS}x at 100% response rows, >= "
         f"{TARGET_SPEED_QUARTER_ROWS}x at 25%; materialised loss step / loss-fused >= {TARGET_LOSS_FUSED}x at "
         "100% response rows.",
         "",
@@ -507,25 +581,34 @@ def report(results: list[dict], device: torch.device, repeats: int, warmup: int,
     ]
     lines += [f"- `{name}`: {c.description}" for name, c in CANDIDATES.items()]
     lines += ["", "## Targets", "",
-              "| case | materialised/fused | speed target | fused extra peak / materialised | peak target "
-              "| materialised loss / loss-fused |",
-              "|---|---:|---|---:|---|---:|"]
+              "| case | materialised/fused | speed target | fused extra peak / materialised | under DDP "
+              "(`main_grad`) | materialised loss / loss-fused | loss step in place: time ratio, extra peak |",
+              "|---|---:|---|---:|---:|---:|---:|"]
+
+    def peak(fraction: float | None) -> str:
+        return ("- (below 1 MiB: not measurable)" if fraction is None else
+                f"{100 * fraction:.1f}% (<= {100 * TARGET_PEAK_FRACTION:.0f}% "
+                f"{_verdict(fraction <= TARGET_PEAK_FRACTION)})")
+
     for result in results:
         summary = case_summary(result)
         if summary:
-            fraction = summary["peak_fraction"]
-            peak = ("- | below 1 MiB: not measurable" if fraction is None else
-                    f"{100 * fraction:.1f}% | <= {100 * TARGET_PEAK_FRACTION:.0f}% "
-                    f"{_verdict(fraction <= TARGET_PEAK_FRACTION)}")
             loss_speed = summary["loss_speed"]
             loss = "-" if loss_speed is None else f"{loss_speed:.2f}x" + (
                 f" (>= {TARGET_LOSS_FUSED}x {_verdict(loss_speed >= TARGET_LOSS_FUSED)})"
                 if result["case"]["response"] >= 1.0 else "")
+            inplace_speed, inplace_peak = summary["inplace_loss_speed"], summary["inplace_loss_peak_fraction"]
+            inplace = "-" if inplace_speed is None else (
+                f"{inplace_speed:.2f}x, " + ("-" if inplace_peak is None else f"{100 * inplace_peak:.0f}%"))
+            main_grad = "-" if summary["main_grad_peak_fraction"] is None and FUSED_MAIN_GRAD not in {
+                r["candidate"] for r in result["rows"]} else peak(summary["main_grad_peak_fraction"])
             lines.append(
                 f"| {Case(**result['case']).label()} | {summary['speed']:.2f}x | >= {summary['speed_target']}x "
-                f"{_verdict(summary['speed'] >= summary['speed_target'])} | {peak} | {loss} |")
+                f"{_verdict(summary['speed'] >= summary['speed_target'])} | {peak(summary['peak_fraction'])} | "
+                f"{main_grad} | {loss} | {inplace} |")
         else:
-            lines.append(f"| {Case(**result['case']).label()} | - | fused or materialised not measured | - | - | - |")
+            lines.append(f"| {Case(**result['case']).label()} | - | fused or materialised not measured | - | - | - "
+                         "| - |")
     lines.append("")
     for result in results:
         lines += case_section(result)

@@ -72,9 +72,11 @@ class Trainer:
     optimizer: Optimizer
     loss_fn: ClippedPGLoss
     rollouts: RolloutQueue = field(init=False)
+    step_config: StepConfig = field(init=False)
 
     def __post_init__(self) -> None:
         self.rollouts = RolloutQueue(self._timed_rollout, self.cfg.grpo.max_rollout_staleness)
+        self.step_config = StepConfig.of(self.cfg)  # its distribution is the sampler's too
 
     @classmethod
     def build(cls, cfg: Config, plan: LogprobPlan, layout: ParallelLayout) -> Trainer:
@@ -122,9 +124,7 @@ class Trainer:
         tokenizer = self.task.tokenizer
         params = SamplingParams(
             max_new_tokens=self.cfg.generation.max_new_tokens,
-            temperature=self.cfg.generation.temperature,
-            top_k=self.cfg.generation.top_k,
-            top_p=self.cfg.generation.top_p,
+            distribution=self.step_config.distribution,  # the policy the train step trains
             eos_id=tokenizer.eos_id,
             pad_id=tokenizer.pad_id,
         )
@@ -178,7 +178,7 @@ class Trainer:
         if PrevLogprobShaping.needed(self.cfg):  # reads prev logprobs after their pass, before the loss
             dp_group = self.layout.dp_group
             shaping = PrevLogprobShaping(self.cfg, rewards, dp_group)
-        result = train_step(StepConfig.of(self.cfg), self.model, self.optimizer, self.loss_fn, self.plan, device_batch,
+        result = train_step(self.step_config, self.model, self.optimizer, self.loss_fn, self.plan, device_batch,
                             reference_model=self.reference_model, prepare_batch=shaping, timer=timer,
                             proximal_version=step)  # the weights have done `step` steps
         finished = time.perf_counter()

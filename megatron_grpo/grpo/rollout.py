@@ -4,8 +4,8 @@ The policy is any callable mapping `input_ids [B, S]` (on the CPU) to this rank'
 position's logits `[B, V_local]` (on its own device, so the TP gather runs where the backend wants it), or to
 None on a rank that holds no logits (a pipeline stage before the last). Each decoding step gathers the shards
 over the TP group (a `[B, V]` tensor, tiny next to the forward pass), drops Megatron's padded vocab columns, and
-samples on the CPU from the tempered, top-k/top-p filtered distribution (the filter of
-`megatron_grpo.ops.filtering`, the one the training logprobs use). `share_draws` then hands the sampling ranks'
+samples on the CPU from the tempered, top-k/top-p filtered distribution (a `SamplingDistribution`, the one the
+training logprobs use, filtered by `megatron_grpo.ops.filtering`, the ops' own filter). `share_draws` then hands the sampling ranks'
 tokens to the ranks without logits.
 
 Every group of rows (the samples of one prompt) draws from its own generator, which the caller keys by the
@@ -22,7 +22,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.ops.filtering import SamplingFilter, kept_threshold, mask_filtered
+from megatron_grpo.ops.distribution import SamplingDistribution
+from megatron_grpo.ops.filtering import kept_threshold, mask_filtered
 
 LogitsFn = Callable[[torch.Tensor], Optional[torch.Tensor]]
 ShareDraws = Callable[[torch.Tensor], torch.Tensor]  # [2, B] float64 (tokens, logprobs): the sampling ranks' on all
@@ -31,9 +32,7 @@ ShareDraws = Callable[[torch.Tensor], torch.Tensor]  # [2, B] float64 (tokens, l
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int
-    temperature: float
-    top_k: Optional[int]  # None = the full distribution
-    top_p: Optional[float]  # None or 1 = the full distribution
+    distribution: SamplingDistribution  # what each token is drawn from (and the policy training trains)
     eos_id: int
     pad_id: int  # written after <eos>; never trained
 
@@ -61,14 +60,12 @@ def gather_vocab(logits_shard: torch.Tensor, true_vocab_size: int, group: Option
     return logits_shard[..., :true_vocab_size]
 
 
-def sampling_log_probs(logits: torch.Tensor, temperature: float, top_k: Optional[int],
-                       top_p: Optional[float] = None) -> torch.Tensor:
-    """Log-probabilities `[B, V]` of the sampling distribution: softmax(logits / T) over the tokens that top-k
-    and then top-p keep (`megatron_grpo.ops.filtering`); filtered tokens get -inf."""
-    if temperature <= 0:
-        raise ValueError(f"generation.temperature: must be > 0, got {temperature}")
-    scaled = logits.to(torch.float32) / temperature
-    threshold = kept_threshold(scaled, SamplingFilter(top_k=top_k, top_p=top_p), true_vocab_size=scaled.shape[-1])
+def sampling_log_probs(logits: torch.Tensor, distribution: SamplingDistribution) -> torch.Tensor:
+    """Log-probabilities `[B, V]` of the sampling distribution: softmax(logit_scale * logits) over the tokens that
+    top-k and then top-p keep (`megatron_grpo.ops.filtering`); filtered tokens get -inf. The scaled logits are
+    formed in fp32 as the kernels form them."""
+    scaled = logits.to(torch.float32) * distribution.logit_scale
+    threshold = kept_threshold(scaled, distribution, true_vocab_size=scaled.shape[-1], scaled=True)
     return torch.log_softmax(mask_filtered(scaled, threshold), dim=-1)
 
 
@@ -103,7 +100,7 @@ def generate(
         logits = logits_fn(input_ids)
         if logits is not None:
             last_logits = gather_vocab(logits, true_vocab_size, tp_group).to("cpu")
-            log_probs = sampling_log_probs(last_logits, params.temperature, params.top_k, params.top_p)
+            log_probs = sampling_log_probs(last_logits, params.distribution)
             tokens = torch.cat([torch.multinomial(log_probs[start:start + group_rows].exp(), 1, generator=generator)
                                 for start, generator in zip(range(0, batch, group_rows), generators)]).squeeze(1)
             draws = torch.stack([tokens.double(), log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).double()])

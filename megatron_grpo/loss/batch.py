@@ -11,6 +11,8 @@ from collections.abc import Mapping
 
 import torch
 
+from megatron_grpo.ops.current import HiddenStates
+
 OPTIONAL_LOGPROB_KEYS = ("generation_logprobs", "prev_logprobs", "reference_policy_logprobs")
 
 
@@ -38,23 +40,26 @@ class LossBatch:
 
 
 def validate_batch(
-    batch: Mapping[str, torch.Tensor], logits: torch.Tensor | None, requirements: BatchRequirements,
+    batch: Mapping[str, torch.Tensor], output: torch.Tensor | HiddenStates | None, requirements: BatchRequirements,
     *, current: Mapping[str, torch.Tensor] | None = None, check_values: bool = True,
 ) -> LossBatch:
-    """Checks `batch` against `logits [B, S, V_local]`, or against the precomputed `[B, S]` per-token tensors of
-    `current` (name -> tensor) when there are no logits, and returns it in the loss's working form.
+    """Checks `batch` against the model's `output` (logits `[B, S, V_local]`, or `HiddenStates` of `[B, S, H]`), or
+    against the precomputed `[B, S]` per-token tensors of `current` (name -> tensor) when there is no output, and
+    returns it in the loss's working form.
 
     `check_values=False` skips the checks that read values (finite advantages and rewards: host syncs), for a caller
     that checked them once already; keys, shapes and dtypes are always checked."""
     mask = trained_token_mask(batch)
     batch_size, seq_len = mask.shape
-    if logits is not None:
-        if logits.dim() != 3 or tuple(logits.shape[:2]) != (batch_size, seq_len):
+    if output is not None:
+        name, tensor, last = (("hidden", output.hidden, "H") if isinstance(output, HiddenStates)
+                              else ("logits", output, "V_local"))
+        if tensor.dim() != 3 or tuple(tensor.shape[:2]) != (batch_size, seq_len):
             raise ValueError(
-                f"logits: expected shape [{batch_size}, {seq_len}, V_local] to match input_ids, got {_shape(logits)}"
+                f"{name}: expected shape [{batch_size}, {seq_len}, {last}] to match input_ids, got {_shape(tensor)}"
             )
-        if not logits.dtype.is_floating_point:
-            raise ValueError(f"logits: expected a floating dtype, got {logits.dtype}")
+        if not tensor.dtype.is_floating_point:
+            raise ValueError(f"{name}: expected a floating dtype, got {tensor.dtype}")
     for key, tensor in (current or {}).items():
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{key}: expected a tensor, got {type(tensor).__name__}")

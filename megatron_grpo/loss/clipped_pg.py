@@ -32,7 +32,6 @@ from megatron_grpo.loss.batch import BatchRequirements, LossBatch, trained_token
 from megatron_grpo.loss.config import ClippedPGLossConfig
 from megatron_grpo.loss.importance import ImportanceWeights, finite_or_zero, importance_weights
 from megatron_grpo.loss.kl import kl_estimate
-from megatron_grpo.loss.linear_loss import loss_fused_linear
 from megatron_grpo.loss.metrics import METRIC_AGGREGATION, Aggregation
 from megatron_grpo.loss.proximal import (
     VERSION_KEY,
@@ -51,8 +50,12 @@ from megatron_grpo.loss.reductions import (
     token_mean_per_sequence,
     token_min,
 )
-from megatron_grpo.ops import VocabShard, vocab_parallel_logprobs
 from megatron_grpo.ops.backends import Implementation
+from megatron_grpo.ops.current import CurrentLogprobs, HiddenStates, ModelOutput, current_logprobs
+from megatron_grpo.ops.distribution import SamplingDistribution
+from megatron_grpo.ops.dtypes import in_compute_dtype
+from megatron_grpo.ops.loss_fused_linear import loss_fused_linear
+from megatron_grpo.ops.vocab_shard import VocabShard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +66,11 @@ class _PolicyTerm:
 
 
 class ClippedPGLoss:
-    """Callable loss: `loss, metrics = loss_fn(logits, batch, global_valid_tokens=..., global_valid_seqs=...)`,
-    or `loss_fn(None, batch, curr_logprobs=..., curr_entropy=..., ...)` with precomputed current logprobs.
+    """Callable loss: `loss, metrics = loss_fn(logits, batch, global_valid_tokens=..., global_valid_seqs=...)`;
+    `loss_fn.on_hidden_states(hidden, weight, batch, ...)` from final hidden states without logits; or
+    `loss_fn(None, batch, curr_logprobs=..., curr_entropy=..., ...)` with precomputed current logprobs. Every entry
+    takes its current tensors from `megatron_grpo.ops.current_logprobs` (or the loss-fused path's chunks) and then
+    runs the same per-token code.
 
     `loss` is this microbatch's share of the step's globally normalised loss. `metrics` maps the names in
     `metrics.METRIC_AGGREGATION` to detached tensors (`self.metric_aggregation` says how each aggregates):
@@ -114,71 +120,138 @@ class ClippedPGLoss:
         global_valid_tokens: Count,
         global_valid_seqs: Count,
         shard: VocabShard | None = None,
+        distribution: SamplingDistribution | None = None,
         prev_logprobs_from_current: bool | None = None,
         prev_approximation: ProximalApproximation | None = None,
         compare_approximations: StepVersions | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        logit_scale: float = 1.0,
         curr_logprobs: torch.Tensor | None = None,
         curr_entropy: torch.Tensor | None = None,
         curr_unfiltered_logprobs: torch.Tensor | None = None,
+        inplace_backward: bool = False,
         check_inputs: bool = True,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """This microbatch's globally normalised loss and its detached metrics (see the class docstring).
+        """This microbatch's globally normalised loss and its detached metrics (see the class docstring), from the
+        model's logits `[B, S, V_local]` (the output tensor a Megatron `forward_step` hands its loss function).
 
         `shard`: where the logits' vocab columns sit (`megatron_grpo.ops.VocabShard`); None: unsharded.
-        `logit_scale`: the policy is softmax(logit_scale * logits), 1 / temperature for a sampling temperature
-        (applied inside the kernels, no scaled copy of the logits).
+        `distribution`: the policy trained, the distribution the rollouts were sampled from
+        (`megatron_grpo.ops.SamplingDistribution`: 1 / temperature applied inside the kernels, the top-k / top-p
+        filter); None: softmax(logits). The policy term trains the filtered distribution; the KL to the
+        (unfiltered) reference reads unfiltered current logprobs, as NeMo-RL does.
         Where prev comes from: `batch['prev_logprobs']` (a prev pass); `curr.detach()` when
         `prev_logprobs_from_current` is true, and by default (None) exactly when `loss_fn.force_on_policy_ratio` is
         set, as in NeMo-RL (an explicit False with that key set is a contradiction, a ValueError); or, with
         `prev_approximation`, the generation logprobs or AReaL's interpolation (`loss.proximal`), which needs
         `batch['rollout_weight_version']` `[B]` for the interpolations. `compare_approximations` (the step's
         versions), with prev from the batch, adds the approximations' errors against it to the metrics.
-        `top_k` / `top_p`: the rollouts' sampling filter. The policy term trains the filtered distribution they
-        came from; the KL to the (unfiltered) reference reads unfiltered current logprobs, as NeMo-RL does.
+        `inplace_backward`: the logits are this loss's alone (nothing reads them after it, as in a Megatron forward
+        step): backward writes their gradient into their buffer (`vocab_parallel_logprobs`), guarded by autograd's
+        version counter.
 
         `logits=None` with `curr_logprobs` and `curr_entropy` (`[B, S]`, differentiable, aligned with `input_ids`
-        as the ops' `shift=True` aligns them, e.g. from `vocab_parallel_linear_logprobs` on hidden states): the
-        current logprobs and entropies are taken as given (and zeroed off the trained-token mask) instead of
-        computed from logits; everything after is the same code. With a sampling filter in that mode, `top_k` /
-        `top_p` say which filter the precomputed logprobs used, and a KL in the loss reads
-        `curr_unfiltered_logprobs` (required then, as the KL to the unfiltered reference needs them).
+        as the ops' `shift=True` aligns them, e.g. from `megatron_grpo.ops.current_logprobs`): the current logprobs
+        and entropies are taken as given (and zeroed off the trained-token mask) instead of computed; everything
+        after is the same code. `distribution` then says which one they are of: with a filter and a KL in the loss,
+        `curr_unfiltered_logprobs` are required (the KL to the unfiltered reference reads them).
         `check_inputs=False` skips the checks of values that cost a host sync (target ids within the vocab, finite
         advantages and rewards), for a caller that checked its batch once (the Megatron train step); keys, shapes and
         dtypes are always checked.
         """
+        distribution = SamplingDistribution() if distribution is None else distribution
+        precomputed = self._check_precomputed(logits, curr_logprobs, curr_entropy, curr_unfiltered_logprobs,
+                                              filtered=distribution.filtered)
+        return self._evaluate(logits, batch, global_valid_tokens=global_valid_tokens,
+                              global_valid_seqs=global_valid_seqs, shard=shard, distribution=distribution,
+                              prev_logprobs_from_current=prev_logprobs_from_current,
+                              prev_approximation=prev_approximation, compare_approximations=compare_approximations,
+                              precomputed=precomputed, inplace_backward=inplace_backward, check_inputs=check_inputs)
+
+    def on_hidden_states(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        batch: Mapping[str, torch.Tensor],
+        *,
+        global_valid_tokens: Count,
+        global_valid_seqs: Count,
+        shard: VocabShard | None = None,
+        distribution: SamplingDistribution | None = None,
+        prev_logprobs_from_current: bool | None = None,
+        prev_approximation: ProximalApproximation | None = None,
+        compare_approximations: StepVersions | None = None,
+        loss_fused: bool = True,
+        chunk_rows: int | None = None,
+        implementation: Implementation = "auto",
+        check_inputs: bool = True,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The same loss and metrics from final hidden states `[B, S, H]` and this rank's `[V_local, H]` output
+        weight shard (logits `hidden @ weight.T`, under `distribution`), without materialising the logits. `hidden`'s
+        gradient is this rank's partial sum over its vocab shard (the caller reduces it over TP).
+
+        `loss_fused=True`: the loss-fused linear path (`megatron_grpo.ops.loss_fused_linear`), the loss's gradient
+        computed chunk by chunk in forward, 3 GEMMs instead of 4, exact for every setting of this loss because it is
+        sequence-additive; no top-k / top-p. `loss_fused=False`: the current logprobs from
+        `vocab_parallel_linear_logprobs` (backward recomputes each chunk's logits; any distribution). The other
+        arguments as for `__call__`; the batch's values are checked once here, never per chunk."""
+        distribution = SamplingDistribution() if distribution is None else distribution
+        output = HiddenStates(hidden, weight)
+        prev = dict(prev_logprobs_from_current=prev_logprobs_from_current, prev_approximation=prev_approximation,
+                    compare_approximations=compare_approximations)
+        counts = dict(global_valid_tokens=global_valid_tokens, global_valid_seqs=global_valid_seqs)
+        if not loss_fused:
+            return self._evaluate(output, batch, **counts, shard=shard, distribution=distribution, **prev,
+                                  chunk_rows=chunk_rows, implementation=implementation, check_inputs=check_inputs)
+        inputs = validate_batch(batch, output, self._requirements(self._prev_from_current(
+            prev_logprobs_from_current, prev_approximation, compare_approximations), prev_approximation,
+            compare_approximations), check_values=check_inputs)
+
+        def sequence_loss(sequences: Mapping[str, torch.Tensor], curr: torch.Tensor, entropy: torch.Tensor):
+            return self._evaluate(None, sequences, **counts, shard=shard, distribution=distribution, **prev,
+                                  precomputed=CurrentLogprobs(logprobs=curr, entropy=entropy), check_inputs=False)
+
+        return loss_fused_linear(sequence_loss, hidden, weight, trained_token_targets(inputs.input_ids, inputs.mask),
+                                 batch, shard=shard, distribution=distribution, chunk_rows=chunk_rows,
+                                 check_inputs=check_inputs, implementation=implementation)
+
+    def _evaluate(
+        self,
+        output: ModelOutput | None,
+        batch: Mapping[str, torch.Tensor],
+        *,
+        global_valid_tokens: Count,
+        global_valid_seqs: Count,
+        shard: VocabShard | None,
+        distribution: SamplingDistribution,
+        prev_logprobs_from_current: bool | None,
+        prev_approximation: ProximalApproximation | None,
+        compare_approximations: StepVersions | None,
+        precomputed: CurrentLogprobs | None = None,
+        inplace_backward: bool = False,
+        chunk_rows: int | None = None,
+        implementation: Implementation = "auto",
+        check_inputs: bool = True,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of every entry: the current tensors of the model's `output` (`ops.current_logprobs`) or the
+        `precomputed` ones, then the per-token terms, the reduction and the metrics."""
         cfg = self.config
         prev_from_current = self._prev_from_current(prev_logprobs_from_current, prev_approximation,
                                                     compare_approximations)
-        precomputed = self._check_precomputed(logits, curr_logprobs, curr_entropy, curr_unfiltered_logprobs,
-                                              filtered=top_k is not None or top_p is not None)
-        if precomputed is not None and logit_scale != 1.0:
-            raise ValueError(f"logit_scale={logit_scale!r}: only with logits (precomputed current logprobs already "
-                             "carry their temperature)")
-        inputs = validate_batch(batch, logits, self._requirements(prev_from_current, prev_approximation,
-                                                                  compare_approximations), current=precomputed,
+        given = None if precomputed is None else {"curr_logprobs": precomputed.logprobs,
+                                                  "curr_entropy": precomputed.entropy}
+        inputs = validate_batch(batch, output, self._requirements(prev_from_current, prev_approximation,
+                                                                  compare_approximations), current=given,
                                 check_values=check_inputs)
-        if precomputed is None:
-            curr, entropy = self._current_logprobs(
-                logits, inputs, shard=shard, top_k=top_k, top_p=top_p, logit_scale=logit_scale,
-                check_inputs=check_inputs,
-            )
-        else:
-            trained = inputs.mask.bool()
-            zero = torch.zeros((), dtype=torch.float32, device=trained.device)
-            curr, entropy = (torch.where(trained, _float32_or_64(precomputed[key]), zero)
-                             for key in ("curr_logprobs", "curr_entropy"))
+        current = precomputed if precomputed is not None else current_logprobs(
+            output, trained_token_targets(inputs.input_ids, inputs.mask), shard=shard, distribution=distribution,
+            with_unfiltered=cfg.kl_in_loss, inplace_backward=inplace_backward, check_inputs=check_inputs,
+            chunk_rows=chunk_rows, implementation=implementation)
+        trained = inputs.mask.bool()
+        zero = torch.zeros((), dtype=torch.float32, device=trained.device)
+        curr, entropy = (torch.where(trained, in_compute_dtype(values), zero)
+                         for values in (current.logprobs, current.entropy))
         curr_unfiltered = None  # the KL's current logprobs, where a sampling filter makes them differ
-        if cfg.kl_in_loss and precomputed is not None and curr_unfiltered_logprobs is not None:
-            curr_unfiltered = torch.where(inputs.mask.bool(), _float32_or_64(curr_unfiltered_logprobs),
-                                          torch.zeros((), dtype=torch.float32, device=inputs.mask.device))
-        elif cfg.kl_in_loss and (top_k is not None or top_p is not None):
-            curr_unfiltered, _ = self._current_logprobs(
-                logits, inputs, shard=shard, top_k=None, top_p=None, logit_scale=logit_scale, with_entropy=False,
-                check_inputs=False,  # the same targets as above
-            )
+        if cfg.kl_in_loss and current.unfiltered_logprobs is not None:
+            curr_unfiltered = torch.where(trained, in_compute_dtype(current.unfiltered_logprobs), zero)
         alpha = self._interpolation_weights(batch, inputs, prev_approximation, compare_approximations)
         if prev_approximation is not None:
             prev = approximate_prev(prev_approximation.method, curr, inputs.generation_logprobs, inputs.mask, alpha)
@@ -227,47 +300,11 @@ class ClippedPGLoss:
                 metrics.update({name: token_mean(value.to(torch.float32), mask) for name, value in errors.items()})
         return loss, metrics
 
-    def on_hidden_states(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        batch: Mapping[str, torch.Tensor],
-        *,
-        global_valid_tokens: Count,
-        global_valid_seqs: Count,
-        shard: VocabShard | None = None,
-        logit_scale: float = 1.0,
-        prev_logprobs_from_current: bool | None = None,
-        prev_approximation: ProximalApproximation | None = None,
-        compare_approximations: StepVersions | None = None,
-        chunk_rows: int | None = None,
-        implementation: Implementation = "auto",
-        check_inputs: bool = True,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The same loss and metrics from final hidden states `[B, S, H]` and this rank's `[V_local, H]` output
-        weight shard (logits `logit_scale * hidden @ weight.T`), its gradient computed chunk by chunk in forward:
-        the loss-fused linear path (`megatron_grpo.loss.linear_loss`), 3 GEMMs instead of the op's 4, exact for
-        every setting of this loss because it is sequence-additive. `hidden`'s gradient is this rank's partial
-        sum over its vocab shard (the caller reduces it over TP). No top-k / top-p (use `vocab_parallel_linear_
-        logprobs` and `curr_logprobs=` then). `check_inputs` as for `__call__`: the batch's values are checked once
-        here, never per chunk."""
-        if check_inputs:
-            validate_batch(batch, None, self._requirements(prev_logprobs_from_current))
-
-        def sequence_loss(sequences: Mapping[str, torch.Tensor], curr: torch.Tensor, entropy: torch.Tensor):
-            return self(None, sequences, global_valid_tokens=global_valid_tokens, global_valid_seqs=global_valid_seqs,
-                        prev_logprobs_from_current=prev_logprobs_from_current,
-                        prev_approximation=prev_approximation, compare_approximations=compare_approximations,
-                        curr_logprobs=curr, curr_entropy=entropy, check_inputs=False)
-
-        return loss_fused_linear(sequence_loss, hidden, weight, batch, shard=shard, logit_scale=logit_scale,
-                                 chunk_rows=chunk_rows, implementation=implementation, check_inputs=check_inputs)
-
     def _check_precomputed(
         self, logits: torch.Tensor | None, curr_logprobs: torch.Tensor | None, curr_entropy: torch.Tensor | None,
         curr_unfiltered_logprobs: torch.Tensor | None, *, filtered: bool,
-    ) -> dict[str, torch.Tensor] | None:
-        """The precomputed current tensors by name, or None when the loss computes them from logits."""
+    ) -> CurrentLogprobs | None:
+        """The precomputed current tensors, or None when the loss computes them from logits."""
         given = {"curr_logprobs": curr_logprobs, "curr_entropy": curr_entropy}
         if logits is not None:
             extra = [name for name, value in {**given, "curr_unfiltered_logprobs": curr_unfiltered_logprobs}.items()
@@ -280,12 +317,13 @@ class ClippedPGLoss:
         if missing:
             raise ValueError(f"{' and '.join(missing)}: required when logits is None")
         if curr_unfiltered_logprobs is not None and not filtered:
-            raise ValueError("curr_unfiltered_logprobs: only with top_k / top_p (without a filter curr_logprobs "
-                             "are the unfiltered ones)")
+            raise ValueError("curr_unfiltered_logprobs: only with a top-k / top-p distribution (without a filter "
+                             "curr_logprobs are the unfiltered ones)")
         if filtered and self.config.kl_in_loss and curr_unfiltered_logprobs is None:
-            raise ValueError("curr_unfiltered_logprobs: required with top_k / top_p and a KL penalty in the loss "
-                             "(the KL to the unfiltered reference reads unfiltered current logprobs)")
-        return given
+            raise ValueError("curr_unfiltered_logprobs: required with a top-k / top-p distribution and a KL penalty "
+                             "in the loss (the KL to the unfiltered reference reads unfiltered current logprobs)")
+        return CurrentLogprobs(logprobs=curr_logprobs, entropy=curr_entropy,
+                               unfiltered_logprobs=curr_unfiltered_logprobs)
 
     def _prev_from_current(self, given: bool | None, approximation: ProximalApproximation | None,
                            compare: StepVersions | None) -> bool:
@@ -355,25 +393,6 @@ class ClippedPGLoss:
             reference_policy_logprobs=reference_reason if cfg.kl_in_loss else None,
             rewards="because loss_fn.positive_example_nll_weight > 0" if cfg.positive_example_nll_weight > 0 else None,
         )
-
-    def _current_logprobs(
-        self,
-        logits: torch.Tensor,
-        inputs: LossBatch,
-        *,
-        shard: VocabShard | None,
-        top_k: int | None,
-        top_p: float | None,
-        logit_scale: float,
-        check_inputs: bool,
-        with_entropy: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`[B, S]` logprobs (and entropies) of the trained tokens, from the logits one position earlier, under
-        the top-k/top-p filtered distribution when a filter is given."""
-        out = vocab_parallel_logprobs(logits, trained_token_targets(inputs.input_ids, inputs.mask), shard=shard,
-                                      shift=True, with_entropy=with_entropy, top_k=top_k, top_p=top_p,
-                                      logit_scale=logit_scale, check_inputs=check_inputs)
-        return out if with_entropy else (out, None)
 
     def _policy_term(
         self, curr: torch.Tensor, prev: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
@@ -503,7 +522,3 @@ class ClippedPGLoss:
             metrics["is_oob_ratio"] = token_mean(oob.to(torch.float32), mask)
         return metrics
 
-
-def _float32_or_64(values: torch.Tensor) -> torch.Tensor:
-    """Precomputed logprobs in the loss's precision: float64 stays float64 (as from float64 logits), else float32."""
-    return values if values.dtype == torch.float64 else values.to(torch.float32)

@@ -33,7 +33,6 @@ from megatron_grpo.loss import (
     check_batch_values,
     count_valid,
     trained_token_mask,
-    trained_token_targets,
 )
 from megatron_grpo.loss.proximal import VERSION_KEY, ProximalApproximation, StepVersions, check_generation_logprobs
 from megatron_grpo.megatron.ddp import is_ddp
@@ -54,7 +53,9 @@ from megatron_grpo.megatron.optimizer import (
     zero_optimizer_grads,
 )
 from megatron_grpo.megatron.vocab import vocab_shard_of
-from megatron_grpo.ops import VocabShard, vocab_parallel_linear_logprobs, vocab_parallel_logprobs
+from megatron_grpo.ops.current import HiddenStates, current_logprobs
+from megatron_grpo.ops.distribution import SamplingDistribution
+from megatron_grpo.ops.vocab_shard import VocabShard
 from megatron_grpo.scheduler import LogprobPlan
 from megatron_grpo.timing import StepTimer
 
@@ -71,9 +72,7 @@ class StepConfig:
     global_batch_size: int  # sequences per optimizer step, over all DP ranks
     micro_batch_size: int  # sequences per microbatch on one DP rank
     clip_grad: float  # the gradient-norm clip of each optimizer step
-    temperature: float  # the sampling temperature the rollouts used: the trained policy is softmax(logits / it)...
-    top_k: int | None  # ...filtered as the sampler filtered (None: off)
-    top_p: float | None
+    distribution: SamplingDistribution  # the one the rollouts were sampled from: the policy trained
     fused_linear_logprobs: bool  # logprobs from final hidden states (`vocab_parallel_linear_logprobs`)
     fused_linear_loss: bool  # the training loss's gradient in forward (`ClippedPGLoss.on_hidden_states`)
 
@@ -84,9 +83,8 @@ class StepConfig:
             global_batch_size=cfg.policy.train_global_batch_size,
             micro_batch_size=cfg.policy.train_micro_batch_size,
             clip_grad=cfg.policy.optimizer.clip_grad,
-            temperature=cfg.generation.temperature,
-            top_k=cfg.generation.top_k,
-            top_p=cfg.generation.top_p,
+            distribution=SamplingDistribution.of_sampling(cfg.generation.temperature, cfg.generation.top_k,
+                                                          cfg.generation.top_p),
             fused_linear_logprobs=cfg.policy.fused_linear_logprobs,
             fused_linear_loss=cfg.policy.fused_linear_loss,
         )
@@ -113,12 +111,11 @@ def make_forward_step(
     global_valid_tokens: torch.Tensor | float,
     global_valid_seqs: torch.Tensor | float,
     vocab: VocabShard,
-    logits_temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    distribution: SamplingDistribution | None = None,
     fused_linear: bool = False,
     fused_loss: bool = False,
     versions: StepVersions | None = None,
+    inplace_backward: bool = True,
     check_inputs: bool = True,
 ) -> ForwardStep:
     """A `forward_step(data_iterator, model) -> (output_tensor, loss_func)` for one optimizer step.
@@ -127,18 +124,22 @@ def make_forward_step(
     proximal and current weight versions) are needed when the plan interpolates prev or compares with the
     interpolations, together with the batch's per-sample `rollout_weight_version`.
 
-    The policy trained is softmax(logits / `logits_temperature`), filtered by `top_k` / `top_p`: pass the
-    sampling settings so that the trained policy is the one the rollouts came from.
+    `distribution` (`SamplingDistribution`): the policy trained, softmax(logit_scale * logits) filtered by top-k /
+    top-p; pass the sampling settings' (`SamplingDistribution.of_sampling`) so that the trained policy is the one
+    the rollouts came from. None: softmax(logits). It is handed to the loss unchanged.
+
+    The loss reads the model's logits (`loss_fn(logits, batch, ...)`) with `inplace_backward` (default True): they
+    are the loss's alone (GPTModel's forward returns a fresh `[b, s, V_local]` tensor that no other autograd node
+    saves, and Megatron's schedule hands it only to the loss function), so backward writes their gradient into
+    their buffer instead of a second one; autograd's version counter makes any other reader fail loudly. A loss
+    that takes no `inplace_backward` keyword is called without it.
 
     `fused_linear` (`policy.fused_linear_logprobs`): the model runs without its output layer
-    (`hidden_states.without_output_layer`), and the current logprobs and entropies of the trained tokens come
-    from `vocab_parallel_linear_logprobs` on the final hidden states and the output weight shard, with
-    `logit_scale = 1 / logits_temperature` and the sampling filter; no logits are materialised. `loss_fn` then
-    gets `logits=None` and `curr_logprobs=` / `curr_entropy=` (as `ClippedPGLoss` takes them).
-
-    `fused_loss` (`policy.fused_linear_loss`, with `fused_linear`): the loss-fused path instead,
-    `loss_fn.on_hidden_states(hidden, weight, batch, ...)` (see `ClippedPGLoss.on_hidden_states`), which computes
-    the loss's gradient chunk by chunk in forward. No `top_k` / `top_p` then.
+    (`hidden_states.without_output_layer`), and the loss reads the final hidden states and the output weight shard
+    (`loss_fn.on_hidden_states(hidden, weight, batch, ...)`, `ClippedPGLoss`'s): no logits are materialised.
+    `fused_loss` (`policy.fused_linear_loss`, with `fused_linear`): the loss-fused path, which computes the loss's
+    gradient chunk by chunk in forward; no top-k / top-p then. Otherwise `vocab_parallel_linear_logprobs`
+    recomputes each chunk in backward.
 
     `global_valid_*` count the whole optimizer step (all microbatches, all DP ranks); the loss is already
     normalised by them, so the per-microbatch losses sum to the step's loss. The loss handed to the schedule is
@@ -156,55 +157,28 @@ def make_forward_step(
     # Megatron divides the returned loss in place by num_microbatches, and DDP averages over the DP ranks: hand
     # it a scaled copy (a new tensor, so `metrics["loss"]`, ClippedPGLoss's own detached clone, stays unscaled).
     loss_scale = num_microbatches * parallel_state.get_data_parallel_world_size()
-    # Only a set filter is passed on, so a loss that knows no sampling filter still works without one.
-    sampling_filter = {name: value for name, value in (("top_k", top_k), ("top_p", top_p)) if value is not None}
-    unchecked = {} if check_inputs or not _takes_check_inputs(loss_fn) else {"check_inputs": False}
-    if fused_loss and not (fused_linear and hasattr(loss_fn, "on_hidden_states")):
-        raise ValueError("fused_loss: needs fused_linear=True and a loss with on_hidden_states (ClippedPGLoss)")
-    if fused_loss and sampling_filter:
-        raise ValueError("fused_loss: no top_k / top_p on the loss-fused path (use fused_linear alone)")
+    distribution = SamplingDistribution() if distribution is None else distribution
+    # The default distribution is not passed on, so a loss that knows none still works with softmax(logits).
+    trained = {} if distribution == SamplingDistribution() else {"distribution": distribution}
+    unchecked = {} if check_inputs or not _takes_keyword(loss_fn, "check_inputs") else {"check_inputs": False}
+    in_place = {"inplace_backward": True} if inplace_backward and _takes_keyword(loss_fn, "inplace_backward") else {}
+    if fused_linear and not hasattr(loss_fn, "on_hidden_states"):
+        raise ValueError("fused_linear: needs a loss with on_hidden_states (ClippedPGLoss)")
+    if fused_loss and not fused_linear:
+        raise ValueError("fused_loss: needs fused_linear=True")
+    if fused_loss and distribution.filtered:
+        raise ValueError("fused_loss: no top-k / top-p on the loss-fused path (use fused_linear alone)")
     prev_source = prev_source_kwargs(plan, versions)
-
-    def current(batch: Batch, model: torch.nn.Module, output_tensor: torch.Tensor) -> dict[str, torch.Tensor | None]:
-        """What the loss reads of the model's output: the logits (and their scale, 1 / temperature, applied inside
-        the kernels: no tempered copy), or the fused op's current tensors."""
-        if not fused_linear:
-            return {"logits": output_tensor, **({"logit_scale": 1.0 / logits_temperature}
-                                                if logits_temperature != 1.0 else {})}
-        targets = trained_token_targets(batch["input_ids"], trained_token_mask(batch))
-        logprobs, entropy = _linear_logprobs(model, output_tensor, targets, vocab, logits_temperature,
-                                             with_entropy=True, check_inputs=check_inputs, **sampling_filter)
-        current = {"logits": None, "curr_logprobs": logprobs, "curr_entropy": entropy}
-        if sampling_filter:  # a KL to the unfiltered reference reads these; unused, they cost no backward
-            current["curr_unfiltered_logprobs"] = _linear_logprobs(model, output_tensor, targets, vocab,
-                                                                   logits_temperature, check_inputs=False)
-        return current
-
-    def fused_loss_func(batch: Batch, model: torch.nn.Module, hidden: torch.Tensor):
-        hidden, weight = _in_compute_dtype(model, hidden)
-        return loss_fn.on_hidden_states(
-            hidden, weight, batch, global_valid_tokens=global_valid_tokens,
-            global_valid_seqs=global_valid_seqs, shard=vocab, logit_scale=1.0 / logits_temperature, **prev_source,
-            **unchecked,
-        )
 
     def loss_func(batch: Batch, model: torch.nn.Module,
                   output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if fused_loss:
-            loss, metrics = fused_loss_func(batch, model, output_tensor)
-            return loss * loss_scale, metrics
-        model_output = current(batch, model, output_tensor)
-        loss, metrics = loss_fn(
-            model_output.pop("logits"),
-            batch,
-            global_valid_tokens=global_valid_tokens,
-            global_valid_seqs=global_valid_seqs,
-            shard=vocab,
-            **prev_source,
-            **sampling_filter,
-            **unchecked,
-            **model_output,
-        )
+        counts = dict(global_valid_tokens=global_valid_tokens, global_valid_seqs=global_valid_seqs, shard=vocab)
+        if fused_linear:
+            hidden, weight = _in_compute_dtype(model, output_tensor)
+            loss, metrics = loss_fn.on_hidden_states(hidden, weight, batch, **counts, **trained, **prev_source,
+                                                     loss_fused=fused_loss, **unchecked)
+        else:
+            loss, metrics = loss_fn(output_tensor, batch, **counts, **trained, **prev_source, **unchecked, **in_place)
         return loss * loss_scale, metrics
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
@@ -233,11 +207,10 @@ def prev_source_kwargs(plan: LogprobPlan, versions: StepVersions | None = None) 
 
 
 def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int,
-                     logits_temperature: float = 1.0, top_k: int | None = None,
-                     top_p: float | None = None, fused_linear: bool = False,
+                     distribution: SamplingDistribution | None = None, fused_linear: bool = False,
                      vocab: VocabShard | None = None, check_inputs: bool = True) -> torch.Tensor:
-    """float32 `[B, S]` logprobs of `batch["input_ids"]` under softmax(logits / `logits_temperature`) of `model`,
-    filtered by `top_k` / `top_p` (-inf outside the kept set), in eval mode; position 0 is 0.
+    """float32 `[B, S]` logprobs of `batch["input_ids"]` under `distribution` (`SamplingDistribution`; None:
+    softmax(logits); -inf outside a top-k / top-p kept set) of `model`, in eval mode; position 0 is 0.
 
     `fused_linear`: from the final hidden states and the output weight (`vocab_parallel_linear_logprobs`),
     without materialising the logits.
@@ -255,11 +228,9 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
     microbatches = _split(batch, micro_batch_size)
 
     def logprob_func(ids: torch.Tensor, output_tensor: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
-        if fused_linear:
-            return _linear_logprobs(model, output_tensor, ids, vocab, logits_temperature, top_k=top_k, top_p=top_p,
-                                    check_inputs=check_inputs)
-        return vocab_parallel_logprobs(output_tensor, ids, shard=vocab, shift=True, top_k=top_k, top_p=top_p,
-                                       logit_scale=1.0 / logits_temperature, check_inputs=check_inputs)
+        output = HiddenStates(*_in_compute_dtype(model, output_tensor)) if fused_linear else output_tensor
+        return current_logprobs(output, ids, shard=vocab, distribution=distribution, with_entropy=False,
+                                check_inputs=check_inputs).logprobs
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
         ids = next(data_iterator)["input_ids"]
@@ -277,32 +248,20 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
     return from_last_stage(logprobs)
 
 
-def _linear_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, vocab: VocabShard,
-                     temperature: float, *, with_entropy: bool = False, top_k: int | None = None,
-                     top_p: float | None = None, check_inputs: bool = True):
-    """Next-token logprobs (and entropies) of `targets` (`[b, s]` token ids, -1 = not trained) from `model`'s
-    final hidden states `[b, s, h]` and its output weight shard at `temperature`, never materialising the
-    logits; the GEMMs run in the model's compute dtype (bf16 under bf16 autocast, as the output layer's)."""
-    hidden, weight = _in_compute_dtype(model, hidden)
-    return vocab_parallel_linear_logprobs(
-        hidden, weight, targets, shard=vocab, shift=True, with_entropy=with_entropy,
-        logit_scale=1.0 / temperature, top_k=top_k, top_p=top_p, check_inputs=check_inputs,
-    )
-
-
 def _in_compute_dtype(model: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The final hidden states and the output weight shard in the model's compute dtype (`compute_dtype`)."""
     dtype = compute_dtype(model)
     return hidden.to(dtype), output_weight(model).to(dtype)
 
 
-def _takes_check_inputs(loss_fn: LossFn) -> bool:
-    """Whether `loss_fn` takes a `check_inputs` keyword (ClippedPGLoss does; a plain callable may not)."""
+def _takes_keyword(loss_fn: LossFn, name: str) -> bool:
+    """Whether `loss_fn` takes the keyword `name` (ClippedPGLoss takes `check_inputs` and `inplace_backward`; a
+    plain callable may not)."""
     try:
         parameters = inspect.signature(loss_fn).parameters.values()
     except (TypeError, ValueError):
         return False
-    return any(p.name == "check_inputs" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def train_step(
@@ -350,8 +309,7 @@ def train_step(
     timer = timer if timer is not None else StepTimer()
     clip = step.clip_grad
     micro_batch_size = step.micro_batch_size
-    temperature = step.temperature  # train the policy the rollouts sampled from...
-    sampling = {"top_k": step.top_k, "top_p": step.top_p}  # ...filtered as they were
+    distribution = step.distribution  # train the policy the rollouts sampled from
     fused = step.fused_linear_logprobs
     step_rows = _rows_per_optimizer_step(step, batch["input_ids"].shape[0])
     batch = dict(batch)
@@ -361,14 +319,14 @@ def train_step(
         with timer.section("reference_pass"):
             batch["reference_policy_logprobs"] = compute_logprobs(reference_model, batch,
                                                                   micro_batch_size=micro_batch_size,
-                                                                  logits_temperature=temperature,
+                                                                  distribution=distribution.unfiltered(),
                                                                   fused_linear=fused, check_inputs=False)
         passes_run["reference"] = 1
     if plan.compute_prev_logprobs:
         with timer.section("prev_pass"):
             batch["prev_logprobs"] = compute_logprobs(model, batch, micro_batch_size=micro_batch_size,
-                                                      logits_temperature=temperature, fused_linear=fused,
-                                                      check_inputs=False, **sampling)
+                                                      distribution=distribution, fused_linear=fused,
+                                                      check_inputs=False)
         passes_run["prev"] = 1
     if plan.prev_approximation == "generation":  # verl's bypass: the rollout's logprobs are prev from the start
         check_generation_logprobs(batch.get("generation_logprobs"), trained_token_mask(batch),
@@ -388,9 +346,8 @@ def train_step(
         versions = (StepVersions.of_optimizer_step(proximal_version, start // step_rows, rows // step_rows)
                     if plan.needs_versions else None)
         with timer.section("forward_backward"):
-            metrics = _forward_backward(model, optimizer, loss_fn, plan, step_batch, micro_batch_size, temperature,
-                                        fused_linear=fused, fused_loss=step.fused_linear_loss, versions=versions,
-                                        **sampling)
+            metrics = _forward_backward(model, optimizer, loss_fn, plan, step_batch, micro_batch_size, distribution,
+                                        fused_linear=fused, fused_loss=step.fused_linear_loss, versions=versions)
         with timer.section("optimizer"):
             lr = learning_rate(optimizer)  # the rate this step uses
             grad_norm = optimizer_step(model, optimizer, clip)
@@ -422,9 +379,7 @@ def _forward_backward(
     plan: LogprobPlan,
     batch: Batch,
     micro_batch_size: int,
-    logits_temperature: float,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    distribution: SamplingDistribution,
     fused_linear: bool = False,
     fused_loss: bool = False,
     versions: StepVersions | None = None,
@@ -441,7 +396,7 @@ def _forward_backward(
     tokens, seqs = _global_valid_counts(microbatches)
     forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches), global_valid_tokens=tokens,
                                      global_valid_seqs=seqs, vocab=vocab_shard_of(model),
-                                     logits_temperature=logits_temperature, top_k=top_k, top_p=top_p,
+                                     distribution=distribution,
                                      fused_linear=fused_linear, fused_loss=fused_loss, versions=versions,
                                      check_inputs=False)  # train_step checked the batch's values once
     zero_optimizer_grads(model, optimizer)

@@ -6,6 +6,7 @@ extension was not built for. When `_C` cannot be used, a one-time warning says w
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import warnings
 from typing import Literal, Protocol
@@ -116,7 +117,10 @@ def cpu_kernel_status() -> tuple[bool, str]:
         return True, "portable build"
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
-        return False, f"this CPU lacks AVX2 (torch reports {capability!r}); the CPU kernels are built for x86-64-v3"
+        cap = os.environ.get("ATEN_CPU_CAPABILITY")
+        why = (f"ATEN_CPU_CAPABILITY={cap} caps torch's CPU capability at {capability!r}" if cap
+               else f"this CPU lacks AVX2 (torch reports {capability!r})")
+        return False, f"{why}; the CPU kernels are built for x86-64-v3 (AVX2 + FMA) and follow torch's capability"
     return True, capability
 
 

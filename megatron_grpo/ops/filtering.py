@@ -22,72 +22,44 @@ logits at or above it. Collectives, on a TP group of more than one rank:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class SamplingFilter:
-    """`top_k` (None = off) and `top_p` (None or 1 = off), checked once."""
-
-    top_k: int | None = None
-    top_p: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
-                                       or self.top_k < 1):
-            raise ValueError(f"top_k must be None or an int >= 1, got {self.top_k!r}")
-        if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
-                                       or not 0.0 < float(self.top_p) <= 1.0):
-            raise ValueError(f"top_p must be None or a number in (0, 1], got {self.top_p!r}")
-
-    def active(self, true_vocab_size: int) -> bool:
-        """Whether this filter can drop any token of a row of `true_vocab_size` tokens."""
-        return self.uses_top_k(true_vocab_size) or self.uses_top_p()
-
-    def uses_top_k(self, true_vocab_size: int) -> bool:
-        return self.top_k is not None and self.top_k < true_vocab_size
-
-    def uses_top_p(self) -> bool:
-        return self.top_p is not None and float(self.top_p) < 1.0
+from .distribution import SamplingDistribution
+from .dtypes import compute_dtype
 
 
 def kept_threshold(
     valid_logits: torch.Tensor,
-    sampling: SamplingFilter,
+    distribution: SamplingDistribution,
     *,
     true_vocab_size: int,
     group: dist.ProcessGroup | None = None,
-    logit_scale: float = 1.0,
+    scaled: bool = False,
 ) -> torch.Tensor | None:
     """Per-row threshold `[rows]` such that the kept tokens are exactly `z >= threshold`; None = keep all.
 
     `valid_logits` is `[rows, valid_cols]`: this rank's real (unpadded) vocab columns. The filter selects on the
     distribution of z = logit_scale * logits (1 / temperature: top-p depends on it), z rounded in the compute
-    dtype as the kernels round it. Every rank of `group` must call this with the same rows, filter and scale.
-    The threshold has the logits' compute dtype (float64 for float64 logits, else float32); comparing it with z
-    in that dtype is exact.
+    dtype as the kernels round it; `scaled=True` says the logits are z already (the fused linear path forms them
+    scaled). Every rank of `group` must call this with the same rows and distribution. The threshold has the
+    logits' compute dtype (float64 for float64 logits, else float32); comparing it with z in that dtype is exact.
     """
-    if not sampling.active(true_vocab_size):
+    if not distribution.active(true_vocab_size):
         return None
+    logit_scale = 1.0 if scaled else distribution.logit_scale
     x = valid_logits  # converted (and scaled) chunk by chunk: no full-size copy of the logits
-    floor = (_top_k_threshold(x, sampling.top_k, group, logit_scale) if sampling.uses_top_k(true_vocab_size)
-             else None)
-    if sampling.uses_top_p():
-        return _top_p_threshold(x, float(sampling.top_p), floor, group, logit_scale, true_vocab_size).contiguous()
+    floor = (_top_k_threshold(x, distribution.top_k, group, logit_scale)
+             if distribution.uses_top_k(true_vocab_size) else None)
+    if distribution.uses_top_p():
+        return _top_p_threshold(x, distribution.top_p, floor, group, logit_scale, true_vocab_size).contiguous()
     return floor.contiguous()
 
 
 def _scaled(x: torch.Tensor, logit_scale: float) -> torch.Tensor:
     """z = logit_scale * x in the compute dtype; rounding is monotone, so the order of x is kept."""
-    x = x.to(_compute_dtype(x))
+    x = x.to(compute_dtype(x.dtype))
     return x if logit_scale == 1.0 else x * logit_scale
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def mask_filtered(logits: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
@@ -104,7 +76,7 @@ def _world(group: dist.ProcessGroup | None) -> int:
 def _top_k_threshold(x: torch.Tensor, k: int, group: dist.ProcessGroup | None, logit_scale: float) -> torch.Tensor:
     """The k-th largest z of each row across all ranks: one all-gather of `[rows, k]`."""
     rows, local = x.shape
-    values = torch.full((rows, k), float("-inf"), dtype=_compute_dtype(x), device=x.device)
+    values = torch.full((rows, k), float("-inf"), dtype=compute_dtype(x.dtype), device=x.device)
     local_k = min(k, local)
     if local_k > 0:
         # Scaling after the selection: z = fl(s * x) is monotone in x, so the k largest z are those of x.
@@ -186,7 +158,7 @@ def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None, grou
     Masses are `exp(z - row max)` in the compute dtype, summed in float64. A row with a NaN or infinite max keeps
     everything (the kernels then make it NaN).
     """
-    rows, dtype = x.shape[0], _compute_dtype(x)
+    rows, dtype = x.shape[0], compute_dtype(x.dtype)
     local_max = (_scaled(x.amax(dim=-1), logit_scale) if x.shape[1]
                  else torch.full((rows,), float("-inf"), dtype=dtype, device=x.device))
     row_max = _all_reduce(local_max, dist.ReduceOp.MAX, group)

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from .dtypes import compute_dtype
 from .partials import Partials
 
 ROWS_PER_CHUNK = 1024
-
-
-def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
 def _local_target_column(targets: torch.Tensor, vocab_start: int, valid_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +44,7 @@ def logprob_partials(
 
     With a per-row `threshold` ([rows]), only logits `>=` it take part; a target below it has logit -inf.
     """
-    dtype = _compute_dtype(logits)
+    dtype = compute_dtype(logits.dtype)
     rows = logits.shape[0]
     out = torch.empty(rows, Partials.width(with_entropy), dtype=dtype, device=logits.device)
     for start in range(0, rows, ROWS_PER_CHUNK):
@@ -123,7 +120,7 @@ def _chunk_backward(
     mean_x: torch.Tensor | None, grad_logprob: torch.Tensor, grad_entropy: torch.Tensor | None,
     threshold: torch.Tensor | None, logit_scale: float,
 ) -> torch.Tensor:
-    dtype = _compute_dtype(logits)
+    dtype = compute_dtype(logits.dtype)
     grad = torch.zeros(logits.shape, dtype=dtype, device=logits.device)
     x = _scaled(logits[:, :valid_cols].to(dtype), logit_scale)
     kept = None if threshold is None else ~(x < threshold.to(dtype)[:, None])
@@ -150,7 +147,7 @@ def logprob_partials_writing_exps(
     """`logprob_partials`, and e = exp(z - m) (m = the row's MAX partial; 0 where filtered) written over the
     valid columns of the non-ignored rows: the in-place exp mode's forward."""
     partials = logprob_partials(logits, targets, vocab_start, valid_cols, with_entropy, threshold, logit_scale)
-    dtype = _compute_dtype(logits)
+    dtype = compute_dtype(logits.dtype)
     for start in range(0, logits.shape[0], ROWS_PER_CHUNK):
         sl = slice(start, start + ROWS_PER_CHUNK)
         rows = (targets[sl] >= 0).nonzero().squeeze(1) + start
@@ -171,7 +168,7 @@ def logprob_backward_from_exps(
     """Overwrites the exps of `logprob_partials_writing_exps` with dx = s * g_lp * (1[v = y] - p), p = e *
     prob_scale except at the target, where p = target_prob; padding columns and ignored rows get 0. No entropy
     term."""
-    dtype = _compute_dtype(exps)
+    dtype = compute_dtype(exps.dtype)
     for start in range(0, exps.shape[0], ROWS_PER_CHUNK):
         sl = slice(start, start + ROWS_PER_CHUNK)
         grad = torch.zeros(exps[sl].shape, dtype=dtype, device=exps.device)

@@ -5,95 +5,213 @@ combines them across ranks (see `partials`). Backward recomputes p from the logi
 only lse (and E[x] with entropy) is kept per row. Padded vocab columns never enter the softmax and get a
 gradient of exactly 0.
 
-With `top_k` / `top_p` the distribution is the filtered one the rollout sampler draws from (see `filtering`):
-a per-row threshold is found first (a few small collectives), and the kernels count only logits at or above it.
+With a filtered `SamplingDistribution` (top-k / top-p) the distribution is the filtered one the rollout sampler
+draws from (see `filtering`): a per-row threshold is found first (a few small collectives), and the kernels count
+only logits at or above it.
+
+The op is the `torch.library` custom op `megatron_grpo::vocab_parallel_logprobs` with a fake kernel and its
+backward registered, so `torch.compile(fullgraph=True)` traces it as one node. The TP group travels as its name
+(`VocabShard.group_name`). The in-place backward modes (`inplace_backward=True` / `"exp"`) hand autograd the
+logits' own buffer as their gradient, which an op's output may not alias: they run as an eager autograd Function
+(`InplaceLogprobs`) over the same forward and backward code.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 
 from .backends import Implementation, Kernels, select_kernels
-from .filtering import SamplingFilter, kept_threshold
-from .partials import Partials, combine_partials, gather_partials
-from .shift import aligned_with_tokens, check_shiftable, next_token_targets
+from .checks import check_inplace_backward, check_logits_inputs, check_target_ids
+from .distribution import SamplingDistribution
+from .dtypes import compute_dtype
+from .filtering import kept_threshold
+from .partials import Partials, RowStats, combine_partials, gather_partials
+from .rows import per_token, upstream_gradients
+from .shift import check_shiftable, next_token_targets
 from .vocab_shard import VocabShard
-
-LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @dataclass(frozen=True)
 class LogprobCall:
-    """Everything a call hands the autograd Function besides the logits and targets."""
+    """Everything a call computes with besides the logits and targets."""
 
     shard: VocabShard  # resolved
     valid_cols: int
+    distribution: SamplingDistribution
     with_entropy: bool
-    inplace_backward: bool | Literal["exp"]
     kernels: Kernels
-    threshold: torch.Tensor | None  # fp32 [rows]: the top-k / top-p cut, or None
-    logit_scale: float  # the kernels see logit_scale * logits
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, shard: VocabShard, distribution: SamplingDistribution, with_entropy: bool,
+           implementation: Implementation) -> LogprobCall:
+        shard = shard.resolve(logits.shape[-1])
+        return cls(shard=shard, valid_cols=shard.valid_cols(logits.shape[-1]), distribution=distribution,
+                   with_entropy=with_entropy, kernels=select_kernels(logits, implementation))
+
+    @property
+    def filter_active(self) -> bool:
+        return self.distribution.active(self.shard.true_vocab_size)
 
 
-class VocabParallelLogprobs(torch.autograd.Function):
-    """Autograd wrapper around the kernels; the functional API below validates and reshapes."""
+def logprob_forward(logits: torch.Tensor, targets: torch.Tensor, call: LogprobCall, *, write_exps: bool = False
+                    ) -> tuple[RowStats, torch.Tensor | None, torch.Tensor]:
+    """`(stats, threshold, partials)` of `[rows, V_local]` logits: the filter's threshold (None without one), the
+    partials kernel, the one all-gather and the combine. `write_exps`: the kernel also overwrites the logits with
+    `exp(z - m_local)` (the in-place exp mode)."""
+    shard, scale = call.shard, call.distribution.logit_scale
+    with torch.no_grad():
+        threshold = kept_threshold(logits[:, :call.valid_cols], call.distribution,
+                                   true_vocab_size=shard.true_vocab_size, group=shard.group)
+    partials_kernel = call.kernels.logprob_partials_writing_exps if write_exps else call.kernels.logprob_partials
+    partials = partials_kernel(logits, targets, shard.start_index, call.valid_cols, call.with_entropy, threshold,
+                               logit_scale=scale)
+    stats = combine_partials(gather_partials(partials, shard.group), targets, call.with_entropy)
+    return stats, threshold, partials
+
+
+def logprob_backward(logits: torch.Tensor, targets: torch.Tensor, call: LogprobCall, stats: RowStats,
+                     threshold: torch.Tensor | None, grad_logprob: torch.Tensor | None,
+                     grad_entropy: torch.Tensor | None, grad_logits: torch.Tensor) -> None:
+    """Writes d(objective)/d(logits) into `grad_logits` (which may be `logits` itself); no collective."""
+    grad_logprob, mean_x, grad_entropy = upstream_gradients(
+        grad_logprob, grad_entropy, stats.lse, stats.mean_x, None if threshold is None else stats.logprob)
+    call.kernels.logprob_backward(logits, targets, call.shard.start_index, call.valid_cols, stats.lse, mean_x,
+                                  grad_logprob, grad_entropy, grad_logits, threshold,
+                                  logit_scale=call.distribution.logit_scale)
+
+
+# ---- the traceable op (out-of-place backward) ----
+
+def _call(logits, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
+          implementation) -> LogprobCall:
+    shard = VocabShard.with_group_name(start_index, true_vocab_size, group_name)
+    distribution = SamplingDistribution(logit_scale=logit_scale, top_k=top_k, top_p=top_p)
+    return LogprobCall.of(logits, shard, distribution, with_entropy, implementation)
+
+
+@torch.library.custom_op("megatron_grpo::vocab_parallel_logprobs", mutates_args=())
+def _logprobs_op(logits: torch.Tensor, targets: torch.Tensor, start_index: Optional[int],
+                 true_vocab_size: Optional[int], group_name: str, logit_scale: float, top_k: Optional[int],
+                 top_p: Optional[float], with_entropy: bool, check_inputs: bool, implementation: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(logprob, entropy, lse, mean_x, threshold)` of `[rows, V_local]` logits: `[rows]` each, or `[0]` for the
+    entropy and E[x] without `with_entropy` and for the threshold without a filter (`-inf` rows where the filter
+    keeps everything of this vocab)."""
+    call = _call(logits, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
+                 implementation)
+    if check_inputs:
+        check_target_ids(targets, call.shard)
+    stats, threshold, _ = logprob_forward(logits, targets, call)
+    if call.distribution.filtered and threshold is None:  # a filter that keeps this whole vocab
+        threshold = torch.full_like(stats.lse, float("-inf"))
+
+    def present(value: torch.Tensor | None) -> torch.Tensor:  # outputs may not alias: a new empty tensor each
+        return value if value is not None else stats.lse.new_empty(0)
+
+    return stats.logprob, present(stats.entropy), stats.lse, present(stats.mean_x), present(threshold)
+
+
+@_logprobs_op.register_fake
+def _(logits, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
+      check_inputs, implementation):
+    rows, dtype = logits.shape[0], compute_dtype(logits.dtype)
+
+    def per_row(present: bool = True) -> torch.Tensor:
+        return logits.new_empty(rows if present else 0, dtype=dtype)
+
+    filtered = SamplingDistribution(logit_scale=logit_scale, top_k=top_k, top_p=top_p).filtered
+    return per_row(), per_row(with_entropy), per_row(), per_row(with_entropy), per_row(filtered)
+
+
+@torch.library.custom_op("megatron_grpo::vocab_parallel_logprobs_backward", mutates_args=())
+def _logprobs_backward_op(logits: torch.Tensor, targets: torch.Tensor, logprob: torch.Tensor, lse: torch.Tensor,
+                          mean_x: torch.Tensor, threshold: torch.Tensor, grad_logprob: Optional[torch.Tensor],
+                          grad_entropy: Optional[torch.Tensor], start_index: Optional[int],
+                          true_vocab_size: Optional[int], group_name: str, logit_scale: float,
+                          top_k: Optional[int], top_p: Optional[float], implementation: str) -> torch.Tensor:
+    """d(objective)/d(logits), in a new buffer with the logits' row alignment (`empty_with_alignment_of`)."""
+    with_entropy = mean_x.numel() > 0
+    call = _call(logits, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
+                 implementation)
+    stats = RowStats(logprob=logprob, lse=lse, entropy=None, mean_x=mean_x if with_entropy else None)
+    grad_logits = empty_with_alignment_of(logits)
+    logprob_backward(logits, targets, call, stats, threshold if call.filter_active else None, grad_logprob,
+                     grad_entropy, grad_logits)
+    return grad_logits
+
+
+@_logprobs_backward_op.register_fake
+def _(logits, targets, logprob, lse, mean_x, threshold, grad_logprob, grad_entropy, start_index, true_vocab_size,
+      group_name, logit_scale, top_k, top_p, implementation):
+    return logits.new_empty_strided(logits.shape, (gradient_row_stride(logits), 1))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    logits, targets, *args = inputs
+    logprob, _, lse, mean_x, threshold = output
+    ctx.save_for_backward(logits, targets, logprob, lse, mean_x, threshold)
+    start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, _, _, implementation = args
+    ctx.args = (start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, implementation)
+    ctx.set_materialize_grads(False)  # an entropy that is only logged passes None, and its term is skipped
+
+
+def _backward(ctx, grad_logprob, grad_entropy, *_):
+    logits, targets, logprob, lse, mean_x, threshold = ctx.saved_tensors
+    grad_logits = _logprobs_backward_op(logits, targets, logprob, lse, mean_x, threshold, grad_logprob, grad_entropy,
+                                        *ctx.args)
+    return (grad_logits,) + (None,) * 10
+
+
+torch.library.register_autograd("megatron_grpo::vocab_parallel_logprobs", _backward, setup_context=_setup_context)
+
+
+# ---- the in-place modes (eager) ----
+
+class InplaceLogprobs(torch.autograd.Function):
+    """`inplace_backward=True` / `"exp"`: backward writes the gradient into the logits' buffer and returns it. Eager
+    only (an op's output may not alias its input); the forward and backward code is the op's."""
 
     @staticmethod
-    def forward(ctx, logits, targets, call: LogprobCall):
-        start, scale = call.shard.start_index, call.logit_scale
-        exp_mode = call.inplace_backward == "exp"
+    def forward(ctx, logits, targets, call: LogprobCall, mode: bool | str, check_inputs: bool):
+        if check_inputs:
+            check_target_ids(targets, call.shard)
+        exp_mode = mode == "exp"
+        stats, threshold, partials = logprob_forward(logits, targets, call, write_exps=exp_mode)
         if exp_mode:
             # The logits buffer now holds exp(z - m_local): whoever saved the logits fails loudly at unpack.
-            partials = call.kernels.logprob_partials_writing_exps(logits, targets, start, call.valid_cols,
-                                                                  call.with_entropy, call.threshold, logit_scale=scale)
             torch.autograd.graph.increment_version(logits)
-        else:
-            partials = call.kernels.logprob_partials(logits, targets, start, call.valid_cols, call.with_entropy,
-                                                     call.threshold, logit_scale=scale)
-        stats = combine_partials(gather_partials(partials, call.shard.group), targets, call.with_entropy)
-        # A target outside the kept set has logprob -inf, a constant: it passes no gradient back.
-        filtered_target = None if call.threshold is None else stats.logprob == float("-inf")
         prob_scale = _prob_scale(partials, stats.lse) if exp_mode else None
         target_prob = torch.exp(stats.logprob).contiguous() if exp_mode else None
-        ctx.save_for_backward(logits, targets, stats.lse, stats.mean_x, call.threshold, filtered_target, prob_scale,
+        ctx.save_for_backward(logits, targets, stats.logprob, stats.lse, stats.mean_x, threshold, prob_scale,
                               target_prob)
         ctx.call = call
         ctx.set_materialize_grads(False)  # an entropy that is only logged passes None, and its term is skipped
-        return outputs(stats, call.with_entropy)
+        return (stats.logprob, stats.entropy) if call.with_entropy else stats.logprob
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy=None):
-        logits, targets, lse, mean_x, threshold, filtered_target, prob_scale, target_prob = ctx.saved_tensors
+        logits, targets, logprob, lse, mean_x, threshold, prob_scale, target_prob = ctx.saved_tensors
         call: LogprobCall = ctx.call
-        rows = logits.shape[0]
-        grad_logprob = _row_gradient(grad_logprob, rows, lse)
-        if filtered_target is not None:
-            grad_logprob = grad_logprob.masked_fill(filtered_target, 0.0)
-        mean_x, grad_entropy = entropy_term(mean_x, grad_entropy, rows, lse)
+        stats = RowStats(logprob=logprob, lse=lse, entropy=None, mean_x=mean_x)
         if prob_scale is not None:  # inplace_backward="exp": `logits` holds exp(z - m_local)
             if grad_entropy is not None:
                 raise RuntimeError(
                     "inplace_backward='exp' cannot differentiate the entropy (its gradient needs the logits, which "
                     "forward overwrote); use inplace_backward=True, or detach the entropy"
                 )
+            grad_logprob, _, _ = upstream_gradients(grad_logprob, None, lse, None,
+                                                    None if threshold is None else logprob)
             call.kernels.logprob_backward_from_exps(logits, targets, call.shard.start_index, call.valid_cols,
                                                     prob_scale, target_prob, grad_logprob,
-                                                    logit_scale=call.logit_scale)
-            torch.autograd.graph.increment_version(logits)
-            return logits, None, None
-        grad_logits = logits if call.inplace_backward else empty_with_alignment_of(logits)
-        call.kernels.logprob_backward(
-            logits, targets, call.shard.start_index, call.valid_cols, lse, mean_x, grad_logprob, grad_entropy,
-            grad_logits, threshold, logit_scale=call.logit_scale,
-        )
-        if call.inplace_backward:
-            # Anyone else who saved these logits now fails loudly at unpack instead of reading gradients.
-            torch.autograd.graph.increment_version(logits)
-        return grad_logits, None, None
+                                                    logit_scale=call.distribution.logit_scale)
+        else:
+            logprob_backward(logits, targets, call, stats, threshold, grad_logprob, grad_entropy, logits)
+        # Anyone else who saved these logits now fails loudly at unpack instead of reading gradients.
+        torch.autograd.graph.increment_version(logits)
+        return logits, None, None, None, None
 
 
 def _prob_scale(partials: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -103,22 +221,33 @@ def _prob_scale(partials: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(shift - lse).contiguous()
 
 
+# ---- the gradient buffer ----
+
 VECTOR_BYTES = 16  # the kernels' vector width: a row takes the vector path where grad and logits share it
+
+
+def gradient_row_stride(logits: torch.Tensor) -> int:
+    """The row stride of `empty_with_alignment_of(logits)`: the smallest one `>= cols` that is congruent to the
+    logits' modulo 16 bytes (so at most 15 bytes per row are wasted)."""
+    rows, cols = logits.shape
+    element = logits.element_size()
+    if rows <= 1 or cols == 0 or VECTOR_BYTES % element:
+        return cols
+    return cols + (logits.stride(0) - cols) % (VECTOR_BYTES // element)
 
 
 def empty_with_alignment_of(logits: torch.Tensor) -> torch.Tensor:
     """An uninitialised `[rows, cols]` tensor whose every row has the 16-byte alignment of the logits' row.
 
     A sliced or offset view of logits would otherwise get a gradient buffer aligned differently, and the
-    kernels would fall back to scalar stores for most rows. The row stride is the smallest one `>= cols`
-    that is congruent to the logits' modulo 16 bytes, so at most 15 bytes per row are wasted.
+    kernels would fall back to scalar stores for most rows.
     """
     rows, cols = logits.shape
     element = logits.element_size()
-    per_vector = VECTOR_BYTES // element
     if rows == 0 or cols == 0 or VECTOR_BYTES % element:
         return torch.empty_like(logits, memory_format=torch.contiguous_format)
-    row_stride = cols + (logits.stride(0) - cols) % per_vector if rows > 1 else cols
+    per_vector = VECTOR_BYTES // element
+    row_stride = gradient_row_stride(logits)
     offset = (logits.data_ptr() % VECTOR_BYTES) // element
     size = offset + (rows - 1) * row_stride + cols + per_vector
     storage = torch.empty(size, dtype=logits.dtype, device=logits.device)
@@ -126,53 +255,37 @@ def empty_with_alignment_of(logits: torch.Tensor) -> torch.Tensor:
     return storage.as_strided((rows, cols), (row_stride, 1), offset)
 
 
-def _row_gradient(grad: torch.Tensor | None, rows: int, like: torch.Tensor) -> torch.Tensor:
-    """The upstream gradient of a per-row output as a contiguous [rows] tensor in the stats' dtype."""
-    if grad is None:
-        return torch.zeros(rows, dtype=like.dtype, device=like.device)
-    return grad.reshape(rows).to(like.dtype).contiguous()
-
-def outputs(stats, with_entropy: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """What the autograd Functions return: the logprobs, and the entropies with `with_entropy`."""
-    return (stats.logprob, stats.entropy) if with_entropy else stats.logprob
-
-
-def entropy_term(mean_x: torch.Tensor | None, grad_entropy: torch.Tensor | None, rows: int, lse: torch.Tensor
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The backward kernels' `(mean_x, grad_entropy)`: both None without an entropy, or with one that is only
-    logged (its upstream gradient is None), so the kernels skip the entropy term."""
-    if mean_x is None or grad_entropy is None:
-        return None, None
-    return mean_x, _row_gradient(grad_entropy, rows, lse)
-
-
+# ---- the functional API ----
 
 def vocab_parallel_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
     *,
     shard: VocabShard | None = None,
+    distribution: SamplingDistribution | None = None,
     shift: bool = False,
     with_entropy: bool = False,
     inplace_backward: bool | Literal["exp"] = False,
     check_inputs: bool = True,
     implementation: Implementation = "auto",
-    top_k: int | None = None,
-    top_p: float | None = None,
-    logit_scale: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability of `targets` under softmax(logits) over the whole (sharded, unpadded) vocab.
+    """Log-probability of `targets` under `distribution` over the whole (sharded, unpadded) vocab: by default
+    softmax(logits).
 
-    With `top_k` / `top_p`, under the filtered distribution the sampler draws from: the softmax over the kept
-    tokens only (see `megatron_grpo.ops.filtering` for the exact rule, ties and collectives). A target outside
-    the kept set has logprob -inf and no gradient; the entropy is that of the filtered distribution; filtered
-    logits get a gradient of exactly 0.
+    With a filtered distribution (top-k / top-p), under the filtered distribution the sampler draws from: the
+    softmax over the kept tokens only (see `megatron_grpo.ops.filtering` for the exact rule, ties and collectives).
+    A target outside the kept set has logprob -inf and no gradient; the entropy is that of the filtered
+    distribution; filtered logits get a gradient of exactly 0.
 
     Args:
         logits: `[..., V_local]` float32/bfloat16/float16 (float64 on the reference path): this rank's shard.
         targets: `[...]` integer global token ids; `< 0` means ignore (logprob, entropy and gradient are 0).
         shard: where the logits' columns sit in the vocab, its padding and the TP group (`VocabShard`); None
             means an unsharded, unpadded vocab.
+        distribution: softmax(logit_scale * logits) filtered by top-k / top-p (`SamplingDistribution`, e.g.
+            `SamplingDistribution.of_sampling(temperature, top_k, top_p)`, the sampler's settings): the scale is
+            applied inside the kernels (no scaled copy of the logits), and top-k / top-p select on the scaled
+            distribution, as the sampler does. None: softmax(logits).
         shift: next-token mode (see `megatron_grpo.ops.shift`): `targets` are the sequence's tokens, the logits
             at `t` score `targets[..., t + 1]`, and the outputs are aligned with `targets` (position 0 is 0).
         with_entropy: also return the exact entropy of each row's distribution.
@@ -183,26 +296,18 @@ def vocab_parallel_logprobs(
             logits after this call (unless they had to be copied to a contiguous layout), nothing may read them
             between forward and backward, and the entropy cannot be differentiated (returning it for logging is
             fine; a gradient reaching it raises). Either way, whoever saved the logits for its own backward
-            fails loudly at unpack (autograd's version counter).
+            fails loudly at unpack (autograd's version counter). Both modes run eagerly (see the module
+            docstring); False is the traceable custom op.
         check_inputs: check target ids against the vocab (a host sync); pass False in hot loops.
         implementation: "auto" (fused kernels where available), "fused" or "reference".
-        top_k: keep the logits `>=` the k-th largest of the row; None (or k >= the true vocab) keeps all.
-        top_p: then keep the most probable tokens until their mass reaches p; None or 1 keeps all.
-        logit_scale: the op's distribution is softmax(logit_scale * logits); pass 1 / temperature for a sampling
-            temperature (top-k/top-p then select on the tempered distribution, as the sampler does). Applied
-            inside the kernels: no scaled copy of the logits. A finite number > 0.
 
     Returns:
         float32 logprobs `[...]` (float64 for float64 logits), or `(logprobs, entropy)` with `with_entropy`.
     """
-    _check_tensors(logits, targets)
-    logit_scale = checked_logit_scale(logit_scale)
-    _check_inplace_backward(inplace_backward)
-    sampling = SamplingFilter(top_k=top_k, top_p=top_p)
-    shard = (VocabShard() if shard is None else shard).resolve(logits.shape[-1])
-    valid_cols = shard.valid_cols(logits.shape[-1])
-    if check_inputs:
-        check_target_ids(targets, shard)
+    check_logits_inputs(logits, targets)
+    check_inplace_backward(inplace_backward)
+    shard = VocabShard() if shard is None else shard
+    distribution = SamplingDistribution() if distribution is None else distribution
     if shift:
         check_shiftable(targets)
         targets = next_token_targets(targets)
@@ -211,73 +316,15 @@ def vocab_parallel_logprobs(
     if rows_logits.stride(-1) != 1 or (rows_logits.shape[0] > 1 and rows_logits.stride(0) < rows_logits.shape[1]):
         rows_logits = rows_logits.contiguous()
     rows_targets = targets.reshape(-1).to(torch.int64).contiguous()
-    kernels = select_kernels(rows_logits, implementation)
-    with torch.no_grad():
-        threshold = kept_threshold(rows_logits[:, :valid_cols], sampling, true_vocab_size=shard.true_vocab_size,
-                                   group=shard.group, logit_scale=logit_scale)
-    call = LogprobCall(shard=shard, valid_cols=valid_cols, with_entropy=with_entropy,
-                       inplace_backward=inplace_backward, kernels=kernels, threshold=threshold,
-                       logit_scale=logit_scale)
-    out = VocabParallelLogprobs.apply(rows_logits, rows_targets, call)
-    return per_token(out, batch_shape, with_entropy, shift)
-
-
-def per_token(out, batch_shape: torch.Size, with_entropy: bool, shift: bool):
-    """The ops' per-row outputs in the targets' shape, moved to the tokens' positions with `shift`."""
-    values = out if with_entropy else (out,)
-    values = tuple(v.reshape(batch_shape) for v in values)
-    if shift:
-        values = tuple(aligned_with_tokens(v) for v in values)
-    return values if with_entropy else values[0]
-
-
-def checked_logit_scale(logit_scale: float) -> float:
-    """logit_scale as a float: a finite number > 0 (1 / temperature), else a named error."""
-    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)):
-        raise ValueError(f"logit_scale must be a finite number > 0 (1 / temperature), got {logit_scale!r}")
-    scale = float(logit_scale)
-    if not (math.isfinite(scale) and scale > 0.0):
-        raise ValueError(f"logit_scale must be a finite number > 0 (1 / temperature), got {logit_scale!r}")
-    return scale
-
-
-INPLACE_BACKWARD_MODES = (False, True, "exp")
-
-
-def _check_inplace_backward(inplace_backward: bool | str) -> None:
-    if not any(inplace_backward is mode or (isinstance(mode, str) and inplace_backward == mode)
-               for mode in INPLACE_BACKWARD_MODES):
-        raise ValueError(f"inplace_backward must be False, True or 'exp', got {inplace_backward!r}")
-
-
-def _check_tensors(logits: torch.Tensor, targets: torch.Tensor) -> None:
-    """Shape, dtype and device checks: free, so they always run."""
-    if not isinstance(logits, torch.Tensor) or not isinstance(targets, torch.Tensor):
-        raise ValueError("logits and targets must be torch.Tensors")
-    if logits.dtype not in LOGITS_DTYPES:
-        raise ValueError(f"logits must be float32, bfloat16, float16 or float64, got {logits.dtype}")
-    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-        raise ValueError(f"targets must hold integer token ids, got dtype {targets.dtype}")
-    if logits.dim() < 1 or logits.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"targets shape {tuple(targets.shape)} must equal the logits shape without its vocab dim, "
-            f"got logits {tuple(logits.shape)}"
-        )
-    if logits.shape[-1] == 0:
-        raise ValueError("logits have an empty vocab dim (V_local = 0)")
-    if logits.device != targets.device:
-        raise ValueError(f"logits are on {logits.device} but targets on {targets.device}")
-
-
-def check_target_ids(targets: torch.Tensor, shard: VocabShard) -> bool:
-    """Target ids beyond the true vocab are an error, never a silent -inf (a host sync). Returns whether some
-    target is ignored (< 0), read in the same sync."""
-    if targets.numel() == 0:
-        return False
-    smallest, largest = (int(v) for v in torch.stack([targets.min(), targets.max()]).tolist())
-    if largest >= shard.true_vocab_size:
-        raise ValueError(
-            f"targets contain token id {largest}, which is >= true_vocab_size={shard.true_vocab_size} "
-            f"(ids at or beyond it are vocab padding and cannot be targets)"
-        )
-    return smallest < 0
+    if inplace_backward is False:
+        logprob, entropy, *_ = torch.ops.megatron_grpo.vocab_parallel_logprobs(
+            rows_logits, rows_targets, shard.start_index, shard.true_vocab_size, shard.group_name,
+            distribution.logit_scale, distribution.top_k, distribution.top_p, with_entropy, check_inputs,
+            implementation)
+        out = (logprob, entropy) if with_entropy else (logprob,)
+    else:
+        call = LogprobCall.of(rows_logits, shard, distribution, with_entropy, implementation)
+        out = InplaceLogprobs.apply(rows_logits, rows_targets, call, inplace_backward, check_inputs)
+        out = out if with_entropy else (out,)
+    out = per_token(out, batch_shape, shift)
+    return out if with_entropy else out[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 
 @dataclass(frozen=True)
@@ -61,3 +62,16 @@ class VocabShard:
     @property
     def tp_size(self) -> int:
         return 1 if self.group is None else dist.get_world_size(self.group)
+
+    @property
+    def group_name(self) -> str:
+        """The TP group's name, "" without a group. A process group cannot be an argument of a `torch.library`
+        op: the traceable ops take its name and find the group again (`with_group_name`), as torch's functional
+        collectives do."""
+        return "" if self.group is None else self.group.group_name
+
+    @classmethod
+    def with_group_name(cls, start_index: int | None, true_vocab_size: int | None, group_name: str) -> "VocabShard":
+        """The shard whose group is the process group named `group_name` ("" = none)."""
+        group = _resolve_process_group(group_name) if group_name else None
+        return cls(start_index=start_index, true_vocab_size=true_vocab_size, group=group)

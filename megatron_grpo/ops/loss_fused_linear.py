@@ -7,19 +7,22 @@ For a loss that is a sum over sequences, normalised by global counts known befor
 value on a microbatch is exactly that microbatch's share), the gradient of a chunk of whole sequences is known as
 soon as their logprobs are. So forward, per chunk of sequences:
 
-1. `logits = scale * h @ W_valid.T` for the chunk's trained rows (one GEMM);
+1. `logits = scale * h @ W_valid.T` for the chunk's trained rows (one GEMM, `chunks.chunk_logits`);
 2. the kernels' partials, one all-gather of them over TP, the combine: logprob, entropy and lse per row;
 3. the loss on the chunk's sequences alone, and its gradient with respect to their logprobs and entropies
    (autograd over `[rows]` vectors: cheap);
 4. the backward kernel in place in the chunk's logits, then `dH = scale * dlogits @ W` and
-   `dW += scale * dlogits.T @ h` (two GEMMs).
+   `dW += scale * dlogits.T @ h` (two GEMMs; `chunks.WeightGradient`).
 
 3 GEMMs instead of 4, one small all-gather per chunk, and `dH`, `dW` kept for backward, which only scales them by
-the upstream gradient. `dH` is this rank's partial sum over its vocab shard: the caller reduces it over TP where
-Megatron's output layer does, as for the op. Chunks hold whole sequences, so a loss term that couples a
-sequence's tokens (GSPO's sequence ratio, sequence-mean aggregation) is exact; a sequence whose trained rows
-exceed the chunk budget is a chunk of its own. The value and metrics come from one more loss evaluation on the
-whole microbatch's (detached) logprobs. No top-k / top-p here (use the recompute path, the op).
+the upstream gradient. `dW` waits for that gradient in an fp32 sum of its own (bf16 / fp16 weights, several chunks),
+then goes into Megatron DDP's `main_grad` where the weight has one, with Megatron's dummy as its autograd gradient
+(`main_grad`). `dH` is this rank's partial sum over its vocab shard: the caller reduces it over TP where Megatron's
+output layer does, as for the op. Chunks hold whole sequences, so a loss term that couples a sequence's tokens
+(GSPO's sequence ratio, sequence-mean aggregation) is exact; a sequence whose trained rows exceed the chunk budget is
+a chunk of its own. The value and metrics come from one more loss evaluation on the whole microbatch's (detached)
+logprobs. No top-k / top-p here (use the op, `vocab_parallel_linear_logprobs`). The loss is a Python callable, so
+this is an eager autograd Function, not a traceable op.
 """
 
 from __future__ import annotations
@@ -29,15 +32,17 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_grpo.loss.batch import trained_token_mask, trained_token_targets
-from megatron_grpo.ops import VocabShard
-from megatron_grpo.ops.backends import Implementation, select_kernels
-from megatron_grpo.ops.linear_logprobs import (LOW_PRECISION, VocabParallelLinearLogprobs, scaled_mm,
-                                               add_product_in_fp32, check_linear_inputs, chunk_buffer,
-                                               chunk_rows_for)
-from megatron_grpo.ops.partials import combine_partials, gather_partials
-from megatron_grpo.ops.shift import next_token_targets
-from megatron_grpo.ops.vocab_parallel import check_target_ids
+from .backends import Implementation
+from .checks import check_linear_inputs, check_target_ids
+from .chunks import WeightGradient, chunk_buffer, chunk_logits, chunk_rows_for, hidden_gradient
+from .distribution import SamplingDistribution
+from .dtypes import compute_dtype
+from .linear_logprobs import LinearCall
+from .main_grad import added_to_main_grad, main_grad_of
+from .partials import combine_partials, gather_partials
+from .rows import row_gradient
+from .shift import next_token_targets
+from .vocab_shard import VocabShard
 
 Batch = Mapping[str, torch.Tensor]
 # loss_fn(batch, curr_logprobs, curr_entropy) -> (loss, metrics): a sequence-additive loss on precomputed
@@ -50,15 +55,12 @@ class LossFusedCall:
     """Everything the autograd Function takes besides `hidden` and `weight`."""
 
     loss_fn: SequenceLoss
-    batch: Batch
+    batch: Batch  # the loss's inputs, each indexed by sequence first (sliced per chunk)
     targets: torch.Tensor  # [B, S] next-token targets of each row (-1: not trained)
     trained_rows: torch.Tensor  # [trained rows] int64: each trained row's index among the B * S rows, in order
     rows_per_sequence: list[int]  # trained rows of each sequence (known on the host)
-    shard: VocabShard  # resolved
-    valid_cols: int
-    logit_scale: float
     sequences_per_chunk: list[slice]
-    implementation: Implementation
+    linear: LinearCall  # shard, valid columns, scale and kernels
 
 
 class LossFusedLinear(torch.autograd.Function):
@@ -67,53 +69,58 @@ class LossFusedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, call: LossFusedCall, metrics_out: dict):
-        kernels = select_kernels(weight, call.implementation)
         batch_size, seq_len, _ = hidden.shape
-        weight_valid = weight[:call.valid_cols]
+        valid = call.linear.valid_cols
+        weight_valid = weight[:valid]
         grad_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
-        accumulate_fp32 = weight.dtype in LOW_PRECISION and len(call.sequences_per_chunk) > 1
-        grad_weight_valid = torch.zeros(weight_valid.shape, device=weight.device,
-                                        dtype=torch.float32 if accumulate_fp32 else weight.dtype)
-        compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        logprobs = torch.zeros(batch_size, seq_len, dtype=compute, device=hidden.device)
+        # Not into main_grad yet: the upstream gradient that scales dW is known in backward only.
+        weight_gradient = WeightGradient(weight, valid, len(call.sequences_per_chunk))
+        logprobs = torch.zeros(batch_size, seq_len, dtype=compute_dtype(hidden.dtype), device=hidden.device)
         entropy = torch.zeros_like(logprobs)
         largest = max((sum(call.rows_per_sequence[sl]) for sl in call.sequences_per_chunk), default=0)
-        buffer = chunk_buffer(largest, call.valid_cols, hidden)  # one aligned logits buffer for every chunk
+        buffer = chunk_buffer(largest, valid, hidden)  # one aligned logits buffer for every chunk
         first_row = 0  # of the chunk, among the trained rows
         for sequences in call.sequences_per_chunk:
             count = sum(call.rows_per_sequence[sequences])
             rows = call.trained_rows[first_row:first_row + count] - sequences.start * seq_len  # within the chunk
             first_row += count
-            LossFusedLinear.chunk(hidden, weight_valid, sequences, rows, buffer[:count], call, kernels, grad_hidden,
-                                  grad_weight_valid, logprobs, entropy)
+            LossFusedLinear.chunk(hidden, weight_valid, sequences, rows, buffer[:count], call, grad_hidden,
+                                  weight_gradient, logprobs, entropy)
         with torch.no_grad():
             loss, metrics = call.loss_fn(call.batch, logprobs, entropy)
         metrics_out.update(metrics)
-        grad_weight = torch.zeros_like(weight)
-        grad_weight[:call.valid_cols] = grad_weight_valid
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.main_grad = main_grad_of(weight)
+        ctx.weight = weight if ctx.main_grad is not None else None
+        ctx.valid_cols = valid
+        ctx.save_for_backward(grad_hidden, weight_gradient.total if ctx.main_grad is not None
+                              else weight_gradient.gradient())
         ctx.mark_non_differentiable(logprobs, entropy)
         return loss.detach().clone(), logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logprobs=None, _grad_entropy=None):
         grad_hidden, grad_weight = ctx.saved_tensors
+        if ctx.main_grad is not None:  # dW_valid (fp32 or the weight's dtype) into Megatron DDP's buffer
+            ctx.main_grad[:ctx.valid_cols].addcmul_(grad_weight, grad_loss.to(ctx.main_grad.dtype))
+            return grad_hidden * grad_loss.to(grad_hidden.dtype), added_to_main_grad(ctx.weight), None, None
         scale = grad_loss.to(grad_hidden.dtype)
         return grad_hidden * scale, grad_weight * scale, None, None
 
     @staticmethod
     def chunk(hidden, weight_valid, sequences: slice, rows: torch.Tensor, buffer: torch.Tensor, call: LossFusedCall,
-              kernels, grad_hidden, grad_weight_valid, logprobs, entropy) -> None:
+              grad_hidden, weight_gradient: WeightGradient, logprobs, entropy) -> None:
         """Forward, loss gradient and backward of one chunk of whole sequences, whose trained rows are `rows` (indices
         among the chunk's flattened rows; no host sync here), its logits in `buffer`; fills its rows of `logprobs`,
-        `entropy` (aligned with the tokens) and `grad_hidden`, and adds its share to `grad_weight_valid`."""
+        `entropy` (aligned with the tokens) and `grad_hidden`, and adds its share to `weight_gradient`."""
+        linear = call.linear
+        kernels, start, valid, scale = (linear.kernels, linear.shard.start_index, linear.valid_cols,
+                                        linear.distribution.logit_scale)
         targets = call.targets[sequences]
         h = hidden[sequences].reshape(-1, hidden.shape[-1]).index_select(0, rows)
         row_targets = targets.reshape(-1).index_select(0, rows)
-        start = call.shard.start_index
-        logits = VocabParallelLinearLogprobs.chunk_logits(h, weight_valid, call.logit_scale, buffer)
-        partials = kernels.logprob_partials(logits, row_targets, start, call.valid_cols, True, None)
-        stats = combine_partials(gather_partials(partials, call.shard.group), row_targets, True)
+        logits = chunk_logits(h, weight_valid, scale, buffer)
+        partials = kernels.logprob_partials(logits, row_targets, start, valid, True, None)
+        stats = combine_partials(gather_partials(partials, linear.shard.group), row_targets, True)
         # The rows' logprobs and entropies as leaves at their tokens' positions (row t scores token t + 1).
         positions = rows + 1  # row (b, t) scores token (b, t + 1); a last position is never a trained row
         chunk_logprobs = logprobs[sequences]
@@ -129,22 +136,20 @@ class LossFusedLinear(torch.autograd.Function):
                                                               allow_unused=True)
         grad_logprob_rows = _rows_of(grad_logprobs, positions, stats.lse)
         grad_entropy_rows = None if grad_entropy is None else _rows_of(grad_entropy, positions, stats.lse)
-        kernels.logprob_backward(logits, row_targets, start, call.valid_cols, stats.lse,
+        kernels.logprob_backward(logits, row_targets, start, valid, stats.lse,
                                  None if grad_entropy_rows is None else stats.mean_x, grad_logprob_rows,
                                  grad_entropy_rows, logits, None)  # in place: logits become dlogits
-        dh = scaled_mm(logits, weight_valid, call.logit_scale, h.new_empty(h.shape))
+        dh = hidden_gradient(logits, weight_valid, scale, h.new_empty(h.shape))
         grad_hidden[sequences].view(-1, hidden.shape[-1]).index_copy_(0, rows, dh)
-        if grad_weight_valid.dtype == logits.dtype:
-            grad_weight_valid.addmm_(logits.t(), h, alpha=call.logit_scale)
-        else:  # several low-precision chunks: summed in fp32
-            add_product_in_fp32(grad_weight_valid, logits.t(), h, call.logit_scale)
+        weight_gradient.add(logits, h, scale)
 
 
 def _rows_of(per_token: torch.Tensor | None, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A `[b, S]` per-token gradient as the rows' contiguous fp32 `[rows]` vector (zeros when unused)."""
+    """A `[b, S]` per-token gradient as the rows' contiguous `[rows]` vector in `like`'s dtype (zeros when
+    unused)."""
     if per_token is None:
-        return torch.zeros(positions.numel(), dtype=like.dtype, device=like.device)
-    return per_token.reshape(-1).index_select(0, positions).to(like.dtype).contiguous()
+        return row_gradient(None, positions.numel(), like)
+    return row_gradient(per_token.reshape(-1).index_select(0, positions), positions.numel(), like)
 
 
 def sequence_chunks(trained_rows_per_sequence: list[int], chunk_rows: int) -> list[slice]:
@@ -165,33 +170,39 @@ def loss_fused_linear(
     loss_fn: SequenceLoss,
     hidden: torch.Tensor,
     weight: torch.Tensor,
+    targets: torch.Tensor,
     batch: Batch,
     *,
     shard: VocabShard | None = None,
-    logit_scale: float = 1.0,
+    distribution: SamplingDistribution | None = None,
     chunk_rows: int | None = None,
     check_inputs: bool = True,
     implementation: Implementation = "auto",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`loss_fn`'s loss and metrics on the current logprobs and entropies of `batch`'s trained tokens, from final
-    hidden states `[B, S, H]` and this rank's `[V_local, H]` output weight shard, with the gradient computed in
-    forward (see the module docstring). Differentiable w.r.t. `hidden` (a partial sum over the vocab shard, to be
-    reduced over TP by the caller) and `weight`.
+    """`loss_fn`'s loss and metrics on the current logprobs and entropies of the trained tokens, from final hidden
+    states `[B, S, H]` and this rank's `[V_local, H]` output weight shard, with the gradient computed in forward
+    (see the module docstring). Differentiable w.r.t. `hidden` (a partial sum over the vocab shard, to be reduced
+    over TP by the caller) and `weight`.
 
+    `targets` `[B, S]`: the sequences' token ids, < 0 where a token is not trained (the ops' `shift=True` targets).
     `loss_fn(batch, curr_logprobs, curr_entropy)` must be sequence-additive: its value on a subset of the
-    sequences is their share of the whole (e.g. `ClippedPGLoss` with the global counts bound).
+    sequences (`batch`'s tensors sliced along their first dim) is their share of the whole (e.g. `ClippedPGLoss`
+    with the global counts bound). `distribution`: its scale only (a filtered one is a ValueError).
     `chunk_rows`: trained rows per chunk (whole sequences); None picks one as the op does (`chunk_rows_for`).
     """
-    input_ids = batch["input_ids"]
-    if hidden.dim() != 3 or hidden.shape[:2] != input_ids.shape:
-        raise ValueError(f"hidden must be [B, S, H] with [B, S] = input_ids' shape {tuple(input_ids.shape)}, got "
+    distribution = SamplingDistribution() if distribution is None else distribution
+    if distribution.filtered:
+        raise ValueError(f"distribution: the loss-fused path has no top-k / top-p (got top_k={distribution.top_k!r}, "
+                         f"top_p={distribution.top_p!r}); use vocab_parallel_linear_logprobs and the loss on its "
+                         "logprobs")
+    if hidden.dim() != 3 or hidden.shape[:2] != targets.shape:
+        raise ValueError(f"hidden must be [B, S, H] with [B, S] = the targets' shape {tuple(targets.shape)}, got "
                          f"{tuple(hidden.shape)}")
-    targets = next_token_targets(trained_token_targets(input_ids, trained_token_mask(batch)))
-    check_linear_inputs(hidden, weight, targets, logit_scale, chunk_rows)
+    targets = next_token_targets(targets)
+    check_linear_inputs(hidden, weight, targets, chunk_rows)
     shard = (VocabShard() if shard is None else shard).resolve(weight.shape[0])
     if check_inputs:
         check_target_ids(targets, shard)
-    valid_cols = shard.valid_cols(weight.shape[0])
     trained = targets >= 0
     # The call's host syncs: the rows per sequence (to cut chunks of whole sequences) and the trained rows' indices.
     per_sequence = trained.sum(dim=1).tolist()
@@ -200,10 +211,10 @@ def loss_fused_linear(
     # are fewer on the rank with the padding).
     budget = int(chunk_rows) if chunk_rows is not None else chunk_rows_for(sum(per_sequence), weight.shape[0],
                                                                             hidden.dtype)
+    linear = LinearCall.of(weight, sum(per_sequence), shard, distribution, True, budget, implementation)
     call = LossFusedCall(loss_fn=loss_fn, batch=batch, targets=targets, trained_rows=trained_rows,
-                         rows_per_sequence=per_sequence, shard=shard, valid_cols=valid_cols,
-                         logit_scale=float(logit_scale), sequences_per_chunk=sequence_chunks(per_sequence, budget),
-                         implementation=implementation)
+                         rows_per_sequence=per_sequence, sequences_per_chunk=sequence_chunks(per_sequence, budget),
+                         linear=linear)
     metrics: dict[str, torch.Tensor] = {}
     loss, _, _ = LossFusedLinear.apply(hidden, weight, call, metrics)
     return loss, metrics

@@ -1,0 +1,71 @@
+"""`SamplingDistribution`: the token distribution the rollouts sample from and training trains,
+`softmax(logit_scale * logits)` restricted to what top-k and then top-p keep (`filtering` has the exact rule).
+
+One value, checked once where it is built and carried unchanged, like `VocabShard`, from the sampling settings down
+to the kernels: the sampler, the ops, `ClippedPGLoss` and the Megatron step all take it. `logit_scale` is
+1 / temperature (`of_sampling` is the one place that divides). The KL to the (unfiltered) reference reads
+`unfiltered()`: the same scale without the filter.
+
+This module imports nothing (not torch), so a config reader can build and check one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class SamplingDistribution:
+    """`softmax(logit_scale * logits)` over the tokens that `top_k` (None = off) and then `top_p` (None or 1 =
+    off) keep. The default is the plain softmax of the logits.
+
+    `logit_scale` is a finite number > 0, `top_k` an int >= 1, `top_p` a number in (0, 1]; anything else is a
+    ValueError naming the field.
+    """
+
+    logit_scale: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        scale = self.logit_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"logit_scale must be a finite number > 0 (1 / temperature), got {scale!r}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 1):
+            raise ValueError(f"top_k must be None or an int >= 1, got {self.top_k!r}")
+        if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
+                                       or not 0.0 < float(self.top_p) <= 1.0):
+            raise ValueError(f"top_p must be None or a number in (0, 1], got {self.top_p!r}")
+        object.__setattr__(self, "logit_scale", float(scale))
+        if self.top_p is not None:
+            object.__setattr__(self, "top_p", float(self.top_p))
+
+    @classmethod
+    def of_sampling(cls, temperature: float = 1.0, top_k: int | None = None,
+                    top_p: float | None = None) -> SamplingDistribution:
+        """The distribution a sampler with this temperature, top-k and top-p draws from."""
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+                or not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+        return cls(logit_scale=1.0 / temperature, top_k=top_k, top_p=top_p)
+
+    @property
+    def filtered(self) -> bool:
+        """Whether a filter is set (it may still keep every token of a small vocab: see `active`)."""
+        return self.top_k is not None or self.uses_top_p()
+
+    def unfiltered(self) -> SamplingDistribution:
+        """The same scale without top-k / top-p: the distribution the KL to the reference reads."""
+        return replace(self, top_k=None, top_p=None)
+
+    def active(self, true_vocab_size: int) -> bool:
+        """Whether the filter can drop a token of a row of `true_vocab_size` tokens."""
+        return self.uses_top_k(true_vocab_size) or self.uses_top_p()
+
+    def uses_top_k(self, true_vocab_size: int) -> bool:
+        return self.top_k is not None and self.top_k < true_vocab_size
+
+    def uses_top_p(self) -> bool:
+        return self.top_p is not None and self.top_p < 1.0
