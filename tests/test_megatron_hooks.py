@@ -484,3 +484,51 @@ def test_microbatch_split_names_the_micro_batch_size():
 
     with pytest.raises(ValueError, match=r"not a positive multiple of micro_batch_size \(3\)"):
         _split(make_batch(seed=1), micro_batch_size=3)
+
+
+def _shard_of(monkeypatch, model, true_vocab_size: int, tp_rank: int = 1, tp_size: int = 2):
+    """`vocab_shard_of` on TP rank `tp_rank` of `tp_size`, without process groups (a stand-in group object)."""
+    from megatron_grpo.megatron import vocab
+
+    monkeypatch.setattr(vocab.parallel_state, "get_tensor_model_parallel_world_size", lambda: tp_size)
+    monkeypatch.setattr(vocab.parallel_state, "get_tensor_model_parallel_rank", lambda: tp_rank)
+    monkeypatch.setattr(vocab.parallel_state, "get_tensor_model_parallel_group", lambda: "tp-group")
+    return vocab.vocab_shard_of(model, true_vocab_size)
+
+
+def test_the_vocab_shard_comes_from_whichever_of_megatrons_vocab_layers_a_stage_holds(monkeypatch):
+    """The last stage's output layer, else the first stage's input embedding, else (a middle pipeline stage) the
+    model's padded vocab split evenly: rank 1 of 2 holds ids from 8 of a vocab padded to 16."""
+    from types import SimpleNamespace
+
+    from megatron_grpo.ops import VocabShard
+
+    expected = VocabShard(start_index=8, true_vocab_size=VOCAB, group="tp-group")
+    last = SimpleNamespace(output_layer=SimpleNamespace(output_size_per_partition=8))
+    first = SimpleNamespace(embedding=SimpleNamespace(word_embeddings=SimpleNamespace(
+        vocab_start_index=8, num_embeddings_per_partition=8)))
+    middle = SimpleNamespace(vocab_size=16)
+    assert [_shard_of(monkeypatch, model, VOCAB) for model in (last, first, middle)] == [expected] * 3
+    assert _shard_of(monkeypatch, middle, VOCAB, tp_rank=0, tp_size=1) == VocabShard(0, VOCAB, None)
+    with pytest.raises(ValueError, match=r"true_vocab_size: must be in \[1, 16\] .* got 17"):
+        _shard_of(monkeypatch, last, 17)
+    with pytest.raises(ValueError, match="no output layer, input embedding or vocab_size"):
+        _shard_of(monkeypatch, SimpleNamespace(), VOCAB)
+
+
+def test_the_parameter_objects_defaults_are_megatrons():
+    """Each default of the Megatron layer's parameter objects is Megatron-Core's own for the same key."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_grpo.megatron import AdamParams, GPTModelParams, StepConfig
+
+    transformer = {field.name: field.default for field in dataclasses.fields(TransformerConfig)}
+    model = GPTModelParams(num_layers=2, hidden_size=24, num_attention_heads=4, max_position_embeddings=SEQ)
+    for name in ("ffn_hidden_size", "init_method_std", "hidden_dropout", "attention_dropout"):
+        assert getattr(model, name) == transformer[name], name
+    optimizer = {field.name: field.default for field in dataclasses.fields(OptimizerConfig)}
+    adam = AdamParams(lr=1e-3)
+    for name in ("adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "clip_grad"):
+        assert getattr(adam, name) == optimizer[name], name
+    assert StepConfig(global_batch_size=ROWS, micro_batch_size=2).clip_grad == optimizer["clip_grad"]
