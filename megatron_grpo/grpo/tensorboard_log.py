@@ -208,9 +208,11 @@ class MetricWriters:
             writer.close()
 
 
-# The loss's metrics that exist only with truncated importance sampling, a KL or VAPO's NLL term: not the demo's.
+# The loss's metrics that exist only with truncated importance sampling, a KL, VAPO's NLL term or the comparison of
+# prev with its approximations (logprob_passes.prev: compute_and_compare): not the demo's.
 CONDITIONAL_LOSS_METRICS = frozenset({"is_oob_ratio", "is_oob_token_ratio", "kl_penalty", "reward_kl_penalty",
-                                      "positive_nll_loss"})
+                                      "positive_nll_loss",
+                                      *(name for name in LOSS_METRICS if name.startswith("prox_"))})
 
 
 def demo_record(step: int) -> dict[str, Any]:
