@@ -141,6 +141,8 @@ def test_the_documented_commands_leave_a_fresh_clone_clean(clone, tmp_path):
             continue
         if _command_name(argv) == "train":
             train.append(argv)
+        elif _command_name(argv) == "bench":  # too slow to run here: where each benchmark writes is checked below
+            continue
         elif argv[0] in ("plan", "report"):
             run_as_written.append(argv)
         else:
