@@ -1,11 +1,11 @@
-"""A minimal GRPO training loop in the style of a Megatron-LM training script, on megatron_grpo's pieces.
+"""A minimal GRPO training loop in the style of a Megatron-LM training script, on megatron_grpo's plugin.
 
     torchrun --nproc-per-node 2 examples/megatron_training_loop.py --steps 5
 
-Top to bottom: Megatron's own setup (process groups, model-parallel RNG, a GPTModel from a TransformerConfig,
-Megatron's DDP), then per step Megatron's `get_forward_backward_func()` driven by megatron_grpo's
-`make_forward_step` and `ClippedPGLoss`. No runner, no config file. Gloo on the CPU, NCCL with CUDA; the ranks
-not used by tensor parallelism are data-parallel.
+Top to bottom: Megatron's own setup (process groups, model-parallel RNG, a `GPTModel(...)` from a
+`TransformerConfig`, Megatron's DDP), then per step one call of megatron_grpo's `train_step`: the logprob passes
+the plan asks for, then Megatron's `get_forward_backward_func()` with `ClippedPGLoss`, and the optimizer step. No
+runner, no config file. Gloo on the CPU, NCCL with CUDA; the ranks not used by tensor parallelism are data-parallel.
 
 The rollout is synthetic and made once: prompts with ragged answers, random rewards, GRPO's group-relative
 advantages, and the logprobs of the policy that "sampled" it (the initial weights). Every step trains on that
@@ -13,6 +13,8 @@ same rollout, as on a stale one, with one optimizer step per use: the proximal p
 update) is then the training forward's own, so the plan skips the prev pass, the loss takes prev = curr.detach(),
 and truncated importance sampling weights each token by w = exp(curr - generation). The loss, -mean(A * w) since
 the ratio to prev is 1, falls as the policy moves toward the answers with positive advantage.
+
+`examples/megatron_forward_step.py` runs the same step with a Megatron-LM `forward_step` of its own.
 """
 
 from __future__ import annotations
@@ -33,30 +35,22 @@ quiet_megatron_notices(verbose="--verbose" in sys.argv[1:], cuda_available=torch
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-from megatron_grpo.loss import ClippedPGLoss, ClippedPGLossConfig, aggregate_metrics, count_valid  # noqa: E402
-from megatron_grpo.megatron import (apply_cpu_support, clip_grad_norm, compute_logprobs,  # noqa: E402
-                                    make_forward_step, padded_vocab_size, wrap_in_ddp)
+from megatron_grpo.loss import ClippedPGLoss, ClippedPGLossConfig  # noqa: E402
+from megatron_grpo.megatron import (StepConfig, apply_cpu_support, compute_logprobs, padded_vocab_size,  # noqa: E402
+                                    train_step, vocab_shard_of, wrap_in_ddp)
 from megatron_grpo.megatron.cpu_support import AdamOverMainGrad  # noqa: E402
-from megatron_grpo.ops import VocabShard  # noqa: E402
-from megatron_grpo.scheduler import PlanInputs, PlanKeys, plan_logprob_passes  # noqa: E402
+from megatron_grpo.scheduler import LogprobPlan, PlanInputs, PlanKeys, plan_logprob_passes  # noqa: E402
 
 VOCAB, SEQ, PROMPT = 16, 12, 4  # real vocabulary, sequence length, prompt length
 PROMPTS, ANSWERS, MICRO_BATCH = 4, 4, 8  # per data-parallel rank: 4 prompts x 4 answers, 2 microbatches
 LR, CLIP_GRAD = 1e-3, 1.0
-LOSS_CONFIG = {  # every key of ClippedPGLossConfig, as in the `loss_fn:` section of configs/grpo_tiny_cpu.yaml
-    "ratio_clip_min": 0.2, "ratio_clip_max": 0.28, "ratio_clip_c": None, "disable_ppo_ratio": False,
-    "loss_agg_mode": "token-mean", "max_response_length": None,
-    "sequence_level_importance_ratio": False, "sequence_level_importance_weight": "product",
-    "reference_policy_kl_penalty": 0.0, "reference_policy_kl_type": "k3",
-    "kl_input_clamp_value": None, "kl_output_clamp_value": None,
-    "use_kl_in_reward": False, "use_on_policy_kl_approximation": False,
-    "use_importance_sampling_correction": True,
-    "truncated_importance_sampling": {"type": "tis", "ratio_min": None, "ratio_max": 2.0},
-    "force_on_policy_ratio": False, "use_cispo": False, "positive_example_nll_weight": 0.0, "entropy_coef": 0.0,
-}
+# Only what differs from the defaults (NeMo-RL's): DAPO's clip-higher, no KL, truncated importance sampling.
+LOSS_CONFIG = ClippedPGLossConfig(
+    ratio_clip_max=0.28, reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True,
+    truncated_importance_sampling={"type": "tis", "ratio_max": 2.0},
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,20 +84,37 @@ def initialize(tp: int, seed: int) -> torch.device:
     return torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
 
 
-def build_model(tp: int, device: torch.device) -> tuple[GPTModel, VocabShard]:
-    """A tiny GPTModel, vocab-parallel logits, the vocabulary padded as Megatron-LM pads it; and this rank's
-    vocab shard (which padded-vocab columns its output layer holds, and where the real vocabulary ends)."""
+def build_model(tp: int, device: torch.device) -> GPTModel:
+    """A tiny GPTModel with vocab-parallel logits, the vocabulary padded as Megatron-LM pads it."""
     config = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, init_method_std=0.1,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, use_cpu_initialization=device.type == "cpu",
     )
-    padded = padded_vocab_size(VOCAB, 8, tp)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=padded,
-                     max_sequence_length=SEQ, parallel_output=True, position_embedding_type="learned_absolute")
-    vocab = VocabShard(start_index=parallel_state.get_tensor_model_parallel_rank() * (padded // tp),
-                       true_vocab_size=VOCAB, group=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None)
-    return model.to(device), vocab
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                     vocab_size=padded_vocab_size(VOCAB, 8, tp), max_sequence_length=SEQ, parallel_output=True,
+                     position_embedding_type="learned_absolute")
+    return model.to(device)
+
+
+def plan_for(model: GPTModel, steps: int) -> LogprobPlan:
+    """The logprob passes of a step, from the loss's keys and this loop's facts: one optimizer step per use of a
+    rollout that is reused every step, so at the last step it is `steps - 1` updates old."""
+    rows = PROMPTS * ANSWERS * parallel_state.get_data_parallel_world_size()
+    return plan_logprob_passes(PlanInputs.for_loss(
+        LOSS_CONFIG, rollout_batch=rows, global_batch=rows, staleness=steps - 1,
+        dropout=model.config.hidden_dropout > 0 or model.config.attention_dropout > 0,
+        keys=PlanKeys(rollout_batch="rollout rows", global_batch="rows per optimizer step",
+                      staleness="--steps - 1 (the rollout's age at the last step)",
+                      dropout="TransformerConfig dropouts"),
+    ))
+
+
+def print_step(step: int, metrics: dict[str, float], prev_pass_ran: bool) -> None:
+    if dist.get_rank() == 0:
+        print(f"step {step}: loss {metrics['loss']:.6f} grad_norm {metrics['grad_norm']:.4f} "
+              f"is_weight {metrics['sampling_importance_ratio']:.4f} "
+              f"prev_pass {'ran' if prev_pass_ran else 'skipped'}", flush=True)
 
 
 def synthetic_rollout(seed: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -129,58 +140,25 @@ def synthetic_rollout(seed: int, device: torch.device) -> dict[str, torch.Tensor
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = initialize(args.tensor_model_parallel_size, args.seed)
-    model, vocab = build_model(args.tensor_model_parallel_size, device)
+    model = build_model(args.tensor_model_parallel_size, device)
+    vocab = vocab_shard_of(model, VOCAB)  # which padded-vocab columns this rank holds; ids >= VOCAB are padding
     model = wrap_in_ddp(model)  # Megatron's DDP: main_grad buffers, finalize_model_grads after the last microbatch
     # Torch's AdamW over DDP's main_grad (Megatron's own optimizer allocates on "cuda"; see cpu_support).
     optimizer = AdamOverMainGrad(model.parameters(), lr=LR, weight_decay=0.0)
-    loss_config = ClippedPGLossConfig.from_mapping(LOSS_CONFIG)
-    loss_fn = ClippedPGLoss(loss_config)
-    dp_group = parallel_state.get_data_parallel_group()
-    rows = PROMPTS * ANSWERS * dp_group.size()
-    plan = plan_logprob_passes(PlanInputs(
-        rollout_batch=rows, global_batch=rows,  # one optimizer step per use of the rollout...
-        staleness=args.steps - 1,  # ...but the one rollout is reused: at the last step it is steps - 1 updates old
-        error_threshold=None, dropout=model.config.hidden_dropout > 0 or model.config.attention_dropout > 0,
-        kl_penalty=loss_config.reference_policy_kl_penalty,
-        kl_in_reward=loss_config.use_kl_in_reward, force_on_policy=loss_config.force_on_policy_ratio,
-        reference_mode="auto", prev_mode="auto", skip_reference=False,
-        keys=PlanKeys(rollout_batch="rollout rows", global_batch="rows per optimizer step",
-                      staleness="--steps - 1 (the rollout's age at the last step)",
-                      dropout="TransformerConfig dropouts"),
-    ))
+    loss_fn = ClippedPGLoss(LOSS_CONFIG)
+    plan = plan_for(model, args.steps)
     if dist.get_rank() == 0:
         print("logprob plan:\n" + "\n".join(f"  - {reason}" for reason in plan.reasons), flush=True)
+    rows = PROMPTS * ANSWERS * parallel_state.get_data_parallel_world_size()
+    step_config = StepConfig(global_batch_size=rows, micro_batch_size=MICRO_BATCH, clip_grad=CLIP_GRAD)
 
     batch = synthetic_rollout(args.seed, device)
     # the "sampler"'s logprobs: the initial policy's
     batch["generation_logprobs"] = compute_logprobs(model, batch, micro_batch_size=MICRO_BATCH, vocab=vocab)
-    counts = torch.stack(count_valid(batch))  # the loss normalises by the trained tokens and sequences of the step
-    dist.all_reduce(counts, group=dp_group)
-    microbatches = [{key: value[i:i + MICRO_BATCH] for key, value in batch.items()}
-                    for i in range(0, PROMPTS * ANSWERS, MICRO_BATCH)]
-
     for step in range(1, args.steps + 1):
-        if plan.compute_prev_logprobs:  # the proximal policy: these weights, before this step's update
-            prev = compute_logprobs(model, batch, micro_batch_size=MICRO_BATCH, vocab=vocab)
-            for i, microbatch in enumerate(microbatches):
-                microbatch["prev_logprobs"] = prev[i * MICRO_BATCH:(i + 1) * MICRO_BATCH]
-        forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches),
-                                         global_valid_tokens=counts[0], global_valid_seqs=counts[1],
-                                         vocab=vocab)
-        model.zero_grad_buffer()  # DDP's main_grad buffers (the optimizer leaves no .grad behind)
-        model.train()
-        per_microbatch = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(microbatches), model=model,
-            num_microbatches=len(microbatches), seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False,
-        )  # ends in Megatron's finalize_model_grads: the DP all-reduce of the gradients
-        grad_norm = clip_grad_norm(model, CLIP_GRAD)  # over the model-parallel model, TP duplicates once
-        optimizer.step()
-        metrics = aggregate_metrics(per_microbatch, group=dp_group if dp_group.size() > 1 else None,
-                                    aggregation=loss_fn.metric_aggregation)
-        if dist.get_rank() == 0:
-            print(f"step {step}: loss {metrics['loss']:.6f} grad_norm {grad_norm:.4f} "
-                  f"is_weight {metrics['sampling_importance_ratio']:.4f} "
-                  f"prev_pass {'ran' if plan.compute_prev_logprobs else 'skipped'}", flush=True)
+        result = train_step(step_config, model, optimizer, loss_fn, plan, batch, vocab=vocab)
+        (metrics,) = result.step_metrics  # one optimizer step per rollout
+        print_step(step, metrics, "prev" in result.passes_run)
 
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator, Literal, Mapping
+from typing import Any, Callable, ClassVar, Literal, Mapping
 
 import yaml
 
+from megatron_grpo.config_files import ConfigLoader, read_yaml, read_yaml_with_defaults
 from megatron_grpo.loss.config import ClippedPGLossConfig
 from megatron_grpo.scheduler import PassMode, PrevMode
-from megatron_grpo.strict_config import ConfigError, StrictSection, build_section, join_key
+from megatron_grpo.strict_config import ConfigError, StrictSection, build_section
 
 __all__ = [
     "MAX_SEED",
@@ -40,10 +40,14 @@ __all__ = [
     "ConfigLoader",
     "load_config",
     "read_yaml",
+    "write_resolved_config",
 ]
 
 MAX_SEED = 2**63 - 1  # every seed in [0, MAX_SEED] drives all of the run's random draws
 MAX_TIMEOUT_SECONDS = 365 * 24 * 3600.0  # datetime.timedelta and the process groups' clocks overflow far beyond it
+RESOLVED_CONFIG = "config.yaml"  # the resolved config `train` and `plan` write into the run directory
+RESOLVED_HEADER = ("# The resolved config of this run: every key, inherited (`defaults:`) and default values\n"
+                   "# included. Written by megatron-grpo; `train --config` reads it as it is.\n")
 
 
 def _failing(cfg: StrictSection, names: tuple[str, ...], allowed: Callable[[Any], bool], rule: str) -> list[str]:
@@ -302,57 +306,19 @@ class Config(StrictSection):
 
 
 def load_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> Config:
-    """Reads a YAML file (or takes an already parsed mapping) into a `Config`; every problem is a ConfigError."""
+    """Reads a YAML file, its `defaults:` parents merged under it (`config_files.read_yaml_with_defaults`), or takes
+    an already parsed mapping, into a `Config`; every problem is a ConfigError."""
     if isinstance(path_or_dict, Mapping):
         return build_section(Config, path_or_dict)
-    return build_section(Config, read_yaml(path_or_dict))
+    merged, _files = read_yaml_with_defaults(path_or_dict)
+    return build_section(Config, merged)
 
 
-class ConfigLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, reading numbers as OmegaConf (NeMo-RL's and Hydra's loader) and YAML 1.2 do: `1e-3`,
-    `5e-7` and `1E+3` are floats. PyYAML follows YAML 1.1, whose floats need a dot and a signed exponent
-    (`1.0e-3`), and reads `1e-3` as a string. Everything else, `.inf` and `.nan` included, resolves as before."""
-
-
-ConfigLoader.add_implicit_resolver(  # copies the inherited resolvers first: yaml.SafeLoader is left as it is
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
-
-
-def read_yaml(path: str | os.PathLike) -> Any:
-    """The parsed YAML file (`ConfigLoader`); an unreadable file, invalid YAML or a key given twice is a
-    ConfigError naming it. The one loader of this project's configs and of NeMo-RL's (`plan --nemo-rl-config`).
-
-    PyYAML silently keeps the last of two equal keys, so a duplicated key would hide the value the user reads
-    first; the node tree is checked for duplicates before anything is built from it. Non-finite numbers load
-    (`.inf`), and every numeric key of a config rejects them.
-    """
-    name = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as stream:
-            text = stream.read()
-    except OSError as err:
-        raise ConfigError(f"{name}: cannot read the config file: {err.strerror or err}") from err
-    try:
-        duplicates = list(_duplicate_keys(yaml.compose(text, Loader=ConfigLoader), ""))
-        if duplicates:
-            raise ConfigError([f"{name}: {problem}" for problem in duplicates])
-        return yaml.load(text, Loader=ConfigLoader)  # noqa: S506 - a SafeLoader
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{name}: not valid YAML: {err}") from err
-
-
-def _duplicate_keys(node: yaml.Node | None, path: str) -> Iterator[str]:
-    """Yields one line per key that a mapping of the YAML node tree gives more than once."""
-    if isinstance(node, yaml.MappingNode):
-        first_line: dict[str, int] = {}
-        for key_node, value_node in node.value:
-            key = str(key_node.value)
-            line = key_node.start_mark.line + 1
-            if key in first_line:
-                yield f"{join_key(path, key)}: key given twice (lines {first_line[key]} and {line})"
-            else:
-                first_line[key] = line
-            yield from _duplicate_keys(value_node, join_key(path, key))
-    elif isinstance(node, yaml.SequenceNode):
-        for index, item in enumerate(node.value):
-            yield from _duplicate_keys(item, f"{path}[{index}]")
+def write_resolved_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Writes every key of `cfg` (inherited and default values included) as YAML that `load_config` reads back into
+    an equal `Config`: the run's whole configuration, explicit, whatever files and defaults it came from."""
+    text = yaml.safe_dump(cfg.to_mapping(), sort_keys=False, default_flow_style=False)
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w", encoding="utf-8") as stream:
+        stream.write(RESOLVED_HEADER + text)
+    os.replace(tmp, path)

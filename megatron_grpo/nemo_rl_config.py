@@ -1,9 +1,8 @@
 """Reads a NeMo-RL GRPO config for `plan --nemo-rl-config`: our plan for it, and where NeMo-RL would decide otherwise.
 
-The file is loaded as NeMo-RL's `load_config` loads it: `defaults:` (a path or a list of paths, relative to the
-file that names them) are loaded recursively and merged in order, then the file itself on top; mappings merge
-key by key, anything else (lists included) is replaced, and a section holding `_override_: true` replaces its
-parent's section whole. Keys the file leaves out take NeMo-RL's code defaults. Only the keys the plan reads are
+The file is loaded as NeMo-RL's `load_config` loads it, with its `defaults:` inheritance
+(`config_files.read_yaml_with_defaults`, which this project's own configs use too). Keys the file leaves out take
+NeMo-RL's code defaults. Only the keys the plan reads are
 mapped; `${a.b}` references among them are resolved, and any other interpolation is an error naming the key.
 Dropout is read from every place a NeMo-RL config sets it (`DROPOUT_SOURCES`); any dropout > 0 makes the plan
 compute the prev pass. Never imports torch.
@@ -15,11 +14,11 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping
 
-from megatron_grpo.config import ConfigError, read_yaml
+from megatron_grpo.config_files import read_yaml_with_defaults
 from megatron_grpo.scheduler import PlanInputs, PlanKeys
+from megatron_grpo.strict_config import ConfigError
 
 # NeMo-RL's code defaults (GRPOConfig, ClippedPGLossConfig, AsyncGRPOConfig) for the optional keys the plan reads.
 OPTIONAL_DEFAULTS: dict[str, Any] = {
@@ -82,10 +81,9 @@ class NemoRlPlanView:
 
 
 def load_nemo_rl_config(path: str | os.PathLike) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """The merged config of a NeMo-RL YAML file and the files merged into it, parents first."""
-    files: list[str] = []
-    merged = _load_with_defaults(Path(path), files, chain=())
-    return merged, tuple(files)
+    """The merged config of a NeMo-RL YAML file and the files merged into it, parents first (NeMo-RL's `defaults:`
+    inheritance, the one this project's configs use: `config_files.read_yaml_with_defaults`)."""
+    return read_yaml_with_defaults(path)
 
 
 def nemo_rl_plan_view(path: str | os.PathLike) -> NemoRlPlanView:
@@ -238,40 +236,3 @@ def _leaf_keys(section: Mapping[str, Any], prefix: str) -> list[str]:
         path = f"{prefix}.{key}"
         keys += _leaf_keys(value, path) if isinstance(value, Mapping) and value else [path]
     return keys
-
-
-def _load_with_defaults(path: Path, files: list[str], chain: tuple[Path, ...]) -> dict[str, Any]:
-    resolved = path.resolve()
-    if resolved in chain:
-        raise ConfigError(f"{path}: `defaults:` loop through {' -> '.join(map(str, (*chain, resolved)))}")
-    data = read_yaml(path)
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-    data = dict(data)
-    parents = data.pop("defaults", None)
-    if isinstance(parents, str):
-        parents = [parents]
-    if parents is not None and not (isinstance(parents, list) and all(isinstance(p, str) for p in parents)):
-        raise ConfigError(f"{path}: defaults: expected a path or a list of paths, got {parents!r}")
-    merged: dict[str, Any] = {}
-    for parent in parents or []:
-        parent_path = Path(parent) if os.path.isabs(parent) else path.parent / parent
-        merged = _merge(merged, _load_with_defaults(parent_path, files, (*chain, resolved)))
-    files.append(str(path))
-    return _merge(merged, data)
-
-
-def _merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """OmegaConf.merge's rules for plain data: mappings merge key by key, everything else is replaced, and a
-    mapping that holds `_override_: true` replaces the base's mapping whole."""
-    merged = dict(base)
-    for key, value in override.items():
-        if isinstance(value, Mapping) and value.get("_override_") is True:
-            merged[key] = {k: v for k, v in value.items() if k != "_override_"}
-        elif isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged

@@ -15,13 +15,10 @@ approximation is from it. Never imports torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-from megatron_grpo.loss.config import APPROXIMATIONS, ApproximationMethod
+from megatron_grpo.loss.config import APPROXIMATIONS, ApproximationMethod, ClippedPGLossConfig
 from megatron_grpo.strict_config import ConfigError
-
-if TYPE_CHECKING:  # the runner's config: read by PlanInputs.of, never imported at run time (plugin layering)
-    from megatron_grpo.config import Config
 
 PassMode = Literal["auto", "compute", "skip"]  # logprob_passes.reference
 PrevMode = Literal["auto", "compute", "skip", "generation", "loglinear", "linear", "compute_and_compare"]
@@ -112,38 +109,43 @@ class PlanKeys:
 
 @dataclass(frozen=True)
 class PlanInputs:
-    """The settings the rules read, under names that say what they mean, whatever config layout they came from."""
+    """The settings the rules read, under names that say what they mean, whatever config layout they came from.
 
-    rollout_batch: int
-    global_batch: int
-    staleness: int
-    error_threshold: float | None
-    dropout: bool
-    kl_penalty: float
-    kl_in_reward: bool
-    force_on_policy: bool
-    reference_mode: PassMode
-    prev_mode: PrevMode
-    skip_reference: bool  # NeMo-RL's grpo.skip_reference_policy_logprobs_calculation
+    A Megatron script builds it with `PlanInputs.for_loss(loss_config, rollout_batch=..., global_batch=...,
+    dropout=...)`, which reads the loss's own keys; the runner adapts its config (`grpo/plan_inputs.py`), and
+    `plan --nemo-rl-config` a NeMo-RL one (`nemo_rl_config.py`). The defaults are an on-policy loop with nothing
+    overridden.
+    """
+
+    rollout_batch: int  # sequences per rollout, all DP ranks
+    global_batch: int  # sequences per optimizer step, all DP ranks
+    dropout: bool  # any dropout > 0 in the trained model: its train-mode forward is not the proximal policy
+    kl_penalty: float  # the loss's reference_policy_kl_penalty (> 0: a KL needs reference logprobs)
+    staleness: int = 0  # how many optimizer steps older than the trained weights a rollout's weights may be
+    error_threshold: float | None = None  # masking of sequences by prev-logprob error before the loss; None = off
+    kl_in_reward: bool = False  # the loss's use_kl_in_reward: the KL reads prev before the loss
+    force_on_policy: bool = False  # the loss's force_on_policy_ratio
+    reference_mode: PassMode = "auto"
+    prev_mode: PrevMode = "auto"
+    skip_reference: bool = False  # NeMo-RL's grpo.skip_reference_policy_logprobs_calculation
     keys: PlanKeys = PlanKeys()
     importance_sampling: bool = False  # the loss's IS correction against the generation logprobs
 
     @classmethod
-    def of(cls, cfg: Config) -> PlanInputs:
-        model = cfg.policy.model
+    def for_loss(cls, loss: ClippedPGLossConfig, *, rollout_batch: int, global_batch: int, dropout: bool,
+                 **settings) -> PlanInputs:
+        """The plan's inputs for a loop training `ClippedPGLoss(loss)`: the KL, the forced ratio and the IS
+        correction from the loss's own keys, the loop's facts as given; `settings` are the other fields
+        (staleness, error_threshold, reference_mode, prev_mode, keys, ...)."""
         return cls(
-            rollout_batch=cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt,
-            global_batch=cfg.policy.train_global_batch_size,
-            staleness=cfg.grpo.max_rollout_staleness,
-            error_threshold=cfg.grpo.seq_logprob_error_threshold,
-            dropout=model.hidden_dropout > 0 or model.attention_dropout > 0,
-            kl_penalty=cfg.loss_fn.reference_policy_kl_penalty,
-            kl_in_reward=cfg.loss_fn.use_kl_in_reward,
-            force_on_policy=cfg.loss_fn.force_on_policy_ratio,
-            importance_sampling=cfg.loss_fn.use_importance_sampling_correction,
-            reference_mode=cfg.logprob_passes.reference,
-            prev_mode=cfg.logprob_passes.prev,
-            skip_reference=cfg.grpo.skip_reference_policy_logprobs_calculation,
+            rollout_batch=rollout_batch,
+            global_batch=global_batch,
+            dropout=dropout,
+            kl_penalty=loss.reference_policy_kl_penalty,
+            kl_in_reward=loss.use_kl_in_reward,
+            force_on_policy=loss.force_on_policy_ratio,
+            importance_sampling=loss.use_importance_sampling_correction,
+            **settings,
         )
 
     @property
@@ -180,9 +182,11 @@ class PlanInputs:
         return consumers
 
 
-def plan_logprob_passes(cfg: Config | PlanInputs) -> LogprobPlan:
+def plan_logprob_passes(inputs: PlanInputs) -> LogprobPlan:
     """Plans the reference and prev logprob passes of a step; raises one ConfigError listing every conflict."""
-    inputs = cfg if isinstance(cfg, PlanInputs) else PlanInputs.of(cfg)
+    if not isinstance(inputs, PlanInputs):
+        raise TypeError(f"plan_logprob_passes: expected PlanInputs (PlanInputs.for_loss builds one), got "
+                        f"{type(inputs).__name__}")
     problems = _global_conflicts(inputs)
     compute_reference, reference_reason = _plan_reference(inputs, problems)
     prev = _plan_prev(inputs, problems)

@@ -1,6 +1,8 @@
 """`megatron-grpo plan --config X.yaml | --nemo-rl-config Y.yaml`: the logprob-pass plan before launching.
 
-Prints which extra forward passes each step runs, why, and how many are saved. With `--nemo-rl-config` it reads
+Prints which extra forward passes each step runs, why, and how many are saved, and writes the resolved config
+(every key, inherited and default values included) to `<run_dir>/config.yaml`, unless the run directory already
+holds a run (whose config `train` rewrites when it starts). With `--nemo-rl-config` it reads
 a NeMo-RL GRPO config in NeMo-RL's own layout (with its `defaults:` inheritance), prints our plan for it, the
 keys it did not map, and where NeMo-RL would decide otherwise. A bad or unreadable config prints its
 ConfigError (every problem, each naming its key) and exits with status 2. Never imports torch or Megatron-Core.
@@ -11,8 +13,12 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
+from pathlib import Path
 
-from megatron_grpo.config import ConfigError, load_config
+from megatron_grpo.config import RESOLVED_CONFIG, Config, ConfigError, load_config, write_resolved_config
+from megatron_grpo.grpo.checkpoint_dir import describe_os_error
+from megatron_grpo.grpo.plan_inputs import plan_inputs
+from megatron_grpo.grpo.run_start import holds_a_run
 from megatron_grpo.helptext import DefaultsHelpFormatter
 from megatron_grpo.scheduler import LogprobPlan, PlanInputs, plan_logprob_passes
 
@@ -54,12 +60,29 @@ def main(argv: list[str] | None = None) -> int:
         return _plan_nemo_rl(args.nemo_rl_config)
     try:
         cfg = load_config(args.config)
-        plan = plan_logprob_passes(cfg)
+        inputs = plan_inputs(cfg)
+        plan = plan_logprob_passes(inputs)
     except ConfigError as err:
         print(f"{args.config}: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    print(format_plan(plan, PlanInputs.of(cfg)))
+    print(format_plan(plan, inputs))
+    print(record_resolved_config(cfg))
     return 0
+
+
+def record_resolved_config(cfg: Config) -> str:
+    """Writes `cfg`, every key, to `<run_dir>/config.yaml` unless the run directory holds a run; the line saying
+    where it went, or why not (a directory that cannot be written is `train`'s error, not the plan's)."""
+    run_dir = Path(cfg.run_dir)
+    path = run_dir / RESOLVED_CONFIG
+    if holds_a_run(run_dir):
+        return f"resolved config: not written, {run_dir} holds a run (train rewrites {path} when it starts)"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_resolved_config(cfg, path)
+    except OSError as err:
+        return f"resolved config: not written: {describe_os_error(err)}"
+    return f"resolved config: {path}"
 
 
 def format_plan(plan: LogprobPlan, inputs: PlanInputs) -> str:

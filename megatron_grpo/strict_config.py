@@ -4,7 +4,9 @@ A section is a frozen `StrictSection` dataclass whose `SECTION` is its dotted YA
 (`ClippedPGLossConfig(**data)`) and `build_section(cls, data)` (a parsed YAML mapping) run the same checks, once:
 every missing or unknown key and every wrongly typed value of the section and the sections it holds, then each
 well-typed section's own `conflicts()` (its ranges and cross-field rules). Every problem names `<section>.<key>`,
-and all of them come in one `ConfigError`, so a user fixes a config in one round trip.
+and all of them come in one `ConfigError`, so a user fixes a config in one round trip. A field with a default
+(`ratio_clip_max: float = 0.2`) takes it when its key is absent; a field without one is required.
+`to_mapping()` is the inverse of `build_section`: every key, defaults included, as plain data.
 
 This is the bottom of the config layer: it imports nothing of the project and never imports torch, so every
 module that defines a section (the run config, the loss's config) can import it.
@@ -51,8 +53,9 @@ class _Report:
 class StrictSection:
     """Base of the config sections: `@dataclass(frozen=True, init=False)` subclasses with a `SECTION` path.
 
-    Every field is a required keyword; values are type-checked and converted (a YAML int becomes a float, a
-    plain mapping becomes the nested section, a list becomes a tuple). `conflicts()` runs only once every field
+    A field without a default is a required keyword, one with a default (`dataclasses.field(default=...)` or
+    `default_factory=...`) takes it when absent; values are type-checked and converted (a YAML int becomes a
+    float, a plain mapping becomes the nested section, a list becomes a tuple). `conflicts()` runs only once every field
     of the section is well typed; a nested section's conflicts do not stop its parent's, so range problems and
     cross-field conflicts of the whole tree are reported together.
     """
@@ -78,6 +81,11 @@ class StrictSection:
         """Out-of-range values and contradictory fields, one line each naming the keys involved; none by default."""
         return []
 
+    def to_mapping(self) -> dict[str, Any]:
+        """Every key of the section and the sections it holds, defaults included, as plain YAML-ready data (a
+        tuple becomes a list); `build_section(type(self), section.to_mapping())` rebuilds an equal section."""
+        return {name: _plain(getattr(self, name)) for name in _field_types(type(self))}
+
     def _fill(self, values: Mapping[str, Any], report: _Report) -> bool:
         """Assigns every field from `values`; false when a key is missing or unknown or a value is mistyped."""
         fields = _field_types(type(self))
@@ -85,9 +93,13 @@ class StrictSection:
         for key in values:
             if key not in fields:
                 report.add_malformed(f"{self.key(str(key))}: unknown key (allowed: {', '.join(fields)})")
+        defaults = _field_defaults(type(self))
         for name, field_type in fields.items():
             if name not in values:
-                report.add_malformed(f"{self.key(name)}: missing key")
+                if name in defaults:
+                    object.__setattr__(self, name, defaults[name]())
+                else:
+                    report.add_malformed(f"{self.key(name)}: missing key")
                 continue
             object.__setattr__(self, name, _convert(field_type, values[name], self.key(name), report))
         if report.malformed > malformed_before:
@@ -110,6 +122,29 @@ def _field_types(cls: type[StrictSection]) -> dict[str, Any]:
     """Each field's resolved type, in declaration order."""
     hints = typing.get_type_hints(cls)
     return {field.name: hints[field.name] for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
+
+
+@functools.cache
+def _field_defaults(cls: type[StrictSection]) -> dict[str, Any]:
+    """A maker of each defaulted field's default value, by name (a `default_factory` is called per section)."""
+    makers = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if field.default is not dataclasses.MISSING:
+            makers[field.name] = functools.partial(lambda value: value, field.default)
+        elif field.default_factory is not dataclasses.MISSING:
+            makers[field.name] = field.default_factory
+    return makers
+
+
+def _plain(value: Any) -> Any:
+    """A field's value as plain data: sections as mappings, tuples as lists."""
+    if isinstance(value, StrictSection):
+        return value.to_mapping()
+    if isinstance(value, (tuple, list)):
+        return [_plain(item) for item in value]
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
 
 
 def _build_section(cls: type[SectionT], data: Any, report: _Report) -> SectionT | None:

@@ -16,21 +16,21 @@ from megatron_grpo.bench.scheduler import (
     with_prev_modes,
 )
 from megatron_grpo.config import ConfigError, load_config
-from megatron_grpo.scheduler import plan_logprob_passes
+from megatron_grpo.grpo.plan_inputs import plan_for
 
 
 def test_baseline_computes_both_passes_and_changes_nothing_else():
     cfg = load_config(TINY)
     baseline = with_all_passes_computed(cfg)
-    assert plan_logprob_passes(baseline).passes_per_step == 2
-    assert plan_logprob_passes(cfg).passes_per_step == 0
+    assert plan_for(baseline).passes_per_step == 2
+    assert plan_for(cfg).passes_per_step == 0
     assert baseline.logprob_passes.reference == baseline.logprob_passes.prev == "compute"
     assert (baseline.policy, baseline.loss_fn, baseline.grpo) == (cfg.policy, cfg.loss_fn, cfg.grpo)
 
 
 def test_summary_medians_and_speedups():
     cfg = load_config(TINY)
-    plans = {"auto": plan_logprob_passes(cfg), "compute": plan_logprob_passes(with_all_passes_computed(cfg))}
+    plans = {"auto": plan_for(cfg), "compute": plan_for(with_all_passes_computed(cfg))}
     train = {"auto": [0.11, 0.09, 0.5], "compute": [0.2, 0.25, 0.3]}
     step = {"auto": [0.3, 0.2, 0.7], "compute": [0.4, 0.45, 0.5]}
     records = {name: [{"train_time_s": t, "step_time_s": s, "reward_mean": 0.25 * i, "peak_extra_mib": 2.0 * i}
@@ -70,7 +70,7 @@ def test_first_learned_step_is_where_the_trailing_mean_first_reaches_the_thresho
 def test_prev_mode_summary_shares_and_approximation_errors():
     cfg = load_config(TINY)
     configs = with_prev_modes(cfg, ["auto", "compute"])
-    plans = {name: plan_logprob_passes(variant) for name, variant in configs.items()}
+    plans = {name: plan_for(variant) for name, variant in configs.items()}
     records = {
         "auto": [{"step_time_s": 0.2, "train_time_s": 0.1, "prev_pass_time_s": 0.0}] * 3,
         "compute": [{"step_time_s": s, "train_time_s": 0.15, "prev_pass_time_s": 0.05, "prox_loglinear_abs_error": e}
@@ -90,7 +90,7 @@ def test_generation_turns_the_is_correction_off_and_every_prev_mode_is_known():
     stale = load_config(TINY.parent / "grpo_tiny_cpu_stale.yaml")
     modes = ["compute_and_compare", "generation", "loglinear", "linear", "auto"]
     variants = with_prev_modes(stale, modes)
-    plans = {name: plan_logprob_passes(variant) for name, variant in variants.items()}  # no ConfigError
+    plans = {name: plan_for(variant) for name, variant in variants.items()}  # no ConfigError
     bypass = variants["generation"].loss_fn
     assert not bypass.use_importance_sampling_correction and bypass.truncated_importance_sampling.type is None
     assert variants["loglinear"].loss_fn == stale.loss_fn

@@ -12,7 +12,9 @@ import pytest
 import yaml
 from _configs import CONFIGS, TINY, drop_key, set_key, tiny
 
-from megatron_grpo.config import Config, ConfigError, GenerationConfig, PolicyConfig, load_config
+from megatron_grpo.config import (Config, ConfigError, GenerationConfig, PolicyConfig, load_config,
+                                  write_resolved_config)
+from megatron_grpo.config_files import read_yaml, read_yaml_with_defaults
 from megatron_grpo.loss.config import ClippedPGLossConfig
 from megatron_grpo.strict_config import StrictSection
 
@@ -47,9 +49,74 @@ def test_config_is_frozen():
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
-def test_every_shipped_config_loads_and_has_the_tiny_key_set(path):
+def test_every_shipped_config_loads_and_resolves_to_the_base_key_set(path):
     load_config(path)
-    assert _key_paths(yaml.safe_load(path.read_text())) == _key_paths(tiny())
+    merged, files = read_yaml_with_defaults(path)
+    assert _key_paths(merged) == _key_paths(tiny())
+    assert files[0] == str(TINY) and files[-1] == str(path)  # the base first, the file itself on top
+
+
+def test_the_base_config_names_every_key_defaults_included():
+    assert _key_paths(tiny()) == _key_paths(load_config(TINY).to_mapping())
+
+
+@pytest.mark.parametrize("path", sorted(set(CONFIGS.glob("*.yaml")) - {TINY}), ids=lambda p: p.name)
+def test_every_other_shipped_config_lists_only_what_differs_from_the_base(path):
+    own = read_yaml(path)
+    assert own.pop("defaults") == TINY.name
+    base = tiny()
+    for dotted in _leaf_paths(own):
+        assert _value_at(own, dotted) != _value_at(base, dotted), f"{path.name}: {dotted} repeats the base's value"
+
+
+def _write_child(directory: pathlib.Path, text: str, name: str = "child.yaml") -> pathlib.Path:
+    """A child config of a copy of the base config in `directory`."""
+    (directory / "base.yaml").write_text(TINY.read_text())
+    path = directory / name
+    path.write_text(text)
+    return path
+
+
+def test_a_child_config_overrides_one_key_and_inherits_the_rest(tmp_path):
+    child = load_config(_write_child(tmp_path, "defaults: base.yaml\ngrpo:\n  max_num_steps: 7\n"))
+    base = load_config(TINY)
+    assert child.grpo.max_num_steps == 7
+    assert child == dataclasses.replace(base, grpo=dataclasses.replace(base.grpo, max_num_steps=7))
+
+
+def test_an_unknown_key_in_a_child_config_is_named(tmp_path):
+    path = _write_child(tmp_path, "defaults: base.yaml\ngrpo:\n  max_num_step: 7\nloss_fn:\n  ratio_clip: 0.2\n")
+    problems = problems_of_file(path)
+    assert [p.split(":")[0] for p in problems] == ["grpo.max_num_step", "loss_fn.ratio_clip"]
+    assert all("unknown key" in p for p in problems)
+
+
+def test_a_defaults_cycle_is_an_error_naming_the_files(tmp_path):
+    (tmp_path / "a.yaml").write_text("defaults: b.yaml\nseed: 1\n")
+    (tmp_path / "b.yaml").write_text("defaults: a.yaml\nseed: 2\n")
+    with pytest.raises(ConfigError, match=r"`defaults:` loop through .*a\.yaml -> .*b\.yaml -> .*a\.yaml"):
+        load_config(tmp_path / "a.yaml")
+
+
+def test_a_missing_parent_config_is_an_error_naming_it(tmp_path):
+    path = _write_child(tmp_path, "defaults: [base.yaml, nowhere.yaml]\n")
+    with pytest.raises(ConfigError, match=r"child\.yaml: defaults: nowhere\.yaml: no such file"):
+        load_config(path)
+
+
+def test_the_resolved_config_names_every_key_and_loads_back_equal(tmp_path):
+    cfg = load_config(CONFIGS / "grpo_tiny_cpu_stale.yaml")
+    path = tmp_path / "config.yaml"
+    write_resolved_config(cfg, path)
+    assert "defaults" not in read_yaml(path)
+    assert _key_paths(read_yaml(path)) == _key_paths(tiny())
+    assert load_config(path) == cfg
+
+
+def problems_of_file(path: pathlib.Path) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    return err.value.problems
 
 
 def test_gpu_example_is_tensor_parallel_bf16():
@@ -307,3 +374,17 @@ def _key_paths(data: dict, prefix: str = "") -> set[str]:
         if isinstance(value, dict):
             paths |= _key_paths(value, path)
     return paths
+
+
+def _leaf_paths(data: dict, prefix: str = "") -> list[str]:
+    paths = []
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else key
+        paths += _leaf_paths(value, path) if isinstance(value, dict) else [path]
+    return paths
+
+
+def _value_at(data: dict, dotted: str):
+    for key in dotted.split("."):
+        data = data[key]
+    return data

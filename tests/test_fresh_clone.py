@@ -9,7 +9,7 @@ same list `test_readme_commands.py` parses) is accounted for, in the clone, as c
   directory (`runner.preflight`, which creates the directories), `--fresh` moving the earlier run aside;
 - the benchmarks are too slow to run here: their default output directory must be one git ignores;
 - `make` targets run the commands above (or refresh committed results on purpose: `make bench`, `make
-  demo-figure`), and `examples/megatron_training_loop.py` is checked by its own test to write nothing.
+  demo-figure`), and the scripts of `examples/` are checked by their own test to write nothing.
 The venv is this checkout's; only the package in the clone is imported (PYTHONPATH and the working directory).
 """
 
@@ -35,7 +35,7 @@ NOT_RUN = {
     "make test": "runs the tests",
     "make demo-figure": "refreshes the committed figure docs/demo_on_and_off_policy.png on purpose",
 }
-EXAMPLE_SCRIPT = "examples/megatron_training_loop.py"  # tests/test_example_training_loop.py: it writes nothing
+EXAMPLE_SCRIPT = "examples/"  # tests/test_example_training_loop.py: they write nothing
 BENCHMARKS = ("megatron_grpo.bench.logprob", "megatron_grpo.bench.linear", "megatron_grpo.bench.scheduler")
 
 
@@ -141,6 +141,8 @@ def test_the_documented_commands_leave_a_fresh_clone_clean(clone, tmp_path):
             continue
         if _command_name(argv) == "train":
             train.append(argv)
+        elif _command_name(argv) == "bench":  # too slow to run here: where each benchmark writes is checked below
+            continue
         elif argv[0] in ("plan", "report"):
             run_as_written.append(argv)
         elif _command_name(argv) == "bench" and "--out" not in argv:

@@ -25,16 +25,16 @@ MODES = {"fused": {"policy.fused_linear_logprobs": True},
 
 def _train_step_dtypes(cfg) -> dict:
     """One train step; the dtypes of the hidden states the loss got and of every chunk of logits the GEMMs wrote."""
+    from megatron_grpo.grpo.plan_inputs import plan_for
+    from megatron_grpo.grpo.plugin_params import adam_params, model_params, step_config
     from megatron_grpo.loss import ClippedPGLoss
-    from megatron_grpo.megatron import build_gpt_model, build_optimizer, train_step
+    from megatron_grpo.megatron import build_gpt_model, build_optimizer, train_step, vocab_shard_of
     from megatron_grpo.megatron.hidden_states import compute_dtype
-    from megatron_grpo.megatron.train_step import StepConfig
     from megatron_grpo.ops import linear_logprobs, loss_fused_linear
-    from megatron_grpo.scheduler import plan_logprob_passes
     from test_megatron_hooks import VOCAB
 
     torch.manual_seed(cfg.seed)
-    model = build_gpt_model(cfg, VOCAB)
+    model = build_gpt_model(model_params(cfg), VOCAB)
     seen = {"chunk_logits": set(), "hidden": set()}
     chunk_logits = linear_logprobs.chunk_logits  # the one chunk GEMM (ops.chunks), as both fused paths import it
 
@@ -52,8 +52,9 @@ def _train_step_dtypes(cfg) -> dict:
     linear_logprobs.chunk_logits = loss_fused_linear.chunk_logits = recording
     type(model).forward = forward_recording_output
     try:
-        result = train_step(StepConfig.of(cfg), model, build_optimizer(model, cfg.policy.optimizer),
-                            ClippedPGLoss(cfg.loss_fn), plan_logprob_passes(cfg), make_batch(seed=3))
+        result = train_step(step_config(cfg), model, build_optimizer(model, adam_params(cfg)),
+                            ClippedPGLoss(cfg.loss_fn), plan_for(cfg), make_batch(seed=3),
+                            vocab=vocab_shard_of(model, VOCAB))
     finally:
         linear_logprobs.chunk_logits = loss_fused_linear.chunk_logits = chunk_logits
         type(model).forward = original_forward
@@ -65,27 +66,28 @@ def _train_step_dtypes(cfg) -> dict:
 
 def _bad_batch_error(cfg) -> str:
     """The train step's error for a token id beyond the true vocab (13 real ids, padded to 16)."""
+    from megatron_grpo.grpo.plan_inputs import plan_for
+    from megatron_grpo.grpo.plugin_params import adam_params, model_params, step_config
     from megatron_grpo.loss import ClippedPGLoss
-    from megatron_grpo.megatron import build_gpt_model, build_optimizer, train_step
-    from megatron_grpo.megatron.train_step import StepConfig
-    from megatron_grpo.scheduler import plan_logprob_passes
+    from megatron_grpo.megatron import build_gpt_model, build_optimizer, train_step, vocab_shard_of
     from test_megatron_hooks import VOCAB
 
-    model = build_gpt_model(cfg, VOCAB)
+    model = build_gpt_model(model_params(cfg), VOCAB)
     batch = make_batch(seed=4)
     batch["input_ids"][2, 5] = VOCAB  # a padding id: the embedding would take it silently
     try:
-        train_step(StepConfig.of(cfg), model, build_optimizer(model, cfg.policy.optimizer), ClippedPGLoss(cfg.loss_fn),
-                   plan_logprob_passes(cfg), batch)
+        train_step(step_config(cfg), model, build_optimizer(model, adam_params(cfg)), ClippedPGLoss(cfg.loss_fn),
+                   plan_for(cfg), batch, vocab=vocab_shard_of(model, VOCAB))
     except ValueError as error:
         return str(error)
     return "no error"
 
 
 def worker(rank: int, world_size: int) -> dict:
+    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import destroy_parallel, init_parallel
 
-    init_parallel(config_with(ONE_RANK))
+    init_parallel(parallel_params(config_with(ONE_RANK)))
     try:
         results = {(precision, mode): _train_step_dtypes(config_with({**ONE_RANK, **overrides,
                                                                       "policy.precision": precision}))

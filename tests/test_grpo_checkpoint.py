@@ -31,14 +31,16 @@ VOCAB = 16
 def _setup(tp: int):
     import yaml
 
+    from megatron_grpo.grpo.plugin_params import adam_params, model_params, parallel_params
     from megatron_grpo.megatron import build_gpt_model, build_optimizer, init_parallel
 
     torch.set_num_threads(1)
     data = yaml.safe_load(TINY_CONFIG.read_text())
     data["policy"]["tensor_model_parallel_size"] = tp
     cfg = load_config(data)
-    init_parallel(cfg)
-    return cfg, lambda: build_gpt_model(cfg, VOCAB), lambda model: build_optimizer(model, cfg.policy.optimizer)
+    init_parallel(parallel_params(cfg))
+    return (cfg, lambda: build_gpt_model(model_params(cfg), VOCAB),
+            lambda model: build_optimizer(model, adam_params(cfg)))
 
 
 def _inputs() -> torch.Tensor:

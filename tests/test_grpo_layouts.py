@@ -47,11 +47,12 @@ def save_initial_model(cfg, directory: Path) -> None:
     """A plain Megatron model checkpoint of the seed's TP1 PP1 weights, as a Megatron user saves one."""
     from megatron.core import dist_checkpointing
 
+    from megatron_grpo.grpo.plugin_params import model_params
     from megatron_grpo.grpo.tasks import DigitTokenizer
     from megatron_grpo.megatron import build_gpt_model
 
-    model = build_gpt_model(cfg, DigitTokenizer().vocab_size)
-    assert model.padded_vocab_size == PADDED_VOCAB
+    model = build_gpt_model(model_params(cfg), DigitTokenizer().vocab_size)
+    assert model.vocab_size == PADDED_VOCAB  # GPTModel's own: the padded vocabulary
     directory.mkdir()
     dist_checkpointing.save(model.sharded_state_dict(), str(directory))
 
@@ -61,11 +62,12 @@ def three_steps(rank: int, world_size: int, config: Path, save_initial_to: Path 
     `save_initial_to` (the TP1 PP1 run), the seed's model is first saved there, the checkpoint every run loads."""
     from megatron_grpo.config import load_config
     from megatron_grpo.grpo import loop
+    from megatron_grpo.grpo.plan_inputs import plan_for
+    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import destroy_parallel, init_parallel
-    from megatron_grpo.scheduler import plan_logprob_passes
 
     cfg = load_config(config)
-    layout = init_parallel(cfg)
+    layout = init_parallel(parallel_params(cfg))
     if save_initial_to is not None:
         save_initial_model(cfg, save_initial_to)
     trained = []
@@ -79,7 +81,7 @@ def three_steps(rank: int, world_size: int, config: Path, save_initial_to: Path 
 
     loop.train_step = keeping_what_was_trained
     try:
-        trainer = loop.Trainer.build(cfg, plan_logprob_passes(cfg), layout)
+        trainer = loop.Trainer.build(cfg, plan_for(cfg), layout)
         records = [trainer.step(step) for step in range(STEPS)]
         return {"layout": (layout.tp_size, layout.pp_size, layout.dp_size), "dp_rank": layout.dp_rank,
                 "records": records, "trained": trained}

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from _configs import CONFIGS, config_with, set_key
 from _dist import run_on_ranks
 from _tolerances import MODEL_LOGPROB_ATOL
 
 from megatron_grpo.config import load_config
+from megatron_grpo.config_files import read_yaml_with_defaults
 from megatron_grpo.grpo.checkpoint_dir import step_dir_name
 
 STEPS = 4
@@ -31,24 +31,25 @@ OFF_POLICY = {
 }
 
 
-def sampling_logprobs(model, rollout, temperature: float) -> torch.Tensor:
+def sampling_logprobs(model, rollout, temperature: float, vocab_size: int) -> torch.Tensor:
     """[B, S] log-probabilities of the rollout's tokens under `model`'s sampling distribution (TP=1)."""
     from megatron_grpo.megatron import model_forward
 
     with torch.no_grad():
-        logits = model_forward(model, rollout.input_ids)[..., : model.true_vocab_size].double() / temperature
+        logits = model_forward(model, rollout.input_ids)[..., :vocab_size].double() / temperature
     picked = torch.log_softmax(logits, dim=-1)[:, :-1].gather(-1, rollout.input_ids[:, 1:, None]).squeeze(-1)
     return torch.nn.functional.pad(picked, (1, 0)) * rollout.token_mask
 
 
 def drive_trainer(rank: int, world_size: int, overrides: dict) -> dict:
     from megatron_grpo.grpo.loop import Trainer
+    from megatron_grpo.grpo.plan_inputs import plan_for
+    from megatron_grpo.grpo.plugin_params import model_params, parallel_params
     from megatron_grpo.megatron import build_gpt_model, destroy_parallel, init_parallel
-    from megatron_grpo.scheduler import plan_logprob_passes
 
     cfg = config_with(overrides)
-    plan = plan_logprob_passes(cfg)
-    trainer = Trainer.build(cfg, plan, init_parallel(cfg))
+    plan = plan_for(cfg)
+    trainer = Trainer.build(cfg, plan, init_parallel(parallel_params(cfg)))
     snapshots, taken, records = {}, [], []
     take = trainer.rollouts.take
 
@@ -63,13 +64,14 @@ def drive_trainer(rank: int, world_size: int, overrides: dict) -> dict:
         records.append(trainer.step(step))
         # prev comes from the weights at the start of the step: PPO's old policy, recomputed by the plan's pass
     checks = []
-    probe = build_gpt_model(cfg, trainer.task.tokenizer.vocab_size)
+    vocab_size = trainer.task.tokenizer.vocab_size
+    probe = build_gpt_model(model_params(cfg), vocab_size)
     temperature = cfg.generation.temperature
     for entry in taken:
         probe.load_state_dict(snapshots[entry.weight_version])
-        under_generating = sampling_logprobs(probe, entry.rollout, temperature)
+        under_generating = sampling_logprobs(probe, entry.rollout, temperature, vocab_size)
         probe.load_state_dict(snapshots[entry.step])
-        under_current = sampling_logprobs(probe, entry.rollout, temperature)
+        under_current = sampling_logprobs(probe, entry.rollout, temperature, vocab_size)
         generation = entry.rollout.generation_logprobs.double()
         checks.append({
             "step": entry.step,
@@ -117,15 +119,16 @@ def train_and_resume(rank: int, world_size: int, overrides: dict, root: str, mod
     from megatron_grpo.grpo.reporting import read_metrics, without_timings
     from megatron.core import parallel_state
 
+    from megatron_grpo.grpo.plan_inputs import plan_for
+    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import init_parallel
-    from megatron_grpo.scheduler import plan_logprob_passes
 
     def run(run_dir: str, resume_from, **more) -> list[dict]:
         cfg = config_with({**overrides, "checkpoint.every_n_steps": 2, "run_dir": f"{root}/{run_dir}",
                            "checkpoint.dir": f"{root}/{run_dir}/checkpoints", **more})
-        layout = init_parallel(cfg)
+        layout = init_parallel(parallel_params(cfg))
         try:
-            train(cfg, plan_logprob_passes(cfg), layout, resume_from=resume_from)
+            train(cfg, plan_for(cfg), layout, resume_from=resume_from)
         finally:
             parallel_state.destroy_model_parallel()  # the default group stays for the next run
         return [without_timings(record) for record in read_metrics(Path(cfg.run_dir))]
@@ -180,7 +183,7 @@ STALE_DEMO = CONFIGS / "grpo_tiny_cpu_stale.yaml"
 
 
 def stale_demo_with(overrides: dict):
-    data = yaml.safe_load(STALE_DEMO.read_text())
+    data, _files = read_yaml_with_defaults(STALE_DEMO)  # the demo's keys, the stale config's changes on top
     for key, value in {"policy.tensor_model_parallel_size": 1, "grpo.max_num_steps": EXACT_STEPS,
                        "logging.progress_bar": False, "logging.tensorboard": False, **overrides}.items():
         data = set_key(data, key, value)
@@ -195,8 +198,9 @@ def skipped_computed_and_resumed(rank: int, world_size: int, root: str) -> dict:
     from megatron_grpo.grpo import loop
     from megatron_grpo.grpo.reporting import read_metrics, without_timings
     from megatron_grpo.loss import trained_token_mask
+    from megatron_grpo.grpo.plan_inputs import plan_for
+    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import init_parallel
-    from megatron_grpo.scheduler import plan_logprob_passes
 
     per_token: list[dict] = []
     original = loop.train_step
@@ -213,8 +217,8 @@ def skipped_computed_and_resumed(rank: int, world_size: int, root: str) -> dict:
         per_token.clear()
         cfg = stale_demo_with({"logprob_passes.prev": prev_mode, "run_dir": f"{root}/{name}",
                                "checkpoint.dir": f"{root}/{name}/checkpoints", "checkpoint.every_n_steps": RESUME_AT})
-        plan = plan_logprob_passes(cfg)
-        layout = init_parallel(cfg)
+        plan = plan_for(cfg)
+        layout = init_parallel(parallel_params(cfg))
         try:
             loop.train(cfg, plan, layout, resume_from=resume_from)
         finally:

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from megatron_grpo.grpo.checkpoint_dir import CheckpointError, publish, step_dir_name
-from megatron_grpo.grpo.run_start import RunDirectoryError, carry_out, check_writable, plan_start
+from megatron_grpo.grpo.run_start import (RunDirectoryError, StartPlan, carry_out, check_writable, holds_a_run,
+                                          plan_start)
 from _dist import run_on_ranks
 
 NOW = 1_800_000_000.0  # 2027-01-15 08:00:00 UTC
@@ -59,6 +60,17 @@ def test_an_empty_run_directory_starts_from_scratch_with_nothing_to_move(tmp_pat
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     plan = plan_start(tmp_path / "run", tmp_path / "run" / "checkpoints", "auto")
     assert plan.resume_from is None and plan.move_aside == () and plan.notes == ()
+
+
+def test_a_run_directory_holding_only_a_planned_config_is_no_earlier_run(tmp_path):
+    """`plan` writes the resolved config into an empty run directory; `train` rewrites it and moves nothing."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("seed: 1\n")
+    assert plan_start(run_dir, run_dir / "checkpoints", "auto") == StartPlan(None, (), ())
+    assert not holds_a_run(run_dir)
+    (run_dir / "metrics.jsonl").write_text("")
+    assert holds_a_run(run_dir) and plan_start(run_dir, run_dir / "checkpoints", "auto").move_aside == (run_dir,)
 
 
 def test_resume_with_nothing_to_resume_is_an_error_naming_what_was_skipped(tmp_path):

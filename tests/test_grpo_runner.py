@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from megatron_grpo.config import load_config
 from megatron_grpo.grpo import runner
 from megatron_grpo.grpo.checkpoint_dir import latest_checkpoint, saved_world_size, step_dir_name
 from megatron_grpo.grpo.reporting import METRICS_FILE, PLOT_FILE, read_metrics, without_timings
@@ -73,6 +74,8 @@ def test_a_run_writes_finite_metrics_that_follow_the_plan(reference_run):
     assert "prev logprob passes skipped       6 of 6" in output
     assert (directory / "run" / PLOT_FILE).stat().st_size > 1000
     assert latest_checkpoint(directory / "run" / "checkpoints").name == step_dir_name(STEPS)
+    # the resolved config, every key of it, written by rank 0 into the run directory
+    assert load_config(directory / "run" / "config.yaml") == load_config(directory / "config.yaml")
 
 
 def test_training_logprobs_use_the_sampling_temperature_and_filter(tmp_path):

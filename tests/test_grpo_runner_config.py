@@ -9,7 +9,7 @@ import yaml
 
 from megatron_grpo.config import load_config
 from megatron_grpo.grpo import runner
-from megatron_grpo.scheduler import plan_logprob_passes
+from megatron_grpo.grpo.plan_inputs import plan_for
 from grpo_workers.launch import REPO, write_config
 
 TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
@@ -126,7 +126,7 @@ def test_running_outside_torchrun_says_how_to_launch(tmp_path, capsys, monkeypat
 @pytest.mark.parametrize("name", ["grpo_tiny_cpu.yaml", "grpo_gpt_gpu.yaml"])
 def test_the_shipped_configs_load_plan_and_pass_the_runner_checks(name):
     cfg = load_config(REPO / "configs" / name)
-    plan = plan_logprob_passes(cfg)
+    plan = plan_for(cfg)
     on_cpu = name == "grpo_tiny_cpu.yaml"
     assert runner.runner_config_problems(cfg, world_size=2 if on_cpu else 16, cuda_available=not on_cpu) == []
     assert not plan.compute_prev_logprobs and not plan.build_reference_model  # on-policy, no KL: both skipped
@@ -169,4 +169,4 @@ def test_plan_and_runner_problems_are_reported_together(tmp_path, capsys, torchr
 
 def test_checked_plan_returns_the_plan_when_every_check_passes(tmp_path):
     cfg = load_config(write_config(tmp_path))
-    assert runner.checked_plan(cfg, world_size=2, cuda_available=False) == plan_logprob_passes(cfg)
+    assert runner.checked_plan(cfg, world_size=2, cuda_available=False) == plan_for(cfg)

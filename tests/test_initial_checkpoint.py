@@ -62,19 +62,20 @@ def build(overrides: dict):
     """Megatron's groups for the layout of `overrides` (tearing down the previous ones), and its model."""
     from megatron.core import parallel_state
 
+    from megatron_grpo.grpo.plugin_params import model_params, parallel_params
     from megatron_grpo.megatron import build_gpt_model, init_parallel
 
     cfg = config_with(overrides)
     parallel_state.destroy_model_parallel()
-    init_parallel(cfg)
-    return build_gpt_model(cfg, VOCAB)
+    init_parallel(parallel_params(cfg))
+    return build_gpt_model(model_params(cfg), VOCAB)
 
 
 def error_of(model: torch.nn.Module, directory: Path) -> str:
     from megatron_grpo.megatron import CheckpointMismatchError, ModelCheckpointError, load_model_weights
 
     try:
-        load_model_weights(model, directory)
+        load_model_weights(model, directory, true_vocab_size=VOCAB)
     except ModelCheckpointError as err:
         return f"{type(err).__name__}{'(mismatch)' if isinstance(err, CheckpointMismatchError) else ''}: {err}"
     return "loaded"
@@ -98,6 +99,7 @@ def save_runner_step(directory: Path, rank: int, world_size: int) -> dict[str, t
     import torch.distributed as dist
 
     from megatron_grpo.grpo.checkpoint import save_checkpoint
+    from megatron_grpo.grpo.plugin_params import adam_params
     from megatron_grpo.megatron import build_optimizer
 
     cfg = config_with(SAVED)
@@ -105,7 +107,7 @@ def save_runner_step(directory: Path, rank: int, world_size: int) -> dict[str, t
     with torch.no_grad():
         for param in model.parameters():
             param.add_(0.5)
-    save_checkpoint(directory, steps_done=3, model=model, optimizer=build_optimizer(model, cfg.policy.optimizer),
+    save_checkpoint(directory, steps_done=3, model=model, optimizer=build_optimizer(model, adam_params(cfg)),
                     rank=rank, world_size=world_size, barrier=dist.barrier)
     return full_tensors(model)
 

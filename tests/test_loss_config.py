@@ -60,11 +60,43 @@ def test_config_is_frozen_and_replace_keeps_the_checks():
         dataclasses.replace(cfg, ratio_clip_c=0.5)
 
 
+# NeMo-RL's code defaults (its ClippedPGLossConfig in nemo_rl/algorithms/loss/loss_functions.py), under our names:
+# sequence_level_importance_ratios -> sequence_level_importance_ratio, token_level_loss: true -> token-mean, the flat
+# truncated_importance_sampling_{type, ratio_min, ratio} -> the nested section.
+NEMO_RL_DEFAULTS = {
+    "ratio_clip_min": 0.2, "ratio_clip_max": 0.2, "ratio_clip_c": None, "disable_ppo_ratio": False,
+    "loss_agg_mode": "token-mean", "sequence_level_importance_ratio": False,
+    "reference_policy_kl_penalty": 0.01, "reference_policy_kl_type": "k3",
+    "kl_input_clamp_value": 20.0, "kl_output_clamp_value": 10.0, "use_kl_in_reward": False,
+    "use_on_policy_kl_approximation": False, "use_importance_sampling_correction": False,
+    "truncated_importance_sampling": TruncatedImportanceSamplingConfig(type=None, ratio_min=None, ratio_max=None),
+    "force_on_policy_ratio": False, "use_cispo": False, "positive_example_nll_weight": 0.0,
+}
+# The keys NeMo-RL does not have: verl's meaning (and default) for max_response_length and entropy_coef (its
+# entropy_coeff), and GSPO's weight as both peers compute it.
+OTHER_DEFAULTS = {"max_response_length": None, "sequence_level_importance_weight": "product", "entropy_coef": 0.0}
+
+
+def test_every_key_has_a_default_nemo_rls_where_it_has_the_key():
+    defaults = ClippedPGLossConfig()
+    assert {f.name: getattr(defaults, f.name) for f in dataclasses.fields(defaults)} == {**NEMO_RL_DEFAULTS,
+                                                                                          **OTHER_DEFAULTS}
+
+
+def test_a_script_passes_only_what_it_changes(construct):
+    changed = construct({"ratio_clip_max": 0.28, "truncated_importance_sampling": {"type": "tis", "ratio_max": 2.0},
+                         "use_importance_sampling_correction": True})
+    assert changed == dataclasses.replace(
+        ClippedPGLossConfig(), ratio_clip_max=0.28, use_importance_sampling_correction=True,
+        truncated_importance_sampling=TruncatedImportanceSamplingConfig(type="tis", ratio_max=2.0))
+    assert changed.truncated_importance_sampling.ratio_min is None  # the nested section's own default
+
+
 @pytest.mark.parametrize("key", sorted(exemplar_loss_section()))
-def test_every_missing_key_is_named(construct, key):
+def test_every_missing_key_takes_its_default(construct, key):
     section = exemplar_loss_section()
     del section[key]
-    assert problems_of(construct, section) == [f"loss_fn.{key}: missing key"]
+    assert getattr(construct(section), key) == getattr(ClippedPGLossConfig(), key)
 
 
 def test_unknown_keys_are_named_at_both_levels(construct):
@@ -77,10 +109,12 @@ def test_unknown_keys_are_named_at_both_levels(construct):
     assert problems[1].startswith("loss_fn.truncated_importance_sampling.ratio: unknown key")
 
 
-def test_a_missing_nested_key_is_named(construct):
+def test_a_missing_nested_key_takes_its_default_and_its_conflicts_still_count(construct):
     section = exemplar_loss_section()
-    del section["truncated_importance_sampling"]["ratio_max"]
-    assert problems_of(construct, section) == ["loss_fn.truncated_importance_sampling.ratio_max: missing key"]
+    section["truncated_importance_sampling"] = {"type": "tis"}
+    section["use_importance_sampling_correction"] = True
+    assert problems_of(construct, section) == ["loss_fn.truncated_importance_sampling.ratio_max: 'tis' needs it, got "
+                                               "null"]
 
 
 @pytest.mark.parametrize(
@@ -109,14 +143,14 @@ def test_a_wrong_nested_value_is_named(construct):
 
 def test_all_key_and_type_problems_come_in_one_error(construct):
     section = exemplar_loss_section()
-    del section["entropy_coef"]
     section["bogus"] = 1
     section["ratio_clip_max"] = None
+    section["truncated_importance_sampling"]["ratio"] = 2.0
     problems = problems_of(construct, section)
     assert sorted(p.split(":")[0] for p in problems) == [
         "loss_fn.bogus",
-        "loss_fn.entropy_coef",
         "loss_fn.ratio_clip_max",
+        "loss_fn.truncated_importance_sampling.ratio",
     ]
 
 

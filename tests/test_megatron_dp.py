@@ -14,21 +14,22 @@ import torch.distributed as dist
 from _configs import config_with
 from _dist import run_on_ranks
 from _tolerances import MODEL_GRAD_RTOL, MODEL_LOGPROB_ATOL, adam_first_step_bound
-from test_megatron_hooks import ROWS, TINY_MODEL, build, make_batch
+from test_megatron_hooks import ROWS, TINY_MODEL, VOCAB, build, make_batch
 
 DP_MODEL = {**TINY_MODEL, "policy.tensor_model_parallel_size": 1}
 
 
 def one_train_step(rank: int, world_size: int) -> dict:
     """One train_step on this rank's contiguous share of the batch; what it did to the weights and gradients."""
+    from megatron_grpo.grpo.plan_inputs import plan_for
+    from megatron_grpo.grpo.plugin_params import adam_params, parallel_params, step_config
     from megatron_grpo.loss import ClippedPGLoss
-    from megatron_grpo.megatron import (StepConfig, build_optimizer, destroy_parallel, init_parallel, train_step,
+    from megatron_grpo.megatron import (build_optimizer, destroy_parallel, init_parallel, train_step, vocab_shard_of,
                                         wrap_in_ddp)
     from megatron_grpo.megatron.ddp import gradient
-    from megatron_grpo.scheduler import plan_logprob_passes
 
     cfg = config_with(DP_MODEL)
-    layout = init_parallel(cfg)
+    layout = init_parallel(parallel_params(cfg))
     try:
         rows = ROWS // layout.dp_size
         batch = {key: value[layout.dp_rank * rows:(layout.dp_rank + 1) * rows] for key, value in
@@ -37,8 +38,8 @@ def one_train_step(rank: int, world_size: int) -> dict:
         if layout.dp_size > 1:  # first, the same step on a model without DDP
             plain = build(cfg)
             try:
-                train_step(StepConfig.of(cfg), plain, build_optimizer(plain, cfg.policy.optimizer),
-                           ClippedPGLoss(cfg.loss_fn), plan_logprob_passes(cfg), batch)
+                train_step(step_config(cfg), plain, build_optimizer(plain, adam_params(cfg)),
+                           ClippedPGLoss(cfg.loss_fn), plan_for(cfg), batch, vocab=vocab_shard_of(plain, VOCAB))
             except ValueError as err:
                 unwrapped_error = str(err)
         model = wrap_in_ddp(build(cfg))
@@ -52,8 +53,8 @@ def one_train_step(rank: int, world_size: int) -> dict:
 
         dist.all_reduce = counted_all_reduce
         try:
-            result = train_step(StepConfig.of(cfg), model, build_optimizer(model, cfg.policy.optimizer),
-                                ClippedPGLoss(cfg.loss_fn), plan_logprob_passes(cfg), batch)
+            result = train_step(step_config(cfg), model, build_optimizer(model, adam_params(cfg)),
+                                ClippedPGLoss(cfg.loss_fn), plan_for(cfg), batch, vocab=vocab_shard_of(model, VOCAB))
         finally:
             dist.all_reduce = all_reduce
         return {
@@ -137,10 +138,11 @@ def test_an_unwrapped_model_under_data_parallelism_is_an_error_naming_ddp(runs):
 
 def two_backwards_around_a_step(cfg) -> dict:
     """The gradient of one backward, after an AdamOverMainGrad step, with only DDP's buffer zeroed between."""
+    from megatron_grpo.grpo.plugin_params import adam_params
     from megatron_grpo.megatron import build_optimizer, model_forward, wrap_in_ddp
 
     model = wrap_in_ddp(build(cfg))
-    optimizer = build_optimizer(model, cfg.policy.optimizer)
+    optimizer = build_optimizer(model, adam_params(cfg))
     input_ids = make_batch(seed=3)["input_ids"]
     grads, left_behind = [], 0
     for _ in range(2):

@@ -60,31 +60,34 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def build(cfg, tied: bool = False):
     """The tiny GPTModel with identical initial weights for every build with this config (and `tied`)."""
+    from megatron_grpo.grpo.plugin_params import model_params
     from megatron_grpo.megatron import build_gpt_model
 
     torch.manual_seed(cfg.seed)
-    return build_gpt_model(cfg, VOCAB, share_embeddings_and_output_weights=tied)
+    return build_gpt_model(model_params(cfg), VOCAB, share_embeddings_and_output_weights=tied)
 
 
 def _tying(model) -> dict:
     """Where the fused path takes its weight from, and which parameters the model has."""
+    from megatron_grpo.megatron import vocab_shard_of
     from megatron_grpo.megatron.hidden_states import output_weight
 
+    vocab = vocab_shard_of(model, VOCAB)  # a tied model's output layer holds no weight, but its columns
     return {"weight_is_embedding": output_weight(model) is model.embedding.word_embeddings.weight,
             "weight_is_output_layer": output_weight(model) is model.output_layer.weight,
             "parameter_names": [name for name, _ in model.named_parameters()],
-            "vocab_sizes": (model.true_vocab_size, model.padded_vocab_size)}
+            "vocab_sizes": (vocab.true_vocab_size, model.vocab_size), "vocab_start": vocab.start_index}
 
 
 def _run_train_step(cfg, batch, tied: bool, ddp: bool = False) -> dict:
+    from megatron_grpo.grpo.plan_inputs import plan_for
+    from megatron_grpo.grpo.plugin_params import adam_params, step_config
     from megatron_grpo.loss import ClippedPGLoss
-    from megatron_grpo.megatron import build_optimizer, train_step, wrap_in_ddp
+    from megatron_grpo.megatron import build_optimizer, train_step, vocab_shard_of, wrap_in_ddp
     from megatron_grpo.megatron.ddp import gradient
     from megatron_grpo.megatron.hidden_states import output_weight
-    from megatron_grpo.megatron.train_step import StepConfig
-    from megatron_grpo.scheduler import plan_logprob_passes
 
-    plan = plan_logprob_passes(cfg)
+    plan = plan_for(cfg)
     model = build(cfg, tied)
     reference = build(cfg, tied) if plan.build_reference_model else None
     tying = _tying(model)
@@ -92,8 +95,9 @@ def _run_train_step(cfg, batch, tied: bool, ddp: bool = False) -> dict:
     output_layer_calls = [0]
     output_layer.register_forward_hook(lambda *_: output_layer_calls.__setitem__(0, output_layer_calls[0] + 1))
     trained = wrap_in_ddp(model) if ddp else model
-    result = train_step(StepConfig.of(cfg), trained, build_optimizer(trained, cfg.policy.optimizer),
-                        ClippedPGLoss(cfg.loss_fn), plan, batch, reference_model=reference)
+    result = train_step(step_config(cfg), trained, build_optimizer(trained, adam_params(cfg)),
+                        ClippedPGLoss(cfg.loss_fn), plan, batch, vocab=vocab_shard_of(model, VOCAB),
+                        reference_model=reference)
     return {
         "result": result,
         "grads": {name: gradient(p).detach().clone() for name, p in model.named_parameters()},
@@ -109,15 +113,15 @@ def _per_token(cfg, batch, tied: bool) -> dict:
     """Per-token logprobs and entropies of the trained tokens, both ways, at the config's temperature and filter."""
     from megatron_grpo.loss import trained_token_mask, trained_token_targets
     from megatron_grpo.megatron import model_forward
+    from megatron_grpo.grpo.plugin_params import step_config
+    from megatron_grpo.megatron import vocab_shard_of
     from megatron_grpo.megatron.hidden_states import output_weight
-    from megatron_grpo.megatron.train_step import StepConfig
-    from megatron_grpo.megatron.vocab import vocab_shard_of
     from megatron_grpo.ops import HiddenStates, SamplingDistribution, current_logprobs, vocab_parallel_logprobs
 
     model, temperature = build(cfg, tied), cfg.generation.temperature
-    distribution = StepConfig.of(cfg).distribution
+    distribution = step_config(cfg).distribution
     filtered = SamplingDistribution(top_k=cfg.generation.top_k, top_p=cfg.generation.top_p)
-    vocab = vocab_shard_of(model)
+    vocab = vocab_shard_of(model, VOCAB)
     targets = trained_token_targets(batch["input_ids"], trained_token_mask(batch))
     with torch.no_grad():
         logits = model_forward(model, batch["input_ids"])
@@ -161,12 +165,13 @@ def _compare(plain: dict, fused: dict) -> dict:
 
 
 def run_cases(rank: int, world_size: int) -> dict:
+    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import destroy_parallel, init_parallel
 
     base = {**TINY_MODEL, "policy.tensor_model_parallel_size": world_size}
-    init_parallel(config_with(base))
+    init_parallel(parallel_params(config_with(base)))
     try:
-        outcome = {}
+        outcome = {"tp_rank": rank}  # TP is the whole world here
         for name, overrides in CASES.items():
             tied, ddp = name in TIED, name in DDP
             plain = _run_train_step(config_with({**base, **overrides, "policy.fused_linear_logprobs": False}),
@@ -250,8 +255,11 @@ def test_untied_fused_weight_is_the_output_layer(ranks):
 def test_every_case_runs_on_a_padded_vocab(ranks):
     for rank in ranks:
         for case in CASES:
-            true_size, padded_size = rank[case]["fused"]["tying"]["vocab_sizes"]
+            tying = rank[case]["fused"]["tying"]
+            true_size, padded_size = tying["vocab_sizes"]
             assert (true_size, padded_size) == (VOCAB, 16) and padded_size % len(ranks) == 0
+            # vocab_shard_of reads Megatron's output layer, tied or not: rank r holds ids from r * 16 / TP
+            assert tying["vocab_start"] == rank["tp_rank"] * padded_size // len(ranks)
 
 
 def test_fused_per_token_logprobs_and_entropy(ranks):

@@ -87,28 +87,29 @@ def count_forwards(model) -> list[int]:
 
 
 def build(cfg):
+    from megatron_grpo.grpo.plugin_params import model_params
     from megatron_grpo.megatron import build_gpt_model
 
     torch.manual_seed(cfg.seed)  # identical initial weights for every model built with this config
-    return build_gpt_model(cfg, VOCAB)
+    return build_gpt_model(model_params(cfg), VOCAB)
 
 
 def scenario_microbatches(cfg) -> dict:
     """Megatron's schedule with 1, 2, 4 microbatches vs. a plain float64 full-batch gradient."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_grpo.grpo.plan_inputs import plan_for
     from megatron_grpo.loss import ClippedPGLoss, count_valid
-    from megatron_grpo.megatron import compute_logprobs, make_forward_step
-    from megatron_grpo.megatron.vocab import vocab_shard_of
+    from megatron_grpo.megatron import compute_logprobs, make_forward_step, vocab_shard_of
     from megatron_grpo.ops import SamplingDistribution
-    from megatron_grpo.scheduler import plan_logprob_passes
 
     model, batch = build(cfg), make_batch(seed=11)
+    vocab = vocab_shard_of(model, VOCAB)
     position_ids = torch.arange(SEQ).expand(ROWS, SEQ)
     causal_mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(diagonal=1)[None, None]
     logits_shape = tuple(model(batch["input_ids"], position_ids, attention_mask=causal_mask).shape)
     reference_on_policy_loss64(model, batch).backward()
-    expected, plan = grads_of(model), plan_logprob_passes(cfg)
+    expected, plan = grads_of(model), plan_for(cfg)
     tokens, seqs = count_valid(batch)
     errors, losses = {}, {}
     for count in MICROBATCH_COUNTS:
@@ -116,7 +117,7 @@ def scenario_microbatches(cfg) -> dict:
         rows = ROWS // count
         microbatches = [{k: v[i * rows:(i + 1) * rows] for k, v in batch.items()} for i in range(count)]
         forward_step = make_forward_step(ClippedPGLoss(cfg.loss_fn), plan, num_microbatches=count,
-                                         global_valid_tokens=tokens, global_valid_seqs=seqs, vocab=vocab_shard_of(model))
+                                         global_valid_tokens=tokens, global_valid_seqs=seqs, vocab=vocab)
         metrics = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(microbatches),
                                               model=model, num_microbatches=count, seq_length=SEQ,
                                               micro_batch_size=rows, forward_only=False)
@@ -124,14 +125,15 @@ def scenario_microbatches(cfg) -> dict:
         errors[count] = max((got[n] - expected[n]).abs().max().item() for n in expected)
         losses[count] = sum(m["loss"].item() for m in metrics)
     with torch.no_grad():
-        logprob_error = (compute_logprobs(model, batch, micro_batch_size=2).double()
+        logprob_error = (compute_logprobs(model, batch, micro_batch_size=2, vocab=vocab).double()
                          - reference_logprobs64(model, batch["input_ids"])).abs().max().item()
-        tempered_error = (compute_logprobs(model, batch, micro_batch_size=2,
+        tempered_error = (compute_logprobs(model, batch, micro_batch_size=2, vocab=vocab,
                                            distribution=SamplingDistribution.of_sampling(0.7)).double()
                           - reference_logprobs64(model, batch["input_ids"], temperature=0.7)).abs().max().item()
         tempered_shift = (reference_logprobs64(model, batch["input_ids"], temperature=0.7)
                           - reference_logprobs64(model, batch["input_ids"])).abs().max().item()
-    return {"logits_shape": logits_shape, "vocab_sizes": (model.true_vocab_size, model.padded_vocab_size),
+    return {"logits_shape": logits_shape, "vocab_sizes": (vocab.true_vocab_size, model.vocab_size),
+            "vocab_start": vocab.start_index,
             "grad_errors": errors, "losses": losses, "reference_loss": reference_on_policy_loss64(model, batch).item(),
             "grad_scale": max(g.abs().max().item() for g in expected.values()), "logprob_error": logprob_error,
             "advantage_scale": batch["advantages"].abs().max().item(),
@@ -146,9 +148,10 @@ def scenario_skipped_prev(cfg) -> dict:
     gradient's conditioning. Adam's first update, lr * g / (|g| + eps), is not: it maps a gradient element at the
     rounding level (one whose exact value is 0, such as a key bias's under the softmax's shift invariance) to
     anything in [-lr, lr], so its weights differ by whatever fp32 rounding each CPU's blocking produced."""
+    from megatron_grpo.grpo.plan_inputs import plan_for
+    from megatron_grpo.grpo.plugin_params import step_config
     from megatron_grpo.loss import ClippedPGLoss
-    from megatron_grpo.megatron import StepConfig, train_step
-    from megatron_grpo.scheduler import plan_logprob_passes
+    from megatron_grpo.megatron import train_step, vocab_shard_of
 
     computed_cfg = dataclasses.replace(cfg, logprob_passes=dataclasses.replace(cfg.logprob_passes, prev="compute"))
     batch = make_batch(seed=12)
@@ -157,9 +160,9 @@ def scenario_skipped_prev(cfg) -> dict:
         model = build(run_cfg)
         initial = [p.detach().clone() for p in model.parameters()]
         forwards = count_forwards(model)
-        plan = plan_logprob_passes(run_cfg)
-        result = train_step(StepConfig.of(run_cfg), model, torch.optim.SGD(model.parameters(), lr=SGD_LR),
-                            ClippedPGLoss(run_cfg.loss_fn), plan, batch)
+        plan = plan_for(run_cfg)
+        result = train_step(step_config(run_cfg), model, torch.optim.SGD(model.parameters(), lr=SGD_LR),
+                            ClippedPGLoss(run_cfg.loss_fn), plan, batch, vocab=vocab_shard_of(model, VOCAB))
         outcome[name] = {"initial": initial, "params": [p.detach().clone() for p in model.parameters()],
                          "grads": [p.grad.detach().clone() for p in model.parameters()],  # clipped, as stepped
                          "result": result, "forwards": forwards[0], "plan": plan}
@@ -187,21 +190,23 @@ def scenario_skipped_prev(cfg) -> dict:
 
 def scenario_reference(cfg) -> dict:
     """KL 0: no reference model is asked for and none runs; KL > 0: the reference runs one logprob pass."""
+    from megatron_grpo.grpo.plan_inputs import plan_for
+    from megatron_grpo.grpo.plugin_params import adam_params, step_config
     from megatron_grpo.loss import ClippedPGLoss
-    from megatron_grpo.megatron import StepConfig, build_optimizer, train_step
-    from megatron_grpo.scheduler import plan_logprob_passes
+    from megatron_grpo.megatron import build_optimizer, train_step, vocab_shard_of
 
     kl_cfg = dataclasses.replace(cfg, loss_fn=dataclasses.replace(cfg.loss_fn, reference_policy_kl_penalty=0.1))
     batch = make_batch(seed=13)
     outcome = {}
     for name, run_cfg in (("kl0", cfg), ("kl", kl_cfg)):
-        plan = plan_logprob_passes(run_cfg)
+        plan = plan_for(run_cfg)
         policy = build(run_cfg)
         reference = build(run_cfg) if plan.build_reference_model else None
         policy_forwards = count_forwards(policy)
         reference_forwards = count_forwards(reference) if reference is not None else None
-        result = train_step(StepConfig.of(run_cfg), policy, build_optimizer(policy, run_cfg.policy.optimizer),
-                            ClippedPGLoss(run_cfg.loss_fn), plan, batch, reference_model=reference)
+        result = train_step(step_config(run_cfg), policy, build_optimizer(policy, adam_params(run_cfg)),
+                            ClippedPGLoss(run_cfg.loss_fn), plan, batch, vocab=vocab_shard_of(policy, VOCAB),
+                            reference_model=reference)
         outcome[name] = {"plan": plan, "policy_forwards": policy_forwards[0],
                          "reference_forwards": None if reference_forwards is None else reference_forwards[0],
                          "passes_run": result.passes_run,
@@ -224,10 +229,9 @@ def scenario_inplace_backward(cfg) -> dict:
     gradients both ways."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_grpo.grpo.plan_inputs import plan_for
     from megatron_grpo.loss import ClippedPGLoss, count_valid
-    from megatron_grpo.megatron import make_forward_step
-    from megatron_grpo.megatron.vocab import vocab_shard_of
-    from megatron_grpo.scheduler import plan_logprob_passes
+    from megatron_grpo.megatron import make_forward_step, vocab_shard_of
 
     batch = make_batch(seed=12)
     tokens, seqs = count_valid(batch)
@@ -236,9 +240,9 @@ def scenario_inplace_backward(cfg) -> dict:
         model = build(cfg)
         outputs = []
         model.register_forward_hook(lambda module, args, output: outputs.append(output))
-        forward_step = make_forward_step(ClippedPGLoss(cfg.loss_fn), plan_logprob_passes(cfg), num_microbatches=1,
+        forward_step = make_forward_step(ClippedPGLoss(cfg.loss_fn), plan_for(cfg), num_microbatches=1,
                                          global_valid_tokens=tokens, global_valid_seqs=seqs,
-                                         vocab=vocab_shard_of(model), inplace_backward=inplace)
+                                         vocab=vocab_shard_of(model, VOCAB), inplace_backward=inplace)
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([batch]), model=model,
                                     num_microbatches=1, seq_length=SEQ, micro_batch_size=ROWS, forward_only=False)
         (logits,) = outputs
@@ -256,6 +260,7 @@ def cpu_support_is_idempotent() -> bool:
 
 
 def run_all_scenarios(rank: int, world_size: int) -> dict:
+    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import destroy_parallel, init_parallel
 
     records = _Records()
@@ -263,7 +268,7 @@ def run_all_scenarios(rank: int, world_size: int) -> dict:
     logger.addHandler(records)
     logger.setLevel(logging.INFO)
     cfg = config_with(TINY_MODEL)
-    layout = init_parallel(cfg)
+    layout = init_parallel(parallel_params(cfg))
     try:
         results = {"layout": layout, "cpu_support_idempotent": cpu_support_is_idempotent(),
                    "microbatches": scenario_microbatches(cfg)}
@@ -290,6 +295,8 @@ def test_layout_is_tp2_dp1(ranks):
 def test_model_logits_are_vocab_parallel_with_padded_vocab(ranks):
     for rank in ranks:
         assert rank["microbatches"]["vocab_sizes"] == (VOCAB, 16)
+        # vocab_shard_of reads the output layer's columns: rank r holds ids from 8 r
+        assert rank["microbatches"]["vocab_start"] == 8 * rank["layout"].tp_rank
         assert rank["microbatches"]["logits_shape"] == (ROWS, SEQ, 16 // 2)
 
 
@@ -413,6 +420,7 @@ def test_init_parallel_passes_the_timeout_to_torch_and_megatron(monkeypatch):
     """Wiring only: rank and world from torchrun's environment, gloo without CUDA, one timeout everywhere."""
     from datetime import timedelta
 
+    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import parallel
 
     calls = {}
@@ -429,7 +437,7 @@ def test_init_parallel_passes_the_timeout_to_torch_and_megatron(monkeypatch):
     monkeypatch.setattr(parallel, "current_layout", lambda: "layout")
     cfg = config_with({**TINY_MODEL, "distributed.timeout_seconds": 45})
 
-    assert parallel.init_parallel(cfg) == "layout"
+    assert parallel.init_parallel(parallel_params(cfg)) == "layout"
     assert calls["init"] == {"backend": "gloo", "rank": 3, "world_size": 4, "timeout": timedelta(seconds=45)}
     assert calls["megatron"] == {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
                                  "distributed_timeout_minutes": 0.75}
@@ -442,17 +450,20 @@ def test_init_parallel_rejects_a_world_that_tp_times_pp_does_not_divide(monkeypa
     monkeypatch.setattr(parallel, "apply_cpu_support", lambda: True)
     monkeypatch.setattr(parallel.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(parallel.dist, "get_world_size", lambda: 3)
-    with pytest.raises(ValueError, match="policy.tensor_model_parallel_size"):
-        parallel.init_parallel(config_with(TINY_MODEL))
+    with pytest.raises(ValueError, match=r"world size 3 is not a multiple of tensor_model_parallel_size \(2\)"):
+        parallel.init_parallel(parallel.ParallelParams(tensor_model_parallel_size=2))
 
 
 def test_train_step_without_the_planned_reference_model_names_it():
-    from megatron_grpo.megatron import StepConfig, train_step
-    from megatron_grpo.scheduler import plan_logprob_passes
+    from megatron_grpo.grpo.plan_inputs import plan_for
+    from megatron_grpo.grpo.plugin_params import step_config
+    from megatron_grpo.megatron import train_step
+    from megatron_grpo.ops import VocabShard
 
     cfg = config_with({**TINY_MODEL, "loss_fn.reference_policy_kl_penalty": 0.1})
     with pytest.raises(ValueError, match="reference_model"):
-        train_step(StepConfig.of(cfg), torch.nn.Linear(1, 1), None, None, plan_logprob_passes(cfg), make_batch(seed=1))
+        train_step(step_config(cfg), torch.nn.Linear(1, 1), None, None, plan_for(cfg), make_batch(seed=1),
+                   vocab=VocabShard(true_vocab_size=VOCAB))
 
 
 @pytest.mark.parametrize("mode, batch_versions, message", [
@@ -462,24 +473,27 @@ def test_train_step_without_the_planned_reference_model_names_it():
                                   r"approximations\)"),
 ])
 def test_train_step_without_the_versions_an_interpolation_needs_names_them(mode, batch_versions, message):
-    from megatron_grpo.megatron import StepConfig, train_step
-    from megatron_grpo.scheduler import plan_logprob_passes
+    from megatron_grpo.grpo.plan_inputs import plan_for
+    from megatron_grpo.grpo.plugin_params import step_config
+    from megatron_grpo.megatron import train_step
+    from megatron_grpo.ops import VocabShard
 
     cfg = config_with({**TINY_MODEL, "logprob_passes.prev": mode})
     batch = make_batch(seed=1)
     if batch_versions:
         batch["rollout_weight_version"] = torch.zeros(batch["input_ids"].shape[0], dtype=torch.int64)
     with pytest.raises(ValueError, match=message):
-        train_step(StepConfig.of(cfg), torch.nn.Linear(1, 1), None, None, plan_logprob_passes(cfg), batch)
+        train_step(step_config(cfg), torch.nn.Linear(1, 1), None, None, plan_for(cfg), batch,
+                   vocab=VocabShard(true_vocab_size=VOCAB))
 
 
 def test_the_plans_prev_source_becomes_the_losss_arguments():
     from megatron_grpo.loss.proximal import ProximalApproximation, StepVersions
+    from megatron_grpo.grpo.plan_inputs import plan_for
     from megatron_grpo.megatron.train_step import prev_source_kwargs
-    from megatron_grpo.scheduler import plan_logprob_passes
 
     def plan(mode):
-        return plan_logprob_passes(config_with({**TINY_MODEL, "logprob_passes.prev": mode}))
+        return plan_for(config_with({**TINY_MODEL, "logprob_passes.prev": mode}))
 
     versions = StepVersions(2, 2.5)
     assert prev_source_kwargs(plan("auto")) == {"prev_logprobs_from_current": True}
@@ -501,7 +515,7 @@ def test_batch_that_is_no_whole_number_of_steps_names_the_keys(monkeypatch, rows
     module = importlib.import_module("megatron_grpo.megatron.train_step")  # the package exports a function of that name
     monkeypatch.setattr(module.parallel_state, "get_data_parallel_world_size", lambda: dp_size)
     with pytest.raises(ValueError, match=expected):
-        module._rows_per_optimizer_step(module.StepConfig.of(config_with(TINY_MODEL)), rows)
+        module._rows_per_optimizer_step(module.StepConfig(global_batch_size=ROWS, micro_batch_size=2), rows)
 
 
 def test_microbatch_split_names_the_micro_batch_size():
@@ -509,3 +523,51 @@ def test_microbatch_split_names_the_micro_batch_size():
 
     with pytest.raises(ValueError, match=r"not a positive multiple of micro_batch_size \(3\)"):
         _split(make_batch(seed=1), micro_batch_size=3)
+
+
+def _shard_of(monkeypatch, model, true_vocab_size: int, tp_rank: int = 1, tp_size: int = 2):
+    """`vocab_shard_of` on TP rank `tp_rank` of `tp_size`, without process groups (a stand-in group object)."""
+    from megatron_grpo.megatron import vocab
+
+    monkeypatch.setattr(vocab.parallel_state, "get_tensor_model_parallel_world_size", lambda: tp_size)
+    monkeypatch.setattr(vocab.parallel_state, "get_tensor_model_parallel_rank", lambda: tp_rank)
+    monkeypatch.setattr(vocab.parallel_state, "get_tensor_model_parallel_group", lambda: "tp-group")
+    return vocab.vocab_shard_of(model, true_vocab_size)
+
+
+def test_the_vocab_shard_comes_from_whichever_of_megatrons_vocab_layers_a_stage_holds(monkeypatch):
+    """The last stage's output layer, else the first stage's input embedding, else (a middle pipeline stage) the
+    model's padded vocab split evenly: rank 1 of 2 holds ids from 8 of a vocab padded to 16."""
+    from types import SimpleNamespace
+
+    from megatron_grpo.ops import VocabShard
+
+    expected = VocabShard(start_index=8, true_vocab_size=VOCAB, group="tp-group")
+    last = SimpleNamespace(output_layer=SimpleNamespace(output_size_per_partition=8))
+    first = SimpleNamespace(embedding=SimpleNamespace(word_embeddings=SimpleNamespace(
+        vocab_start_index=8, num_embeddings_per_partition=8)))
+    middle = SimpleNamespace(vocab_size=16)
+    assert [_shard_of(monkeypatch, model, VOCAB) for model in (last, first, middle)] == [expected] * 3
+    assert _shard_of(monkeypatch, middle, VOCAB, tp_rank=0, tp_size=1) == VocabShard(0, VOCAB, None)
+    with pytest.raises(ValueError, match=r"true_vocab_size: must be in \[1, 16\] .* got 17"):
+        _shard_of(monkeypatch, last, 17)
+    with pytest.raises(ValueError, match="no output layer, input embedding or vocab_size"):
+        _shard_of(monkeypatch, SimpleNamespace(), VOCAB)
+
+
+def test_the_parameter_objects_defaults_are_megatrons():
+    """Each default of the Megatron layer's parameter objects is Megatron-Core's own for the same key."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_grpo.megatron import AdamParams, GPTModelParams, StepConfig
+
+    transformer = {field.name: field.default for field in dataclasses.fields(TransformerConfig)}
+    model = GPTModelParams(num_layers=2, hidden_size=24, num_attention_heads=4, max_position_embeddings=SEQ)
+    for name in ("ffn_hidden_size", "init_method_std", "hidden_dropout", "attention_dropout"):
+        assert getattr(model, name) == transformer[name], name
+    optimizer = {field.name: field.default for field in dataclasses.fields(OptimizerConfig)}
+    adam = AdamParams(lr=1e-3)
+    for name in ("adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "clip_grad"):
+        assert getattr(adam, name) == optimizer[name], name
+    assert StepConfig(global_batch_size=ROWS, micro_batch_size=2).clip_grad == optimizer["clip_grad"]

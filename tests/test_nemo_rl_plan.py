@@ -165,7 +165,7 @@ def test_lists_print_one_key_per_line(capsys):
     [
         ("grpo: {num_prompts_per_step: 4}\n", "grpo.num_generations_per_prompt: missing key"),
         ("defaults: loop.yaml\n", "`defaults:` loop"),
-        ("defaults: nowhere.yaml\n", "nowhere.yaml: cannot read the config file"),
+        ("defaults: nowhere.yaml\n", "loop.yaml: defaults: nowhere.yaml: no such file"),
         ("defaults: grpo_base.yaml\npolicy: {train_global_batch_size: '${mul:2,3}'}\n",
          "policy.train_global_batch_size: cannot resolve '${mul:2,3}'"),
     ],

@@ -9,7 +9,8 @@ import yaml
 from _configs import TINY, config_with, set_key, tiny
 
 from megatron_grpo.config import ConfigError, load_config
-from megatron_grpo.scheduler import LogprobPlan, plan_logprob_passes
+from megatron_grpo.grpo.plan_inputs import plan_for
+from megatron_grpo.scheduler import LogprobPlan
 from megatron_grpo.scheduler_cli import main as plan_main
 
 ROLLOUT_X2 = {"grpo.num_prompts_per_step": 32}  # 32 × 8 = 256 = 2 × train_global_batch_size (128)
@@ -64,7 +65,7 @@ PLANS = [
 @pytest.mark.parametrize("overrides, reference, prev, prev_words", [row[1:] for row in PLANS],
                          ids=[row[0] for row in PLANS])
 def test_plan_table(overrides, reference, prev, prev_words):
-    plan = plan_logprob_passes(config_with(overrides))
+    plan = plan_for(config_with(overrides))
     assert (plan.compute_reference_logprobs, plan.compute_prev_logprobs) == (reference, prev)
     assert plan.build_reference_model == reference
     forced = overrides.get("loss_fn.force_on_policy_ratio", False)
@@ -79,14 +80,14 @@ def test_plan_table(overrides, reference, prev, prev_words):
 
 
 def test_nemo_rl_switch_is_named_as_the_reason_for_skipping_the_reference_pass():
-    plan = plan_logprob_passes(config_with(SKIP_REFERENCE))
+    plan = plan_for(config_with(SKIP_REFERENCE))
     assert "grpo.skip_reference_policy_logprobs_calculation = true" in plan.reasons[0]
-    unset = plan_logprob_passes(config_with({"logprob_passes.reference": "compute"}))
+    unset = plan_for(config_with({"logprob_passes.reference": "compute"}))
     assert unset.compute_reference_logprobs  # false leaves the choice to logprob_passes.reference
 
 
 def test_reference_reason_names_the_kl_key():
-    on, off = plan_logprob_passes(config_with(KL)), plan_logprob_passes(config_with({}))
+    on, off = plan_for(config_with(KL)), plan_for(config_with({}))
     assert "loss_fn.reference_policy_kl_penalty = 0.05" in on.reasons[0]
     assert "loss_fn.reference_policy_kl_penalty = 0" in off.reasons[0]
 
@@ -172,7 +173,7 @@ CONFLICTS += [
 def test_conflict_table(overrides, fragments):
     cfg = config_with(overrides)  # the config itself is valid: these are the scheduler's conflicts
     with pytest.raises(ConfigError) as err:
-        plan_logprob_passes(cfg)
+        plan_for(cfg)
     problems = err.value.problems
     assert len(problems) == len(fragments), problems
     for words in fragments:
@@ -197,7 +198,7 @@ AUTO_SETTINGS = [
 
 @pytest.mark.parametrize("setting", AUTO_SETTINGS, ids=lambda s: "-".join(map(str, s.values())))
 def test_auto_never_errors_and_skips_exactly_the_redundant_passes(setting):
-    plan = plan_logprob_passes(config_with(setting))
+    plan = plan_for(config_with(setting))
     kl_on = setting["loss_fn.reference_policy_kl_penalty"] > 0
     # staleness has no say: with one update per rollout the training forward is the proximal policy
     forward_is_proximal = (setting["grpo.num_prompts_per_step"] == 16
@@ -231,7 +232,7 @@ PREV_MODES = [
 @pytest.mark.parametrize("overrides, computed, approximation, compared, words", [row[1:] for row in PREV_MODES],
                          ids=[row[0] for row in PREV_MODES])
 def test_prev_modes_without_a_pass_or_compared_with_one(overrides, computed, approximation, compared, words):
-    plan = plan_logprob_passes(config_with(overrides))
+    plan = plan_for(config_with(overrides))
     assert plan.compute_prev_logprobs == computed and plan.passes_per_step == int(computed) + int(
         plan.compute_reference_logprobs)
     assert plan.prev_approximation == approximation and plan.compare_approximations == compared
@@ -243,7 +244,7 @@ def test_prev_modes_without_a_pass_or_compared_with_one(overrides, computed, app
 
 @pytest.mark.parametrize("setting", AUTO_SETTINGS, ids=lambda s: "-".join(map(str, s.values())))
 def test_auto_never_picks_an_approximation(setting):
-    plan = plan_logprob_passes(config_with(setting))
+    plan = plan_for(config_with(setting))
     assert plan.prev_approximation is None and not plan.compare_approximations
 
 
@@ -274,7 +275,7 @@ def test_cli_names_the_prev_source_and_the_peers_key(tmp_path, capsys, mode, pre
 def test_forced_on_policy_ratio_takes_prev_from_current_even_when_the_pass_runs_for_a_reader():
     # The prev pass runs for the sequence mask before the loss; the loss's ratio still uses curr.detach(), and the
     # plan alone says so (the loss does not re-derive it from its config).
-    plan = plan_logprob_passes(config_with({**FORCE, "grpo.seq_logprob_error_threshold": 1.5}))
+    plan = plan_for(config_with({**FORCE, "grpo.seq_logprob_error_threshold": 1.5}))
     assert plan.compute_prev_logprobs and plan.prev_from_current
 
 
@@ -293,22 +294,24 @@ def test_passes_saved_per_step(reference, prev, saved):
 
 
 def test_plan_is_frozen():
-    plan = plan_logprob_passes(load_config(TINY))
+    plan = plan_for(load_config(TINY))
     with pytest.raises(AttributeError):
         plan.compute_prev_logprobs = True  # type: ignore[misc]
 
 
-def test_cli_prints_plan_reasons_and_savings(capsys):
+def test_cli_prints_plan_reasons_and_savings(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the config's run_dir is relative: the resolved config lands under tmp_path
     assert plan_main(["--config", str(TINY)]) == 0
     out = capsys.readouterr().out
     assert "reference logprobs: skip (reference model not built)" in out
     assert "prev logprobs:      skip (loss uses curr.detach())" in out
-    for reason in plan_logprob_passes(load_config(TINY)).reasons:
+    for reason in plan_for(load_config(TINY)).reasons:
         assert reason in out
     assert "forward passes saved per step: 2 of 2 (256 sequence forwards of the 128-sequence rollout batch)" in out
 
 
-def test_cli_skips_the_prev_pass_of_the_stale_demo_and_says_why(capsys):
+def test_cli_skips_the_prev_pass_of_the_stale_demo_and_says_why(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     assert plan_main(["--config", str(TINY.parent / "grpo_tiny_cpu_stale.yaml")]) == 0
     out = capsys.readouterr().out
     assert "prev logprobs:      skip (loss uses curr.detach())" in out
@@ -343,3 +346,41 @@ def test_cli_reports_a_missing_config_file_with_exit_2(tmp_path, capsys):
     assert captured.out == ""
     assert "typo.yaml: cannot read the config file: No such file or directory" in captured.err
     assert "Traceback" not in captured.err
+
+
+def test_cli_writes_the_resolved_config_into_an_empty_run_directory_only(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    stale = TINY.parent / "grpo_tiny_cpu_stale.yaml"
+    cfg = load_config(stale)
+    written = tmp_path / cfg.run_dir / "config.yaml"
+    assert plan_main(["--config", str(stale)]) == 0
+    assert f"resolved config: {cfg.run_dir}/config.yaml" in capsys.readouterr().out
+    assert load_config(written) == cfg  # every key, the base's and the defaults included
+    (written.parent / "metrics.jsonl").write_text("")  # the directory now holds a run: its config stays
+    written.write_text("seed: 1\n")
+    assert plan_main(["--config", str(stale)]) == 0
+    assert f"resolved config: not written, {cfg.run_dir} holds a run" in capsys.readouterr().out
+    assert written.read_text() == "seed: 1\n"
+
+
+def test_plan_inputs_for_a_loss_read_its_kl_forced_ratio_and_is_correction():
+    from megatron_grpo.loss import ClippedPGLossConfig
+    from megatron_grpo.scheduler import PlanInputs, plan_logprob_passes
+
+    loss = ClippedPGLossConfig(reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True)
+    inputs = PlanInputs.for_loss(loss, rollout_batch=8, global_batch=8, dropout=False, staleness=1)
+    assert (inputs.kl_penalty, inputs.kl_in_reward, inputs.force_on_policy, inputs.importance_sampling) == (
+        0.0, False, False, True)
+    plan = plan_logprob_passes(inputs)
+    assert not plan.compute_reference_logprobs and not plan.compute_prev_logprobs
+    # The loss's default KL penalty (NeMo-RL's 0.01) needs the reference pass.
+    defaults = plan_logprob_passes(PlanInputs.for_loss(ClippedPGLossConfig(), rollout_batch=8, global_batch=8,
+                                                       dropout=False))
+    assert defaults.compute_reference_logprobs
+
+
+def test_the_runner_config_is_adapted_outside_the_scheduler():
+    from megatron_grpo.scheduler import plan_logprob_passes
+
+    with pytest.raises(TypeError, match="expected PlanInputs"):
+        plan_logprob_passes(load_config(TINY))

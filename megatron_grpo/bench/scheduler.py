@@ -33,7 +33,8 @@ import torch.distributed as dist
 from megatron_grpo.bench.measure import DEFAULT_OUT, PeakMemory, machine_description
 from megatron_grpo.config import Config, ConfigError, PrevMode, load_config
 from megatron_grpo.helptext import DefaultsHelpFormatter
-from megatron_grpo.scheduler import LogprobPlan, plan_logprob_passes
+from megatron_grpo.grpo.plan_inputs import plan_for
+from megatron_grpo.scheduler import LogprobPlan
 
 EXIT_BAD_INPUT = 2
 VARIANTS = ("auto", "compute")
@@ -51,7 +52,7 @@ def main(argv: list[str]) -> int:
             cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, max_rollout_staleness=args.staleness))
         configs = (with_prev_modes(cfg, args.prev_modes) if args.prev_modes
                    else {"auto": cfg, "compute": with_all_passes_computed(cfg)})
-        plans = {name: plan_logprob_passes(variant) for name, variant in configs.items()}
+        plans = {name: plan_for(variant) for name, variant in configs.items()}
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -61,9 +62,10 @@ def main(argv: list[str]) -> int:
         return EXIT_BAD_INPUT
 
     from megatron_grpo.grpo.loop import Trainer  # imports megatron.core: only once the input is known to be good
+    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import destroy_parallel, init_parallel
 
-    layout = init_parallel(cfg)
+    layout = init_parallel(parallel_params(cfg))
     try:
         trainers = {}
         for name in configs:

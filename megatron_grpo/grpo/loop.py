@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron_grpo.config import Config
 from megatron_grpo.grpo.advantages import group_relative_advantages
 from megatron_grpo.grpo.checkpoint import load_checkpoint, save_checkpoint
+from megatron_grpo.grpo.plugin_params import adam_params, model_params, step_config
 from megatron_grpo.grpo.reporting import Reporter, is_collapsed
 from megatron_grpo.grpo.rollout import Rollout, SamplingParams, generate
 from megatron_grpo.grpo.rollout_queue import RolloutQueue
@@ -34,7 +35,6 @@ from megatron_grpo.loss import ClippedPGLoss
 from megatron_grpo.megatron import (
     Optimizer,
     ParallelLayout,
-    StepConfig,
     build_gpt_model,
     build_optimizer,
     draws_from_last_stage,
@@ -42,8 +42,10 @@ from megatron_grpo.megatron import (
     load_model_weights,
     train_step,
     uses_distributed_optimizer,
+    vocab_shard_of,
     wrap_in_ddp,
 )
+from megatron_grpo.ops import VocabShard
 from megatron_grpo.scheduler import LogprobPlan
 
 PROMPT_STREAM, SAMPLING_STREAM = 0, 1
@@ -68,6 +70,7 @@ class Trainer:
     layout: ParallelLayout
     task: DigitTask
     model: torch.nn.Module
+    vocab: VocabShard  # the model's vocab shard, the task's tokens real and the rest padding
     reference_model: Optional[torch.nn.Module]
     optimizer: Optimizer
     loss_fn: ClippedPGLoss
@@ -76,17 +79,17 @@ class Trainer:
 
     def __post_init__(self) -> None:
         self.rollouts = RolloutQueue(self._timed_rollout, self.cfg.grpo.max_rollout_staleness)
-        self.step_config = StepConfig.of(self.cfg)  # its distribution is the sampler's too
+        self.step_config = step_config(self.cfg)  # its distribution is the sampler's too
 
     @classmethod
     def build(cls, cfg: Config, plan: LogprobPlan, layout: ParallelLayout) -> Trainer:
         tokenizer = DigitTokenizer()
-        model = build_gpt_model(cfg, tokenizer.vocab_size)
+        model = build_gpt_model(model_params(cfg), tokenizer.vocab_size)
         if cfg.policy.initial_checkpoint is not None:  # also when resuming: the reference model copies it
-            load_model_weights(model, cfg.policy.initial_checkpoint)
+            load_model_weights(model, cfg.policy.initial_checkpoint, true_vocab_size=tokenizer.vocab_size)
         reference_model = None
         if plan.build_reference_model:  # a frozen copy of the initial policy
-            reference_model = build_gpt_model(cfg, tokenizer.vocab_size)
+            reference_model = build_gpt_model(model_params(cfg), tokenizer.vocab_size)
             reference_model.load_state_dict(model.state_dict())
             reference_model.requires_grad_(False)
         model = wrap_in_ddp(model, use_distributed_optimizer=uses_distributed_optimizer())
@@ -96,8 +99,9 @@ class Trainer:
             layout=layout,
             task=DigitTask(cfg.task.name, cfg.task.num_digits, tokenizer),
             model=model,
+            vocab=vocab_shard_of(model, tokenizer.vocab_size),
             reference_model=reference_model,
-            optimizer=build_optimizer(model, cfg.policy.optimizer),
+            optimizer=build_optimizer(model, adam_params(cfg)),
             loss_fn=ClippedPGLoss(cfg.loss_fn),
         )
 
@@ -179,7 +183,7 @@ class Trainer:
             dp_group = self.layout.dp_group
             shaping = PrevLogprobShaping(self.cfg, rewards, dp_group)
         result = train_step(self.step_config, self.model, self.optimizer, self.loss_fn, self.plan, device_batch,
-                            reference_model=self.reference_model, prepare_batch=shaping, timer=timer,
+                            vocab=self.vocab, reference_model=self.reference_model, prepare_batch=shaping, timer=timer,
                             proximal_version=step)  # the weights have done `step` steps
         finished = time.perf_counter()
         record = {

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
+from megatron_grpo.config import RESOLVED_CONFIG
 from megatron_grpo.grpo.checkpoint_dir import CheckpointError, describe_os_error, find_resumable
 
 StartMode = Literal["auto", "resume", "fresh"]
@@ -97,9 +98,16 @@ def _run_locations(run_dir: Path, checkpoint_dir: Path) -> list[Path]:
     return [run_dir] if inside else [run_dir, checkpoint_dir]
 
 
+def holds_a_run(run_dir: Path) -> bool:
+    """Whether `run_dir` holds the files of a run (metrics, checkpoints, logs), not just a resolved config that
+    `plan` wrote (`train` rewrites that one at every start)."""
+    return _holds_files(Path(run_dir))
+
+
 def _holds_files(directory: Path) -> bool:
-    """Whether `directory` holds any file, another rank's passing write probe aside."""
-    return directory.is_dir() and any(path.is_file() and not path.name.startswith(PROBE_PREFIX)
+    """Whether `directory` holds any file, another rank's passing write probe and the resolved config aside."""
+    resolved = directory / RESOLVED_CONFIG
+    return directory.is_dir() and any(path.is_file() and not path.name.startswith(PROBE_PREFIX) and path != resolved
                                       for path in directory.rglob("*"))
 
 

@@ -4,7 +4,8 @@ Everything that can be checked without peers is checked before any process group
 config (a `ConfigError` naming each bad key), then the logprob plan and the runner's own limits, CUDA for
 bf16 among them (one `ConfigError` listing the problems of both), then that the run and checkpoint directories
 are writable, and what the run directory holds: a complete checkpoint is resumed (`--resume` insists on one),
-and `--fresh` moves an earlier run aside (see `run_start`). Afterwards a failed collective means a peer died or
+and `--fresh` moves an earlier run aside (see `run_start`). Rank 0 then writes the resolved config, every key
+of it, to `<run_dir>/config.yaml`. Afterwards a failed collective means a peer died or
 hung; the survivor says so, names the rank(s) it lost contact with, and exits non-zero instead of hanging.
 
 Expected failures print one message (a config error only on rank 0, as every rank finds the same one) and
@@ -28,7 +29,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.config import Config, ConfigError, load_config
+from megatron_grpo.config import RESOLVED_CONFIG, Config, ConfigError, load_config, write_resolved_config
 from megatron_grpo.grpo.checkpoint_dir import (AgreedCheckpointError, CheckpointError, describe_os_error,
                                                find_resumable, loadable_sentence)
 from megatron_grpo.grpo.lifetime import bind_forked_children, die_with_parent, on_signal
@@ -37,7 +38,8 @@ from megatron_grpo.grpo.run_start import RunDirectoryError, StartMode, StartPlan
 from megatron_grpo.grpo.tasks import DigitTask, DigitTokenizer
 from megatron_grpo.helptext import DefaultsHelpFormatter
 from megatron_grpo.notices import megatron_summary, quiet_megatron_notices
-from megatron_grpo.scheduler import LogprobPlan, plan_logprob_passes
+from megatron_grpo.grpo.plan_inputs import plan_for
+from megatron_grpo.scheduler import LogprobPlan
 
 EXIT_FAILED = 1  # an unexpected error: a bug, shown with its traceback
 EXIT_CONFIG = 2  # a bad config, or launched without torchrun
@@ -103,11 +105,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     if summary and rank == 0:
         print(summary, flush=True)
     from megatron_grpo.grpo.loop import train  # imports megatron.core: only once the input is known to be good
+    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import ModelCheckpointError, destroy_parallel, init_parallel
 
-    layout = init_parallel(cfg)
+    layout = init_parallel(parallel_params(cfg))
     try:
         start = agree_on_start(start, layout.rank)
+        if layout.rank == 0:  # the run's whole configuration, inherited and default values included
+            write_resolved_config(cfg, Path(cfg.run_dir) / RESOLVED_CONFIG)
         train(cfg, plan, layout, resume_from=start.resume_from, on_step=progress.started)
     except ModelCheckpointError as err:  # every rank finds the same one: rank 0 says it
         return _fail(f"error: policy.initial_checkpoint: {err}", EXIT_CONFIG, args.debug, show=layout.rank == 0)
@@ -185,7 +190,7 @@ def checked_plan(cfg: Config, *, world_size: Optional[int], cuda_available: bool
     problems = []
     plan = None
     try:
-        plan = plan_logprob_passes(cfg)
+        plan = plan_for(cfg)
     except ConfigError as err:
         problems.extend(err.problems)
     problems.extend(runner_config_problems(cfg, world_size=world_size, cuda_available=cuda_available))

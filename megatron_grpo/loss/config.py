@@ -2,8 +2,10 @@
 
 Both sections here are `StrictSection`s, so `ClippedPGLossConfig(**yaml_cfg["loss_fn"])`,
 `ClippedPGLossConfig.from_mapping(...)` and the config loader all take the one validation path of
-`megatron_grpo.strict_config`: every missing or unknown key, every wrongly typed value and every cross-field
-conflict is one `ConfigError` naming `loss_fn.<key>`. Never imports torch.
+`megatron_grpo.strict_config`: every unknown key, every wrongly typed value and every cross-field conflict is one
+`ConfigError` naming `loss_fn.<key>`. Every key has a default, NeMo-RL's code default where NeMo-RL has the key
+(its `ClippedPGLossConfig`, `nemo_rl/algorithms/loss/loss_functions.py`), so a script passes only what it changes:
+`ClippedPGLossConfig(ratio_clip_max=0.28)`. Never imports torch.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ class TruncatedImportanceSamplingConfig(StrictSection):
 
     SECTION: ClassVar[str] = "loss_fn.truncated_importance_sampling"
 
-    type: TruncationType | None
-    ratio_min: float | None
-    ratio_max: float | None
+    # NeMo-RL's truncated_importance_sampling_type / _ratio_min / _ratio: all null by default (no truncation)
+    type: TruncationType | None = None
+    ratio_min: float | None = None
+    ratio_max: float | None = None
 
     def conflicts(self) -> list[str]:
         """The bounds' own ranges; what the truncation type needs is checked by `ClippedPGLossConfig`."""
@@ -54,30 +57,33 @@ class TruncatedImportanceSamplingConfig(StrictSection):
 
 @dataclasses.dataclass(frozen=True, init=False)
 class ClippedPGLossConfig(StrictSection):
-    """Every option of `ClippedPGLoss`; see the `loss_fn:` section of `configs/grpo_tiny_cpu.yaml`."""
+    """Every option of `ClippedPGLoss`, each with its default (docs/loss.md has the table); the `loss_fn:` section
+    of `configs/grpo_tiny_cpu.yaml` names them all."""
 
     SECTION: ClassVar[str] = "loss_fn"
 
-    ratio_clip_min: float
-    ratio_clip_max: float
-    ratio_clip_c: float | None
-    disable_ppo_ratio: bool
-    loss_agg_mode: LossAggMode
-    max_response_length: int | None
-    sequence_level_importance_ratio: bool
-    sequence_level_importance_weight: SequenceWeight
-    reference_policy_kl_penalty: float
-    reference_policy_kl_type: KLType
-    kl_input_clamp_value: float | None
-    kl_output_clamp_value: float | None
-    use_kl_in_reward: bool
-    use_on_policy_kl_approximation: bool
-    use_importance_sampling_correction: bool
-    truncated_importance_sampling: TruncatedImportanceSamplingConfig
-    force_on_policy_ratio: bool
-    use_cispo: bool
-    positive_example_nll_weight: float
-    entropy_coef: float
+    # Defaults: NeMo-RL's (ClippedPGLossConfig) where it has the key; the others say whose they are.
+    ratio_clip_min: float = 0.2  # the ratio is clipped to [1 - ratio_clip_min, 1 + ratio_clip_max]
+    ratio_clip_max: float = 0.2  # DAPO's clip-higher sets it above ratio_clip_min (e.g. 0.28)
+    ratio_clip_c: float | None = None  # dual clipping for A < 0; null = off
+    disable_ppo_ratio: bool = False  # REINFORCE / RLOO: -A curr
+    loss_agg_mode: LossAggMode = "token-mean"  # NeMo-RL's token_level_loss: true; verl's default too
+    max_response_length: int | None = None  # the constant of seq-mean-token-sum-norm (verl's); null = unset
+    sequence_level_importance_ratio: bool = False  # GSPO (NeMo-RL's sequence_level_importance_ratios)
+    sequence_level_importance_weight: SequenceWeight = "product"  # GSPO's IS weight, as NeMo-RL and verl weight it
+    reference_policy_kl_penalty: float = 0.01  # > 0 puts a KL to the reference policy in the loss (or the reward)
+    reference_policy_kl_type: KLType = "k3"
+    kl_input_clamp_value: float | None = 20.0  # NeMo-RL's calculate_kl: clamp of log r; null = no clamp
+    kl_output_clamp_value: float | None = 10.0  # ...and of the weighted KL; null = no clamp
+    use_kl_in_reward: bool = False
+    use_on_policy_kl_approximation: bool = False
+    use_importance_sampling_correction: bool = False
+    truncated_importance_sampling: TruncatedImportanceSamplingConfig = dataclasses.field(
+        default_factory=TruncatedImportanceSamplingConfig)
+    force_on_policy_ratio: bool = False
+    use_cispo: bool = False
+    positive_example_nll_weight: float = 0.0  # VAPO's NLL weight; 0 = off
+    entropy_coef: float = 0.0  # entropy bonus (verl's entropy_coeff); 0 = off
 
     @property
     def kl_in_loss(self) -> bool:

@@ -1,5 +1,9 @@
 """The only package that imports megatron.core: parallel init, CPU support, GPTModel building, train-step hooks,
-checkpoints in Megatron's distributed format."""
+checkpoints in Megatron's distributed format.
+
+Every function takes its own small parameter object (`ParallelParams`, `GPTModelParams`, `AdamParams`,
+`StepConfig`) and works on any Megatron-Core GPTModel, `vocab_shard_of(model, true_vocab_size)` giving its vocab
+shard. Nothing here reads the runner's config (`megatron_grpo.grpo.plugin_params` adapts it)."""
 
 from megatron_grpo.megatron.checkpointing import (
     CheckpointMismatchError,
@@ -15,8 +19,9 @@ from megatron_grpo.megatron.cpu_support import apply_cpu_support
 from megatron_grpo.megatron.ddp import unwrapped, wrap_in_ddp
 from megatron_grpo.megatron.forward import model_forward
 from megatron_grpo.megatron.generation import draws_from_last_stage, last_position_logits
-from megatron_grpo.megatron.model import build_gpt_model, padded_vocab_size
+from megatron_grpo.megatron.model import GPTModelParams, build_gpt_model, padded_vocab_size
 from megatron_grpo.megatron.optimizer import (
+    AdamParams,
     Optimizer,
     build_optimizer,
     clip_grad_norm,
@@ -24,7 +29,7 @@ from megatron_grpo.megatron.optimizer import (
     optimizer_step,
     uses_distributed_optimizer,
 )
-from megatron_grpo.megatron.parallel import ParallelLayout, destroy_parallel, init_parallel
+from megatron_grpo.megatron.parallel import ParallelLayout, ParallelParams, destroy_parallel, init_parallel
 from megatron_grpo.megatron.train_step import (
     StepConfig,
     TrainStepResult,
@@ -32,12 +37,16 @@ from megatron_grpo.megatron.train_step import (
     make_forward_step,
     train_step,
 )
+from megatron_grpo.megatron.vocab import vocab_shard_of
 
 __all__ = [
+    "AdamParams",
     "CheckpointMismatchError",
+    "GPTModelParams",
     "ModelCheckpointError",
     "Optimizer",
     "ParallelLayout",
+    "ParallelParams",
     "StepConfig",
     "TrainStepResult",
     "apply_cpu_support",
@@ -63,5 +72,6 @@ __all__ = [
     "train_step",
     "unwrapped",
     "uses_distributed_optimizer",
+    "vocab_shard_of",
     "wrap_in_ddp",
 ]

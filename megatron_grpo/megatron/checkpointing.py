@@ -94,9 +94,10 @@ def load_sharded(template: dict[str, Any], directory: Path) -> dict[str, Any]:
     return dist_checkpointing.load(template, str(directory))
 
 
-def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:
+def load_model_weights(model: torch.nn.Module, directory: str | Path, *, true_vocab_size: int | None = None) -> None:
     """Loads the model weights of the `dist_checkpointing` checkpoint `directory` into this rank's `model` (a
-    `build_gpt_model` GPTModel); every rank must call it together.
+    GPTModel); every rank must call it together. `true_vocab_size`, the tokenizer's, sharpens the hint of a
+    padded-vocab mismatch.
 
     The checkpoint may have been saved at any TP/PP: `sharded_state_dict()` addresses tensors by global shape and
     global layer index, so they are resharded to this rank's layout. Keys other than the model's (a runner step
@@ -104,7 +105,7 @@ def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:
     with the checkpoint's metadata; the first missing or differently shaped one is a `CheckpointMismatchError`
     (the same on every rank), and a directory that is not such a checkpoint a `ModelCheckpointError`."""
     directory = Path(directory)
-    problem = _agreed(_model_checkpoint_problem(model, directory))
+    problem = _agreed(_model_checkpoint_problem(model, directory, true_vocab_size))
     if problem is not None:
         raise problem
     template = model.sharded_state_dict()
@@ -116,7 +117,8 @@ def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:
     model.load_state_dict({key: state[key] for key in template})  # without a step directory's other common keys
 
 
-def _model_checkpoint_problem(model: torch.nn.Module, directory: Path) -> Optional[ModelCheckpointError]:
+def _model_checkpoint_problem(model: torch.nn.Module, directory: Path,
+                              true_vocab_size: int | None) -> Optional[ModelCheckpointError]:
     """Why `directory` cannot load into `model` (not a checkpoint, or its first mismatching tensor); None if it
     can. Reads only the checkpoint's metadata."""
     if not directory.is_dir() or not dist_checkpointing.check_is_distributed_checkpoint(str(directory)):
@@ -136,23 +138,24 @@ def _model_checkpoint_problem(model: torch.nn.Module, directory: Path) -> Option
         if saved_shape != tuple(tensor.global_shape):
             return CheckpointMismatchError(
                 f"{directory}: tensor {tensor.key} has global shape {saved_shape} in the checkpoint and "
-                f"{tuple(tensor.global_shape)} in this model{_vocab_hint(model, tensor, saved_shape)}")
+                f"{tuple(tensor.global_shape)} in this model{_vocab_hint(true_vocab_size, tensor, saved_shape)}")
     return None
 
 
-def _vocab_hint(model: torch.nn.Module, tensor: ShardedTensor, saved_shape: tuple[int, ...]) -> str:
+def _vocab_hint(vocab: int | None, tensor: ShardedTensor, saved_shape: tuple[int, ...]) -> str:
     """For a padded-vocab mismatch of the embedding or output layer: Megatron's padding rule and the setting that
-    gives the checkpoint's padded size; else nothing."""
+    gives the checkpoint's padded size (for `vocab` real tokens, when known); else nothing."""
     shape = tuple(tensor.global_shape)
     if tensor.key not in VOCAB_TENSOR_KEYS or len(shape) != len(saved_shape) or shape[1:] != saved_shape[1:]:
         return ""
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    vocab, saved_padded = model.true_vocab_size, saved_shape[0]
-    rule = (f". Dimension 0 is the padded vocabulary: Megatron pads the {vocab} tokens up to a multiple of "
+    saved_padded = saved_shape[0]
+    tokens = "tokens" if vocab is None else f"{vocab} tokens"
+    rule = (f". Dimension 0 is the padded vocabulary: Megatron pads the {tokens} up to a multiple of "
             f"policy.model.make_vocab_size_divisible_by × the tensor-parallel size ({tp} here), which gives "
             f"{shape[0]} in this model and must give the checkpoint's {saved_padded}")
-    if saved_padded % tp or saved_padded < vocab:
-        return f"{rule}; no value does at TP {tp} with {vocab} tokens: the checkpoint has another vocabulary"
+    if saved_padded % tp or (vocab is not None and saved_padded < vocab):
+        return f"{rule}; no value does at TP {tp} with {tokens}: the checkpoint has another vocabulary"
     return f"{rule}: set policy.model.make_vocab_size_divisible_by to {saved_padded // tp}"
 
 

@@ -9,6 +9,7 @@ Megatron's parameter groups: no weight decay on biases and other 1-D parameters 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Union
 
 import torch
@@ -18,14 +19,26 @@ from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-from megatron_grpo.config import OptimizerConfig
 from megatron_grpo.megatron.cpu_support import AdamOverMainGrad
 from megatron_grpo.megatron.ddp import gradient, zero_grads
 
 Optimizer = Union[torch.optim.Optimizer, MegatronOptimizer]
 
 
-def build_optimizer(model: torch.nn.Module, optim: OptimizerConfig) -> Optimizer:
+@dataclass(frozen=True)
+class AdamParams:
+    """Adam with decoupled weight decay, and the gradient-norm clip of each step (0: no clipping). The defaults
+    other than the rate are Megatron-Core's `OptimizerConfig`'s."""
+
+    lr: float
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+
+
+def build_optimizer(model: torch.nn.Module, optim: AdamParams) -> Optimizer:
     """Adam with decoupled weight decay for `model` (wrapped in DDP with the distributed optimizer's buffer
     layout on CUDA, see `ddp.wrap_in_ddp`): Megatron's optimizer on CUDA, `AdamOverMainGrad` on the CPU."""
     if torch.cuda.is_available():
@@ -110,7 +123,7 @@ def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
     return name.endswith(".bias") or param.dim() == 1
 
 
-def _megatron_optimizer(model: torch.nn.Module, optim: OptimizerConfig) -> MegatronOptimizer:
+def _megatron_optimizer(model: torch.nn.Module, optim: AdamParams) -> MegatronOptimizer:
     config = MegatronOptimizerConfig(
         optimizer="adam",
         lr=optim.lr,

@@ -1,8 +1,7 @@
 """Process groups and seeding: torch.distributed from the torchrun environment, then Megatron's TP/PP/DP groups.
 
-NCCL with CUDA, gloo without it (and then the CPU support module). One configured timeout,
-`distributed.timeout_seconds`, reaches both the default group and every Megatron group, so a hung peer fails the
-job after that long instead of Megatron's default 30 minutes.
+NCCL with CUDA, gloo without it (and then the CPU support module). One timeout, `ParallelParams.timeout_seconds`,
+reaches both the default group and every Megatron group, so a hung peer fails the job after that long.
 """
 
 from __future__ import annotations
@@ -15,8 +14,18 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_grpo.config import Config
 from megatron_grpo.megatron.cpu_support import apply_cpu_support
+
+
+@dataclass(frozen=True)
+class ParallelParams:
+    """The model-parallel sizes (DP = world / (TP * PP)), the seed of every RNG, and the collectives' timeout.
+    Defaults are Megatron-LM's (`--seed 1234`, `--distributed-timeout-minutes 10`)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    seed: int = 1234
+    timeout_seconds: float = 600.0  # a hung peer fails every collective after this long
 
 
 @dataclass(frozen=True)
@@ -44,13 +53,13 @@ class ParallelLayout:
         return parallel_state.get_data_parallel_group() if self.dp_size > 1 else None
 
 
-def init_parallel(cfg: Config) -> ParallelLayout:
+def init_parallel(params: ParallelParams = ParallelParams()) -> ParallelLayout:
     """Initialises torch.distributed (unless a launcher already did) and Megatron's groups, then seeds all RNGs.
 
     Rank and world come from torchrun's RANK / WORLD_SIZE / LOCAL_RANK. DP = world / (TP * PP).
     """
     on_cpu = apply_cpu_support()
-    timeout = timedelta(seconds=cfg.distributed.timeout_seconds)
+    timeout = timedelta(seconds=params.timeout_seconds)
     if not dist.is_initialized():
         if not on_cpu:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -60,17 +69,17 @@ def init_parallel(cfg: Config) -> ParallelLayout:
             world_size=int(os.environ["WORLD_SIZE"]),
             timeout=timeout,
         )
-    tp, pp = cfg.policy.tensor_model_parallel_size, cfg.policy.pipeline_model_parallel_size
+    tp, pp = params.tensor_model_parallel_size, params.pipeline_model_parallel_size
     world_size = dist.get_world_size()
     if world_size % (tp * pp):
-        raise ValueError(f"world size {world_size} is not a multiple of policy.tensor_model_parallel_size ({tp}) "
-                         f"× policy.pipeline_model_parallel_size ({pp})")
+        raise ValueError(f"world size {world_size} is not a multiple of tensor_model_parallel_size ({tp}) "
+                         f"× pipeline_model_parallel_size ({pp})")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        distributed_timeout_minutes=cfg.distributed.timeout_seconds / 60,  # same keyword in 0.16 and 0.19
+        distributed_timeout_minutes=params.timeout_seconds / 60,  # same keyword in 0.16 and 0.19
     )
-    seed_all(cfg.seed, on_cpu)
+    seed_all(params.seed, on_cpu)
     return current_layout()
 
 

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_grpo.config import Config
 from megatron_grpo.loss import (
     METRIC_AGGREGATION,
     aggregate_metrics,
@@ -52,7 +51,6 @@ from megatron_grpo.megatron.optimizer import (
     optimizer_step,
     zero_optimizer_grads,
 )
-from megatron_grpo.megatron.vocab import vocab_shard_of
 from megatron_grpo.ops.current import HiddenStates, current_logprobs
 from megatron_grpo.ops.distribution import SamplingDistribution
 from megatron_grpo.ops.vocab_shard import VocabShard
@@ -67,27 +65,17 @@ LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 @dataclass(frozen=True)
 class StepConfig:
     """What `train_step` needs to know of the run, and nothing else: a Megatron training script builds one
-    directly; the runner takes it from its config (`StepConfig.of`)."""
+    directly (`StepConfig(global_batch_size=..., micro_batch_size=...)`); the runner adapts its config
+    (`megatron_grpo.grpo.plugin_params`). The defaults train from logits, on the unfiltered distribution at
+    temperature 1, with Megatron's gradient clip of 1.0."""
 
     global_batch_size: int  # sequences per optimizer step, over all DP ranks
     micro_batch_size: int  # sequences per microbatch on one DP rank
-    clip_grad: float  # the gradient-norm clip of each optimizer step
-    distribution: SamplingDistribution  # the one the rollouts were sampled from: the policy trained
-    fused_linear_logprobs: bool  # logprobs from final hidden states (`vocab_parallel_linear_logprobs`)
-    fused_linear_loss: bool  # the training loss's gradient in forward (`ClippedPGLoss.on_hidden_states`)
-
-    @classmethod
-    def of(cls, cfg: Config) -> StepConfig:
-        """The step settings of a runner config (`policy.*`, `generation.*`)."""
-        return cls(
-            global_batch_size=cfg.policy.train_global_batch_size,
-            micro_batch_size=cfg.policy.train_micro_batch_size,
-            clip_grad=cfg.policy.optimizer.clip_grad,
-            distribution=SamplingDistribution.of_sampling(cfg.generation.temperature, cfg.generation.top_k,
-                                                          cfg.generation.top_p),
-            fused_linear_logprobs=cfg.policy.fused_linear_logprobs,
-            fused_linear_loss=cfg.policy.fused_linear_loss,
-        )
+    clip_grad: float = 1.0  # the gradient-norm clip of each optimizer step (0: none); Megatron's default
+    distribution: SamplingDistribution = SamplingDistribution()  # the one the rollouts were sampled from (the
+    #   policy trained): `SamplingDistribution.of_sampling(temperature, top_k, top_p)`; default softmax(logits)
+    fused_linear_logprobs: bool = False  # logprobs from final hidden states (`vocab_parallel_linear_logprobs`)
+    fused_linear_loss: bool = False  # the training loss's gradient in forward (`ClippedPGLoss.on_hidden_states`)
 
 
 @dataclass(frozen=True)
@@ -206,17 +194,16 @@ def prev_source_kwargs(plan: LogprobPlan, versions: StepVersions | None = None) 
     return kwargs
 
 
-def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int,
+def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int, vocab: VocabShard,
                      distribution: SamplingDistribution | None = None, fused_linear: bool = False,
-                     vocab: VocabShard | None = None, check_inputs: bool = True) -> torch.Tensor:
+                     check_inputs: bool = True) -> torch.Tensor:
     """float32 `[B, S]` logprobs of `batch["input_ids"]` under `distribution` (`SamplingDistribution`; None:
     softmax(logits); -inf outside a top-k / top-p kept set) of `model`, in eval mode; position 0 is 0.
 
     `fused_linear`: from the final hidden states and the output weight (`vocab_parallel_linear_logprobs`),
     without materialising the logits.
 
-    `vocab`: this rank's vocab shard; by default the one `megatron.model.build_gpt_model` recorded on the model
-    (`vocab_shard_of`), so a model built elsewhere passes its own.
+    `vocab`: this rank's vocab shard, e.g. `vocab_shard_of(model, true_vocab_size)`.
     `check_inputs=False`: the token ids are not checked against the vocab in each microbatch (a host sync each);
     for a batch checked once already (`loss.check_batch_values`).
 
@@ -224,7 +211,6 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
     result to the other stages.
     """
     input_ids = batch["input_ids"]
-    vocab = vocab if vocab is not None else vocab_shard_of(model)
     microbatches = _split(batch, micro_batch_size)
 
     def logprob_func(ids: torch.Tensor, output_tensor: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
@@ -272,6 +258,7 @@ def train_step(
     plan: LogprobPlan,
     batch: Batch,
     *,
+    vocab: VocabShard,
     reference_model: torch.nn.Module | None = None,
     prepare_batch: Callable[[Batch], Batch] | None = None,
     timer: StepTimer | None = None,
@@ -280,10 +267,12 @@ def train_step(
     """Trains on one rollout batch (this DP rank's share): the planned logprob passes, then the optimizer steps.
 
     The rollout holds rollout / `step.global_batch_size` optimizer steps, each of `step.global_batch_size` / DP
-    sequences on this rank, in microbatches of `step.micro_batch_size`.
-    `reference_model` is needed only when `plan.compute_reference_logprobs`. `prepare_batch`, when given, maps
-    the batch once the logprob passes are in it and before any optimizer step: the readers of prev logprobs
-    before the loss (sequence masking by logprob error, the KL in the reward) work there.
+    sequences on this rank, in microbatches of `step.micro_batch_size`. `model` is any Megatron-Core GPTModel
+    (wrapped in Megatron's DDP when DP > 1) and `vocab` its shard, `vocab_shard_of(model, true_vocab_size)`; the
+    reference model shares it. `reference_model` is needed only when `plan.compute_reference_logprobs`.
+    `prepare_batch`, when given, maps the batch once the logprob passes are in it and before any optimizer step:
+    the readers of prev logprobs before the loss (sequence masking by logprob error, the KL in the reward) work
+    there.
 
     With prev from the generation logprobs (the plan's `prev_approximation`), they are the batch's prev from the
     start. An interpolated prev (or the comparison with it) needs `proximal_version`, the weight version of the
@@ -303,7 +292,6 @@ def train_step(
         raise ValueError(f"{missing}: required by the plan's prev ({plan.prev_source}"
                          f"{', compared with its approximations' if plan.compare_approximations else ''}): the "
                          "weight versions of the proximal policy and of each sample's generating policy")
-    vocab = vocab_shard_of(model)
     if vocab.true_vocab_size is not None:
         check_batch_values(batch, vocab.true_vocab_size)
     timer = timer if timer is not None else StepTimer()
@@ -318,13 +306,13 @@ def train_step(
         # Unfiltered, as NeMo-RL's reference pass: the KL compares the current and reference full distributions.
         with timer.section("reference_pass"):
             batch["reference_policy_logprobs"] = compute_logprobs(reference_model, batch,
-                                                                  micro_batch_size=micro_batch_size,
+                                                                  micro_batch_size=micro_batch_size, vocab=vocab,
                                                                   distribution=distribution.unfiltered(),
                                                                   fused_linear=fused, check_inputs=False)
         passes_run["reference"] = 1
     if plan.compute_prev_logprobs:
         with timer.section("prev_pass"):
-            batch["prev_logprobs"] = compute_logprobs(model, batch, micro_batch_size=micro_batch_size,
+            batch["prev_logprobs"] = compute_logprobs(model, batch, micro_batch_size=micro_batch_size, vocab=vocab,
                                                       distribution=distribution, fused_linear=fused,
                                                       check_inputs=False)
         passes_run["prev"] = 1
@@ -346,8 +334,9 @@ def train_step(
         versions = (StepVersions.of_optimizer_step(proximal_version, start // step_rows, rows // step_rows)
                     if plan.needs_versions else None)
         with timer.section("forward_backward"):
-            metrics = _forward_backward(model, optimizer, loss_fn, plan, step_batch, micro_batch_size, distribution,
-                                        fused_linear=fused, fused_loss=step.fused_linear_loss, versions=versions)
+            metrics = _forward_backward(model, optimizer, loss_fn, plan, step_batch, micro_batch_size, vocab,
+                                        distribution, fused_linear=fused, fused_loss=step.fused_linear_loss,
+                                        versions=versions)
         with timer.section("optimizer"):
             lr = learning_rate(optimizer)  # the rate this step uses
             grad_norm = optimizer_step(model, optimizer, clip)
@@ -379,6 +368,7 @@ def _forward_backward(
     plan: LogprobPlan,
     batch: Batch,
     micro_batch_size: int,
+    vocab: VocabShard,
     distribution: SamplingDistribution,
     fused_linear: bool = False,
     fused_loss: bool = False,
@@ -395,8 +385,7 @@ def _forward_backward(
     microbatches = _split(batch, micro_batch_size)
     tokens, seqs = _global_valid_counts(microbatches)
     forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches), global_valid_tokens=tokens,
-                                     global_valid_seqs=seqs, vocab=vocab_shard_of(model),
-                                     distribution=distribution,
+                                     global_valid_seqs=seqs, vocab=vocab, distribution=distribution,
                                      fused_linear=fused_linear, fused_loss=fused_loss, versions=versions,
                                      check_inputs=False)  # train_step checked the batch's values once
     zero_optimizer_grads(model, optimizer)

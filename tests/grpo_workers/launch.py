@@ -22,6 +22,8 @@ import psutil
 import yaml
 from _configs import set_key
 
+from megatron_grpo.config_files import read_yaml_with_defaults
+
 REPO = Path(__file__).resolve().parents[2]
 TINY_CONFIG = REPO / "configs" / "grpo_tiny_cpu.yaml"
 JOB_TOKEN_VARIABLE = "MEGATRON_GRPO_TEST_JOB"
@@ -30,7 +32,7 @@ JOB_TOKEN_VARIABLE = "MEGATRON_GRPO_TEST_JOB"
 def write_config(directory: Path, name: str = "config.yaml", base: Path = TINY_CONFIG, **overrides: Any) -> Path:
     """The tiny config (or another shipped one, `base`) with run and checkpoint dirs under `directory` and
     dotted-key overrides applied."""
-    data = yaml.safe_load(base.read_text())
+    data, _files = read_yaml_with_defaults(base)  # a shipped config's `defaults:` merged in
     data["run_dir"] = str(directory / "run")
     data["checkpoint"]["dir"] = str(directory / "run" / "checkpoints")
     data["logging"]["progress_bar"] = False

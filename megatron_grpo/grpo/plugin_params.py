@@ -1,0 +1,61 @@
+"""The runner's config adapted to the Megatron layer's parameter objects: the plugin never reads `Config`.
+
+One function per parameter object, each reading only the keys behind it. (The scheduler's `PlanInputs` come from
+`plan_inputs`, which stays torch-free for the checks before any rank starts.)
+"""
+
+from __future__ import annotations
+
+from megatron_grpo.config import Config
+from megatron_grpo.megatron import AdamParams, GPTModelParams, ParallelParams, StepConfig
+from megatron_grpo.ops.distribution import SamplingDistribution
+
+
+def parallel_params(cfg: Config) -> ParallelParams:
+    """`policy.tensor_model_parallel_size`, `policy.pipeline_model_parallel_size`, `seed`,
+    `distributed.timeout_seconds`."""
+    return ParallelParams(
+        tensor_model_parallel_size=cfg.policy.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.policy.pipeline_model_parallel_size,
+        seed=cfg.seed,
+        timeout_seconds=cfg.distributed.timeout_seconds,
+    )
+
+
+def model_params(cfg: Config) -> GPTModelParams:
+    """`policy.model.*` and `policy.precision`."""
+    model = cfg.policy.model
+    return GPTModelParams(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        max_position_embeddings=model.max_position_embeddings,
+        ffn_hidden_size=model.ffn_hidden_size,
+        position_embedding_type=model.position_embedding_type,
+        init_method_std=model.init_method_std,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
+        precision=cfg.policy.precision,
+    )
+
+
+def adam_params(cfg: Config) -> AdamParams:
+    """`policy.optimizer.*`."""
+    optim = cfg.policy.optimizer
+    return AdamParams(lr=optim.lr, adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                      weight_decay=optim.weight_decay, clip_grad=optim.clip_grad)
+
+
+def step_config(cfg: Config) -> StepConfig:
+    """The train step's settings: `policy.*` batch sizes and fused paths, the clip, and the sampling settings the
+    trained distribution follows (`generation.*`)."""
+    return StepConfig(
+        global_batch_size=cfg.policy.train_global_batch_size,
+        micro_batch_size=cfg.policy.train_micro_batch_size,
+        clip_grad=cfg.policy.optimizer.clip_grad,
+        distribution=SamplingDistribution.of_sampling(cfg.generation.temperature, cfg.generation.top_k,
+                                                      cfg.generation.top_p),
+        fused_linear_logprobs=cfg.policy.fused_linear_logprobs,
+        fused_linear_loss=cfg.policy.fused_linear_loss,
+    )
