@@ -19,11 +19,10 @@ NVCC ?= nvcc
 MCORE_NEW ?= 0.19.2
 TRITON ?= 3.9.0
 MCORE_NEW_DIR := build/megatron-core-$(MCORE_NEW)
-MEGATRON_TESTS := tests/test_megatron_hooks.py tests/test_megatron_fused_linear.py tests/test_megatron_dp.py tests/test_logprob_tp.py tests/test_bench_scheduler.py \
-	tests/test_benchmarks.py tests/test_bench_logprob.py tests/test_loss_runner_options.py \
-	tests/test_initial_checkpoint.py tests/test_example_training_loop.py tests/test_notices.py \
-	$(filter-out %_learning.py,$(wildcard tests/test_grpo_*.py))
-MCORE_NEW_SLOW := tests/test_grpo_layouts.py tests/test_example_training_loop.py
+MEGATRON_TESTS := tests/megatron tests/ops/test_logprob_tp.py tests/loss/test_loss_runner_options.py \
+	tests/bench/test_bench_scheduler.py tests/bench/test_benchmarks.py tests/bench/test_bench_logprob.py \
+	tests/runner/test_notices.py $(filter-out %_learning.py,$(wildcard tests/runner/test_grpo_*.py))
+MCORE_NEW_SLOW := tests/runner/test_grpo_layouts.py tests/megatron/test_example_training_loop.py
 
 .PHONY: install demo demo-figure test test-fast test-avx2 test-mcore-new bench bench-linear cuda-check gpu-wheels clean
 

@@ -57,16 +57,16 @@ export PYTHON="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") && trap 'rm -rf "$WORK"' EXIT
 export WORK WHEELS=.whl SITE="$PWD/build/gpu_check_site"  # SITE: megatron-core from .whl/, kept for reruns
-# The CUDA and CPU test files (the GPU tests are their `gpu`-marked cases: test_gpu.py, and the op tests' cuda
-# cases of conftest's `device` fixture); the dry run runs CPU_TESTS. tests/test_bench_gpu_check.py checks that
-# GPU_TESTS names every test file with a `gpu`-marked case.
-export GPU_TESTS="${GPU_TESTS:-tests/test_gpu.py tests/test_logprob_op.py tests/test_logprob_errors.py \
-tests/test_logprob_filtered.py tests/test_logprob_temperature.py \
-tests/test_linear_logprobs.py tests/test_linear_loss.py}"
-export CPU_TESTS="${CPU_TESTS:-tests/test_logprob_op.py tests/test_logprob_errors.py}"
-# The fused linear op's GPU-specific tests (test_gpu.py's `test_fused_linear_*`: split-row and production shapes,
-# peak memory): their own step and budget, not in `tests`. Its small-shape cuda cases run in `tests`.
-export LINEAR_TESTS="${LINEAR_TESTS:-tests/test_gpu.py}" LINEAR_SELECT=fused_linear
+# The CUDA and CPU test files (the GPU tests are their `gpu`-marked cases: tests/ops/test_gpu_kernels.py, and the
+# op tests' cuda cases of conftest's `device` fixture); the dry run runs CPU_TESTS.
+# tests/bench/test_bench_gpu_check.py checks that GPU_TESTS and LINEAR_TESTS name every file with a `gpu`-marked case.
+export GPU_TESTS="${GPU_TESTS:-tests/ops/test_gpu_kernels.py tests/ops/test_logprob_op.py tests/ops/test_logprob_errors.py \
+tests/ops/test_logprob_filtered.py tests/ops/test_logprob_temperature.py \
+tests/ops/test_linear_logprobs.py tests/loss/test_linear_loss.py}"
+export CPU_TESTS="${CPU_TESTS:-tests/ops/test_logprob_op.py tests/ops/test_logprob_errors.py}"
+# The fused linear op's GPU-specific tests (split-row and production shapes, peak memory, the loss-fused path in
+# bf16): their own step and budget. Its small-shape cuda cases run in `tests`.
+export LINEAR_TESTS="${LINEAR_TESTS:-tests/ops/test_gpu_linear.py}" LINEAR_SELECT=fused_linear
 
 ALL_STEPS="machine wheels registers build tests linear runner roofline bench"
 # Step budgets in seconds (sum 430); GRACE: from a step's SIGINT to its SIGKILL.
