@@ -23,7 +23,8 @@
 #     STEPS="tests runner" bash benchmarks/gpu_check.sh   # rerun chosen steps only (an earlier run's build stays)
 #     bash benchmarks/gpu_check.sh --dry-run        # no GPU needed: every step, the CUDA ones skipped (see below)
 # Without a CUDA device it always dry-runs. Every run first prints its plan: each step, whether STEPS selects it,
-# its budget, and where megatron-core comes from.
+# its budget, where megatron-core comes from, and what it leaves out: sequence parallelism needs TP >= 2, so two GPUs,
+# and this check runs on one; tests/megatron/test_sequence_parallel_fused.py checks it at TP 2 on the CPU (gloo).
 #
 # Budgets (seconds): machine 15, wheels 10, registers 40, build 80, tests 120, linear 40, runner 55, roofline 20,
 # bench 50: 430 s in all. A step that reaches its budget gets SIGINT (pytest then writes its summary and JUnit
@@ -258,7 +259,8 @@ selected() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 budget_of() { local var="BUDGET_${1^^}"; echo "${!var}"; }
 
-# The plan: each step, whether STEPS selects it, its budget; where megatron-core comes from; the budgets' sum.
+# The plan: each step, whether STEPS selects it, its budget; where megatron-core comes from; the budgets' sum;
+# what the check leaves out.
 print_plan() {
   local name total=0 count=0 carry
   if compgen -G "$WHEELS/*.whl" >/dev/null; then
@@ -277,6 +279,8 @@ print_plan() {
   echo "budgets: $total s in all; SIGINT at a step's budget, SIGKILL $GRACE s later: at most" \
     "$((total + count * GRACE)) s"
   echo "rerun chosen steps: STEPS=\"tests runner\" bash benchmarks/gpu_check.sh (names: $ALL_STEPS)"
+  echo "not checked here: sequence parallelism (needs TP >= 2, two GPUs; this check runs on one)." \
+    "tests/megatron/test_sequence_parallel_fused.py checks the fused paths under it at TP 2 on the CPU"
 }
 
 first_failure=0

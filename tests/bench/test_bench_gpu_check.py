@@ -78,6 +78,9 @@ def test_the_plan_lists_the_carry_step_the_steps_filter_and_the_budgets(tmp_path
     assert re.search(r"^  wheels .*carry: (no \.whl/\*\.whl|.*\.whl)", out, flags=re.M)
     total = sum(budgets().values())
     assert f"budgets: {total} s in all" in out and 'rerun chosen steps: STEPS="tests runner"' in out
+    # what the one-GPU check leaves out, and the test that covers it instead (a file that exists)
+    left_out = re.search(r"^not checked here: sequence parallelism .* (tests/\S+\.py) checks", out, flags=re.M)
+    assert left_out and (REPO / left_out.group(1)).is_file()
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert re.search(r"^machine +ok ", summary, flags=re.M)
     assert len(re.findall(r"^\w+ +not selected \(STEPS\) ", summary, flags=re.M)) == len(STEPS) - 1
