@@ -16,27 +16,27 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_grpo.megatron.hidden_states import without_output_layer
-from megatron_grpo.ops.packing import CU_SEQLENS, SequenceLayout
+from megatron_grpo.ops.packing import CU_SEQLENS, POSITION_IDS, SequenceLayout
 
 Batch = Mapping[str, torch.Tensor]
 ForwardStep = Callable[[Iterator[Batch], torch.nn.Module], tuple[torch.Tensor, Callable]]
 
 
 def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, *, hidden_states: bool = False,
-                  cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                  cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """GPTModel forward over positions 0..S-1 with an explicit causal mask (True = masked out), or over a packed
     row `[1, T]` of sequences cut by `cu_seqlens` (int32 `[N + 1]`, `ops.packing`), each attending only to itself.
 
     Passing the mask keeps it on the batch's device: Megatron's default causal mask is built on "cuda".
     Packed: with Transformer Engine's attention, Megatron's `PackedSeqParams(qkv_format="thd")` and no mask;
     otherwise (the local spec, which takes no `packed_seq_params`) a block-diagonal causal mask, `[1, 1, T, T]`.
-    Either way the positions restart at 0 in every sequence.
+    Either way the positions restart at 0 in every sequence, unless `position_ids` `[1, T]` are given (a packed
+    batch's own, `ops.packing.pack_rows`: 0 on padding).
     `hidden_states`: the last stage returns the `[b, s, h]` final hidden states (after the final norm) instead
     of the logits, their gradient all-reduced over TP as the output layer's input is
     (`hidden_states.without_output_layer`).
     """
     seq_len = input_ids.shape[1]
-    position_ids = torch.arange(seq_len, device=input_ids.device).expand_as(input_ids)
     causal_mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=input_ids.device).triu(diagonal=1)
     extra = {}
     if cu_seqlens is not None:
@@ -44,8 +44,12 @@ def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, *, hidden_sta
         if layout is None:
             raise ValueError(f"batch['input_ids']: a packed batch (with cu_seqlens) is [1, T], got "
                              f"{list(input_ids.shape)}")
-        starts = cu_seqlens[:-1].to(torch.int64)
-        position_ids = position_ids - starts[layout.sequence_ids]
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=input_ids.device)[None] - \
+                cu_seqlens[:-1].to(torch.int64)[layout.sequence_ids]
+    elif position_ids is None:
+        position_ids = torch.arange(seq_len, device=input_ids.device).expand_as(input_ids)
+    if cu_seqlens is not None:
         if _uses_transformer_engine_attention(model):
             extra["packed_seq_params"] = _thd_params(cu_seqlens, layout.max_seqlen)
             causal_mask = None
@@ -60,7 +64,8 @@ def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, *, hidden_sta
 
 def batch_forward(model: torch.nn.Module, batch: Batch, *, hidden_states: bool = False) -> torch.Tensor:
     """`model_forward` of a batch, padded or packed (`batch['cu_seqlens']`)."""
-    return model_forward(model, batch["input_ids"], hidden_states=hidden_states, cu_seqlens=batch.get(CU_SEQLENS))
+    return model_forward(model, batch["input_ids"], hidden_states=hidden_states, cu_seqlens=batch.get(CU_SEQLENS),
+                         position_ids=batch.get(POSITION_IDS) if CU_SEQLENS in batch else None)
 
 
 def _uses_transformer_engine_attention(model: torch.nn.Module) -> bool:

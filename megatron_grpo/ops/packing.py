@@ -23,6 +23,7 @@ from functools import cached_property
 import torch
 
 CU_SEQLENS = "cu_seqlens"
+POSITION_IDS = "position_ids"  # optional [1, T] positions of a packed batch (default: restarting per sequence)
 
 
 class SequenceLayout:
@@ -202,7 +203,9 @@ def pack_rows(batch: Mapping[str, torch.Tensor], rows: list[int], lengths: list[
               num_tokens: int | None = None) -> dict[str, torch.Tensor]:
     """The packed batch of padded `batch`'s `rows` (in this order), row `r` cut to its first `lengths[r]` tokens
     and padded at its end to a multiple of `pad_multiple` (zeros: untrained). `num_tokens`: pad the last sequence
-    further so the batch holds exactly that many tokens (e.g. one length for every microbatch of a pipeline)."""
+    further so the batch holds exactly that many tokens (e.g. one length for every microbatch of a pipeline).
+    The packed batch carries `position_ids` `[1, T]`: each sequence's positions from 0, and 0 on its padding, so
+    that no padding reaches past the model's position embeddings."""
     token_shape = tuple(batch["input_ids"].shape)
     spans = [-(-lengths[r] // pad_multiple) * pad_multiple for r in rows]
     total = sum(spans)
@@ -230,9 +233,13 @@ def pack_rows(batch: Mapping[str, torch.Tensor], rows: list[int], lengths: list[
             raise ValueError(f"batch[{key!r}]: neither per-token {list(token_shape)} nor per-sequence "
                              f"[{token_shape[0]}], got {list(value.shape)}")
     cu = [0]
-    for span in spans:
+    positions = torch.zeros(1, total, dtype=torch.int64, device=device)
+    for row, span in zip(rows, spans):
+        keep = min(lengths[row], token_shape[1])
+        positions[0, cu[-1]:cu[-1] + keep] = torch.arange(keep, device=device)
         cu.append(cu[-1] + span)
     packed[CU_SEQLENS] = torch.tensor(cu, dtype=torch.int32, device=device)
+    packed[POSITION_IDS] = positions
     return packed
 
 

@@ -62,6 +62,8 @@ def _compare(cfg) -> dict:
 
 
 def run_layouts(rank: int, world_size: int) -> dict:
+    from megatron.core import parallel_state
+
     from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import destroy_parallel, init_parallel
 
@@ -69,15 +71,16 @@ def run_layouts(rank: int, world_size: int) -> dict:
         "tp2": {"policy.tensor_model_parallel_size": 2},
         "pp2": {"policy.tensor_model_parallel_size": 1, "policy.pipeline_model_parallel_size": 2}}
     outcome = {}
-    for name, layout in layouts.items():
-        base = {**TINY_MODEL, **LOSS, **layout}
-        init_parallel(parallel_params(config_with(base)))
-        try:
+    try:
+        for name, layout in layouts.items():  # one process group, Megatron's groups rebuilt per layout
+            base = {**TINY_MODEL, **LOSS, **layout}
+            init_parallel(parallel_params(config_with(base)))
             outcome[name] = {mode: _compare(config_with({**base, "policy.fused_linear_logprobs": linear,
                                                          "policy.fused_linear_loss": loss_fused}))
                              for mode, (linear, loss_fused) in MODES.items()}
-        finally:
-            destroy_parallel()
+            parallel_state.destroy_model_parallel()
+    finally:
+        destroy_parallel()
     return outcome
 
 

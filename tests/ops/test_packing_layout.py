@@ -114,6 +114,7 @@ def test_pack_and_unpack_round_trip():
     assert packed["input_ids"].tolist() == [[15, 16, 0, 1, 2, 0]]
     assert packed["token_mask"].tolist() == [[1, 1, 0, 1, 1, 0]]
     assert packed["advantages"].tolist() == [4.0, 1.0]
+    assert packed["position_ids"].tolist() == [[0, 1, 0, 1, 2, 0]]  # restarting per sequence, 0 on padding
     packing = PackedMicrobatches(batch, max_tokens=6, same_length=True)
     assert packing.rows == [[1, 2], [0, 3]]  # 5 -> bin 0; 3 -> bin 1; 2 -> bin 1; 1 -> bin 0
     assert [mb["input_ids"].shape[1] for mb in packing.microbatches] == [6, 6]  # one length: the longest
