@@ -74,6 +74,10 @@ class ClippedPGLoss:
     takes its current tensors from `megatron_grpo.ops.current_logprobs` (or the loss-fused path's chunks) and then
     runs the same per-token code.
 
+    The batch is padded (`[B, S]` per-token tensors) or packed (`[1, T]` with `cu_seqlens`, `[N]` per-sequence
+    tensors; `ops.packing`): every term and metric is the same on the same sequences either way, per-token metrics
+    (`curr_logprobs`, `prev_logprobs`) come back in the batch's own layout.
+
     `loss` is this microbatch's share of the step's globally normalised loss. `metrics` maps the names in
     `metrics.METRIC_AGGREGATION` to detached tensors (`self.metric_aggregation` says how each aggregates):
     - `loss`, `num_valid_tokens`, `num_valid_samples` (sequences with a trained token);
