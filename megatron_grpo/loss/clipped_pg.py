@@ -45,6 +45,7 @@ from megatron_grpo.loss.proximal import (
 from megatron_grpo.loss.reductions import (
     Count,
     aggregate_loss,
+    sequences_with_tokens,
     token_max,
     token_mean,
     token_mean_per_sequence,
@@ -55,6 +56,7 @@ from megatron_grpo.ops.current import CurrentLogprobs, HiddenStates, ModelOutput
 from megatron_grpo.ops.distribution import SamplingDistribution
 from megatron_grpo.ops.dtypes import in_compute_dtype
 from megatron_grpo.ops.loss_fused_linear import loss_fused_linear
+from megatron_grpo.ops.packing import SequenceLayout
 from megatron_grpo.ops.vocab_shard import VocabShard
 
 
@@ -71,6 +73,10 @@ class ClippedPGLoss:
     `loss_fn(None, batch, curr_logprobs=..., curr_entropy=..., ...)` with precomputed current logprobs. Every entry
     takes its current tensors from `megatron_grpo.ops.current_logprobs` (or the loss-fused path's chunks) and then
     runs the same per-token code.
+
+    The batch is padded (`[B, S]` per-token tensors) or packed (`[1, T]` with `cu_seqlens`, `[N]` per-sequence
+    tensors; `ops.packing`): every term and metric is the same on the same sequences either way, per-token metrics
+    (`curr_logprobs`, `prev_logprobs`) come back in the batch's own layout.
 
     `loss` is this microbatch's share of the step's globally normalised loss. `metrics` maps the names in
     `metrics.METRIC_AGGREGATION` to detached tensors (`self.metric_aggregation` says how each aggregates):
@@ -254,17 +260,18 @@ class ClippedPGLoss:
             curr_unfiltered = torch.where(trained, in_compute_dtype(current.unfiltered_logprobs), zero)
         alpha = self._interpolation_weights(batch, inputs, prev_approximation, compare_approximations)
         if prev_approximation is not None:
-            prev = approximate_prev(prev_approximation.method, curr, inputs.generation_logprobs, inputs.mask, alpha)
+            prev = approximate_prev(prev_approximation.method, curr, inputs.generation_logprobs, inputs.mask, alpha,
+                                    inputs.layout)
         else:
             prev = curr.detach() if prev_from_current else inputs.prev_logprobs
         errors = None
         if compare_approximations is not None:
-            errors = approximation_errors(prev, curr, inputs.generation_logprobs, inputs.mask, alpha)
+            errors = approximation_errors(prev, curr, inputs.generation_logprobs, inputs.mask, alpha, inputs.layout)
         kept = ~(torch.isneginf(curr) | torch.isneginf(prev))  # -inf: target outside a top-k / top-p kept set
         zero = torch.zeros((), dtype=curr.dtype, device=curr.device)
         curr, prev = torch.where(kept, curr, zero), torch.where(kept, prev, zero)
         mask = inputs.mask * kept
-        policy = self._policy_term(curr, prev, inputs.advantages, mask)
+        policy = self._policy_term(curr, prev, inputs.advantages, mask, inputs.layout)
         weights = self._importance_weights(prev, inputs, mask)
         per_token_loss = policy.per_token_loss
         if cfg.use_importance_sampling_correction:
@@ -277,6 +284,7 @@ class ClippedPGLoss:
             global_valid_tokens=global_valid_tokens,
             global_valid_seqs=global_valid_seqs,
             max_response_length=cfg.max_response_length,
+            layout=inputs.layout,
         )
         loss = aggregate(per_token_loss, mask)
         kl = kl_mask = None
@@ -288,7 +296,7 @@ class ClippedPGLoss:
             loss = loss + cfg.reference_policy_kl_penalty * aggregate(kl, kl_mask)
         nll = None
         if cfg.positive_example_nll_weight > 0:
-            nll = self._positive_example_nll(curr, inputs.rewards, mask, global_valid_tokens)
+            nll = self._positive_example_nll(curr, inputs.rewards, mask, global_valid_tokens, inputs.layout)
             loss = loss + cfg.positive_example_nll_weight * nll
         with torch.no_grad():
             metrics = self._metrics(loss, curr, prev, inputs, mask, policy, weights, kl, kl_mask, entropy, nll,
@@ -363,10 +371,10 @@ class ClippedPGLoss:
             raise ValueError(f"batch[{VERSION_KEY!r}] is missing: it is required by {user} (the weight version "
                              "that generated each sample)")
         behave = batch[VERSION_KEY]
-        if not isinstance(behave, torch.Tensor) or tuple(behave.shape) != (inputs.mask.shape[0],):
-            shape = list(behave.shape) if isinstance(behave, torch.Tensor) else type(behave).__name__
-            raise ValueError(f"batch[{VERSION_KEY!r}]: expected a tensor of shape [{inputs.mask.shape[0]}], got "
-                             f"{shape}")
+        if not isinstance(behave, torch.Tensor):
+            raise ValueError(f"batch[{VERSION_KEY!r}]: expected a tensor of shape [{inputs.layout.num_sequences}], "
+                             f"got {type(behave).__name__}")
+        inputs.layout.check_per_sequence(VERSION_KEY, behave)
         if compare is not None:
             check_generation_logprobs(inputs.generation_logprobs, inputs.mask, user)
         return interpolation_weights(behave, versions)
@@ -395,12 +403,13 @@ class ClippedPGLoss:
         )
 
     def _policy_term(
-        self, curr: torch.Tensor, prev: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+        self, curr: torch.Tensor, prev: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+        layout: SequenceLayout,
     ) -> _PolicyTerm:
         cfg = self.config
         log_ratio = curr - prev
         if cfg.sequence_level_importance_ratio:
-            log_ratio = token_mean_per_sequence(log_ratio, mask)[:, None].expand_as(log_ratio)
+            log_ratio = layout.broadcast(token_mean_per_sequence(log_ratio, mask, layout))
         ratio = torch.exp(log_ratio)
         if cfg.disable_ppo_ratio:
             return _PolicyTerm(per_token_loss=-advantages * curr, ratio=ratio, clamped_ratio=ratio)
@@ -425,6 +434,7 @@ class ClippedPGLoss:
             self.config.truncated_importance_sampling,
             sequence_level=self.config.sequence_level_importance_ratio,
             sequence_weight=self.config.sequence_level_importance_weight,
+            layout=inputs.layout,
         )
 
     def _kl(self, curr: torch.Tensor, inputs: LossBatch) -> torch.Tensor:
@@ -444,10 +454,11 @@ class ClippedPGLoss:
 
     @staticmethod
     def _positive_example_nll(
-        curr: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, global_valid_tokens: Count
+        curr: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, global_valid_tokens: Count,
+        layout: SequenceLayout,
     ) -> torch.Tensor:
         """VAPO's NLL of the samples with reward > 0, summed over their trained tokens / `global_valid_tokens`."""
-        positive = mask * (rewards > 0).to(mask.dtype)[:, None]
+        positive = mask * layout.broadcast((rewards > 0).to(mask.dtype))
         return aggregate_loss(
             -curr, positive, "token-mean", global_valid_tokens=global_valid_tokens, global_valid_seqs=1,
             max_response_length=None,
@@ -473,7 +484,7 @@ class ClippedPGLoss:
         metrics = {
             "loss": loss.detach().clone(),  # Megatron divides the returned loss in place
             "num_valid_tokens": inputs.mask.sum(),
-            "num_valid_samples": (inputs.mask.sum(dim=-1) > 0).sum().to(torch.float32),
+            "num_valid_samples": sequences_with_tokens(inputs.mask, inputs.layout).sum(),
             "filtered_out_tokens": inputs.mask.sum() - mask.sum(),
             "probs_ratio": token_mean(ratio, mask),
             "probs_ratio_min": token_min(ratio, mask),
@@ -494,11 +505,13 @@ class ClippedPGLoss:
         if nll is not None:
             metrics["positive_nll_loss"] = nll.detach()
         if inputs.generation_logprobs is not None and not prev_is_generation:  # else prev vs itself: left out
-            metrics.update(self._mismatch_metrics(prev.detach(), inputs.generation_logprobs, mask, weights))
+            metrics.update(self._mismatch_metrics(prev.detach(), inputs.generation_logprobs, mask, weights,
+                                                  inputs.layout))
         return metrics
 
     def _mismatch_metrics(
-        self, prev: torch.Tensor, generation: torch.Tensor, mask: torch.Tensor, weights: ImportanceWeights
+        self, prev: torch.Tensor, generation: torch.Tensor, mask: torch.Tensor, weights: ImportanceWeights,
+        layout: SequenceLayout,
     ) -> dict[str, torch.Tensor]:
         """How far the rollout engine's logprobs are from the trainer's prev logprobs."""
         finite = mask * torch.isfinite(generation)
@@ -515,9 +528,9 @@ class ClippedPGLoss:
         if oob is None:
             return metrics
         if oob.dim() == 1:  # seq-mask-tis: one flag per sequence
-            has_tokens = (mask.sum(dim=-1) > 0).to(torch.float32)
+            has_tokens = sequences_with_tokens(mask, layout)
             metrics["is_oob_ratio"] = (oob.to(torch.float32) * has_tokens).sum() / has_tokens.sum().clamp(min=1)
-            metrics["is_oob_token_ratio"] = token_mean(oob[:, None].expand_as(mask).to(torch.float32), mask)
+            metrics["is_oob_token_ratio"] = token_mean(layout.broadcast(oob.to(torch.float32)), mask)
         else:
             metrics["is_oob_ratio"] = token_mean(oob.to(torch.float32), mask)
         return metrics

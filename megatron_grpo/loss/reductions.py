@@ -1,6 +1,8 @@
-"""Masked reductions over `[B, S]` per-token tensors, and the globally normalised `loss_agg_mode`s.
+"""Masked reductions over per-token tensors, and the globally normalised `loss_agg_mode`s.
 
-`mask` is the float trained-token mask (1 = trained). Values off the mask must be finite; they are ignored.
+`mask` is the float trained-token mask (1 = trained). Values off the mask must be finite; they are ignored. The
+per-sequence reductions take the batch's `SequenceLayout` (`megatron_grpo.ops.packing`): one sequence per row of a
+padded `[B, S]` batch (the default), or the sequences of a packed `[1, T]` one; the result is `[N]` either way.
 """
 
 from __future__ import annotations
@@ -8,18 +10,27 @@ from __future__ import annotations
 import torch
 
 from megatron_grpo.loss.config import LossAggMode
+from megatron_grpo.ops.packing import SequenceLayout
 
 Count = int | float | torch.Tensor  # a global valid-token or valid-sequence count
 
 
-def token_sum_per_sequence(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`[B]`: the sum of each sequence's trained tokens."""
-    return (values * mask).sum(dim=-1)
+def token_sum_per_sequence(values: torch.Tensor, mask: torch.Tensor, layout: SequenceLayout | None = None
+                           ) -> torch.Tensor:
+    """`[N]`: the sum of each sequence's trained tokens (`layout` None: one sequence per row of `[B, S]`)."""
+    return _layout(layout, mask).sum(values * mask)
 
 
-def token_mean_per_sequence(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`[B]`: the mean over each sequence's trained tokens; 0 for a sequence without any."""
-    return token_sum_per_sequence(values, mask) / mask.sum(dim=-1).clamp(min=1)
+def token_mean_per_sequence(values: torch.Tensor, mask: torch.Tensor, layout: SequenceLayout | None = None
+                            ) -> torch.Tensor:
+    """`[N]`: the mean over each sequence's trained tokens; 0 for a sequence without any."""
+    layout = _layout(layout, mask)
+    return layout.sum(values * mask) / layout.sum(mask).clamp(min=1)
+
+
+def sequences_with_tokens(mask: torch.Tensor, layout: SequenceLayout | None = None) -> torch.Tensor:
+    """float32 `[N]`: 1 for each sequence with a token on `mask`, else 0."""
+    return (_layout(layout, mask).sum(mask) > 0).to(torch.float32)
 
 
 def token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -45,6 +56,7 @@ def aggregate_loss(
     global_valid_tokens: Count,
     global_valid_seqs: Count,
     max_response_length: int | None,
+    layout: SequenceLayout | None = None,
 ) -> torch.Tensor:
     """The microbatch's share of the optimizer step's loss.
 
@@ -54,21 +66,26 @@ def aggregate_loss(
     - `seq-mean-token-mean`: sum over sequences of the sequence's token mean / `global_valid_seqs`;
     - `seq-mean-token-sum`: sum over sequences of the sequence's token sum / `global_valid_seqs`;
     - `seq-mean-token-sum-norm` (Dr. GRPO): as `seq-mean-token-sum`, each sum divided by `max_response_length`.
-    A global count of 0 is treated as 1, so an empty step gives a loss of exactly 0.
+    A global count of 0 is treated as 1, so an empty step gives a loss of exactly 0. `layout`: where the
+    sequences lie (None: one per row).
     """
     if mode == "token-mean":
         return (per_token_loss * mask).sum() / _at_least_one(global_valid_tokens, per_token_loss)
     if mode == "seq-mean-token-mean":
-        per_sequence = token_mean_per_sequence(per_token_loss, mask)
+        per_sequence = token_mean_per_sequence(per_token_loss, mask, layout)
     elif mode == "seq-mean-token-sum":
-        per_sequence = token_sum_per_sequence(per_token_loss, mask)
+        per_sequence = token_sum_per_sequence(per_token_loss, mask, layout)
     elif mode == "seq-mean-token-sum-norm":
         if max_response_length is None:
             raise ValueError("loss_fn.max_response_length: seq-mean-token-sum-norm needs it, got None")
-        per_sequence = token_sum_per_sequence(per_token_loss, mask) / max_response_length
+        per_sequence = token_sum_per_sequence(per_token_loss, mask, layout) / max_response_length
     else:
         raise ValueError(f"loss_fn.loss_agg_mode: unknown mode {mode!r}")
     return per_sequence.sum() / _at_least_one(global_valid_seqs, per_token_loss)
+
+
+def _layout(layout: SequenceLayout | None, mask: torch.Tensor) -> SequenceLayout:
+    return SequenceLayout.padded(*mask.shape, device=mask.device) if layout is None else layout
 
 
 def _at_least_one(count: Count, like: torch.Tensor) -> torch.Tensor:
