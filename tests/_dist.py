@@ -11,6 +11,7 @@ import io
 import os
 import queue as queue_module
 import socket
+import sys
 import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -60,7 +61,8 @@ def _to_bytes(value: Any) -> bytes:
 
 
 def _run_task(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> tuple[int, bool, Any]:
-    """One task on one rank: a fresh gloo group for it, destroyed after; the rank's result or its traceback."""
+    """One task on one rank: a fresh gloo group for it, destroyed after with any Megatron groups the task left;
+    the rank's result or its traceback."""
     environment = dict(os.environ)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -68,6 +70,9 @@ def _run_task(rank: int, world_size: int, port: int, fn: Callable, args: tuple) 
     except BaseException:  # noqa: BLE001 - the traceback goes back to the test
         return rank, False, traceback.format_exc()
     finally:
+        parallel_state = sys.modules.get("megatron.core.parallel_state")
+        if parallel_state is not None:  # a task that set up Megatron's groups and left them
+            parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
         os.environ.clear()
