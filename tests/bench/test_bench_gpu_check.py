@@ -10,6 +10,7 @@ device tool brings back no more).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -20,6 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from megatron_grpo.bench.logprob import FUSED_EXP, MEGATRON
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
@@ -130,6 +133,7 @@ def test_gpu_tests_name_every_file_with_a_gpu_marked_case():
     assert found - gpu_tests == set(), "benchmarks/gpu_check.sh's GPU_TESTS and LINEAR_TESTS miss these files' gpu cases"
 
 
+@pytest.mark.slow  # the benchmark end to end, in processes of its own
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
 def test_dry_run_goes_through_every_step_within_budget(tmp_path):
     out = tmp_path / "out"
@@ -153,8 +157,14 @@ def test_dry_run_goes_through_every_step_within_budget(tmp_path):
     assert skipped and int(skipped.group(1)) >= 4, linear  # collected, and every one skipped without CUDA
     assert " passed" not in linear and " failed" not in linear and "error" not in linear.lower(), linear
     assert "megatron vocab_parallel_cross_entropy not measured: ModuleNotFoundError" in log
-    with tarfile.open(out / "bench.tgz") as tar:
-        assert "bench/logprob_cpu_quick.md" in tar.getnames()
+    with tarfile.open(out / "bench.tgz") as tar:  # the quick CPU benchmark, megatron-core hidden
+        saved = json.loads(tar.extractfile("bench/logprob_cpu_quick.json").read())
+        report = tar.extractfile("bench/logprob_cpu_quick.md").read().decode()
+    assert "No module named 'megatron'" in saved["missing_peers"][MEGATRON]
+    assert {r["method"] for r in saved["results"]} == {"fused", "fused (inplace_backward)", FUSED_EXP, "reference",
+                                                       "naive torch"}
+    assert f"- not measured: {MEGATRON}: ModuleNotFoundError" in report
+    assert "| fused | " in report and f"| {MEGATRON} |" not in report
     if shutil.which("nvcc"):
         assert "Used" in (out / "ptxas.txt").read_text()
     assert len(list(out.rglob("*"))) <= 8

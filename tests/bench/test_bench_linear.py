@@ -28,6 +28,7 @@ def _ratio(cell: str) -> float:
     return float(cell[:-1])
 
 
+@pytest.mark.slow  # the benchmark end to end, in processes of its own
 def test_tiny_benchmark_reports_every_candidate_for_every_case(tmp_path):
     assert main(["--quick", "--tp", "1", "2", "--tokens", "50", "--hidden", "12", "--v-local", "97",
                  "--chunk-rows", "7", "--warmup", "0", "--accuracy-rows", "9", "--out", str(tmp_path)]) == 0

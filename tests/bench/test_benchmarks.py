@@ -6,9 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from megatron_grpo.bench.logprob import MEGATRON, main
 
 
+@pytest.mark.slow  # the benchmark end to end, in processes of its own
 def test_logprob_benchmark_writes_markdown_json_and_plot(tmp_path):
     assert main(["--quick", "--tp", "1", "--dtypes", "fp32", "--repeats", "1", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "logprob_cpu_quick.md").read_text()
