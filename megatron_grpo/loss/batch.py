@@ -37,19 +37,34 @@ class LossBatch:
     generation_logprobs: torch.Tensor | None  # float32
     reference_policy_logprobs: torch.Tensor | None  # float32
     rewards: torch.Tensor | None = None  # float32 [B], only when required
+    labels: torch.Tensor | None = None  # int64, a row-aligned batch's targets (context parallelism), else None
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """The ops' targets, -1 off the trained-token mask: the tokens themselves (token-aligned, for the ops'
+        `shift=True`) or the labels (row-aligned, `shift=False`)."""
+        return trained_token_targets(self.input_ids if self.labels is None else self.labels, self.mask)
+
+    @property
+    def row_aligned(self) -> bool:
+        return self.labels is not None
 
 
 def validate_batch(
     batch: Mapping[str, torch.Tensor], output: torch.Tensor | HiddenStates | None, requirements: BatchRequirements,
-    *, current: Mapping[str, torch.Tensor] | None = None, check_values: bool = True,
+    *, current: Mapping[str, torch.Tensor] | None = None, check_values: bool = True, row_aligned: bool = False,
 ) -> LossBatch:
     """Checks `batch` against the model's `output` (logits `[B, S, V_local]`, or `HiddenStates` of `[B, S, H]`), or
     against the precomputed `[B, S]` per-token tensors of `current` (name -> tensor) when there is no output, and
     returns it in the loss's working form.
 
     `check_values=False` skips the checks that read values (finite advantages and rewards: host syncs), for a caller
-    that checked them once already; keys, shapes and dtypes are always checked."""
-    mask = trained_token_mask(batch)
+    that checked them once already; keys, shapes and dtypes are always checked.
+
+    `row_aligned`: a context-parallel rank's share of the batch, its targets shifted before the split (Megatron's
+    `labels` convention): `batch['labels']` `[B, S]` int64 holds each row's target, and every per-token tensor
+    describes that target (see `trained_token_mask`)."""
+    mask = trained_token_mask(batch, row_aligned=row_aligned)
     batch_size, seq_len = mask.shape
     if output is not None:
         name, tensor, last = (("hidden", output.hidden, "H") if isinstance(output, HiddenStates)
@@ -80,8 +95,15 @@ def validate_batch(
         logprobs[key] = _on_mask(tensor, mask)
     rewards = _rewards(batch, batch_size, requirements.rewards, check_values) if requirements.rewards is not None \
         else None
+    labels = None
+    if row_aligned:
+        labels = _tensor(batch, "labels")
+        _check_shape("labels", labels, [(batch_size, seq_len)])
+        if labels.dtype != torch.int64:
+            raise ValueError(f"batch['labels']: expected dtype torch.int64, got {labels.dtype}")
     return LossBatch(
-        input_ids=batch["input_ids"], mask=mask, advantages=_on_mask(advantages, mask), rewards=rewards, **logprobs
+        input_ids=batch["input_ids"], mask=mask, advantages=_on_mask(advantages, mask), rewards=rewards, **logprobs,
+        labels=labels,
     )
 
 
@@ -112,8 +134,12 @@ def trained_token_targets(input_ids: torch.Tensor, mask: torch.Tensor) -> torch.
     return input_ids.masked_fill(mask == 0, -1)
 
 
-def trained_token_mask(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """float32 `[B, S]`: `token_mask * sample_mask`, position 0 excluded (it has no logprob)."""
+def trained_token_mask(batch: Mapping[str, torch.Tensor], *, row_aligned: bool = False) -> torch.Tensor:
+    """float32 `[B, S]`: `token_mask * sample_mask`, position 0 excluded (it has no logprob).
+
+    `row_aligned` (a context-parallel rank's share, targets shifted before the split): position `j` is row `j`'s
+    target, whose mask the split batch already carries (the row before a sequence's first token never is one), so
+    no position is excluded."""
     input_ids = _tensor(batch, "input_ids")
     if input_ids.dim() != 2:
         raise ValueError(f"batch['input_ids']: expected shape [B, S], got {_shape(input_ids)}")
@@ -128,7 +154,8 @@ def trained_token_mask(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         if tensor.dtype.is_complex:
             raise ValueError(f"batch[{key!r}]: expected a bool, integer or floating dtype, got {tensor.dtype}")
     mask = (token_mask != 0) & (sample_mask != 0)[:, None]
-    mask[:, 0] = False
+    if not row_aligned:
+        mask[:, 0] = False
     return mask.to(torch.float32)
 
 

@@ -21,19 +21,24 @@ Batch = Mapping[str, torch.Tensor]
 ForwardStep = Callable[[Iterator[Batch], torch.nn.Module], tuple[torch.Tensor, Callable]]
 
 
-def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, *, hidden_states: bool = False) -> torch.Tensor:
+def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, *, hidden_states: bool = False,
+                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """GPTModel forward over positions 0..S-1 with an explicit causal mask (True = masked out).
 
     Passing the mask keeps it on the batch's device: Megatron's default causal mask is built on "cuda".
     `hidden_states`: the last stage returns the `[b, s, h]` final hidden states (after the final norm) instead
     of the logits, their gradient all-reduced over TP as the output layer's input is
     (`hidden_states.without_output_layer`).
+    `position_ids`: a context-parallel rank's share (`context_parallel.split_for_context_parallel`): its tokens'
+    global positions, and no mask (Transformer Engine's attention applies the causal mask across the CP ranks).
     """
-    seq_len = input_ids.shape[1]
-    position_ids = torch.arange(seq_len, device=input_ids.device).expand_as(input_ids)
-    causal_mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=input_ids.device).triu(diagonal=1)
+    mask = None
+    if position_ids is None:
+        seq_len = input_ids.shape[1]
+        position_ids = torch.arange(seq_len, device=input_ids.device).expand_as(input_ids)
+        mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=input_ids.device).triu(diagonal=1)[None, None]
     with without_output_layer(model) if hidden_states else nullcontext():
-        return model(input_ids, position_ids, attention_mask=causal_mask[None, None])
+        return model(input_ids, position_ids, attention_mask=mask)
 
 
 def run_schedule(forward_step: ForwardStep, model: torch.nn.Module, microbatches: list[Batch],

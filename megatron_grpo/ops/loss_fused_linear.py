@@ -31,9 +31,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .backends import Implementation
 from .checks import check_linear_inputs, check_target_ids
+from .context_shard import ContextShard
 from .chunks import WeightGradient, chunk_buffer, chunk_logits, chunk_rows_for, hidden_gradient
 from .distribution import SamplingDistribution
 from .dtypes import compute_dtype
@@ -61,6 +63,7 @@ class LossFusedCall:
     rows_per_sequence: list[int]  # trained rows of each sequence (known on the host)
     sequences_per_chunk: list[slice]
     linear: LinearCall  # shard, valid columns, scale and kernels
+    shift: bool = True  # row t scores token t + 1 (token-aligned outputs); False: row t's own target (row-aligned)
 
 
 class LossFusedLinear(torch.autograd.Function):
@@ -121,8 +124,9 @@ class LossFusedLinear(torch.autograd.Function):
         logits = chunk_logits(h, weight_valid, scale, buffer)
         partials = kernels.logprob_partials(logits, row_targets, start, valid, True, None)
         stats = combine_partials(gather_partials(partials, linear.shard.group), row_targets, True)
-        # The rows' logprobs and entropies as leaves at their tokens' positions (row t scores token t + 1).
-        positions = rows + 1  # row (b, t) scores token (b, t + 1); a last position is never a trained row
+        # The rows' logprobs and entropies as leaves at their tokens' positions (row t scores token t + 1), or at the
+        # rows themselves when the targets were shifted before (row-aligned: context parallelism).
+        positions = rows + 1 if call.shift else rows  # a last position is never a trained row when shifting
         chunk_logprobs = logprobs[sequences]
         chunk_entropy = entropy[sequences]
         chunk_logprobs.view(-1)[positions] = stats.logprob
@@ -178,6 +182,8 @@ def loss_fused_linear(
     chunk_rows: int | None = None,
     check_inputs: bool = True,
     implementation: Implementation = "auto",
+    shift: bool = True,
+    context: ContextShard | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`loss_fn`'s loss and metrics on the current logprobs and entropies of the trained tokens, from final hidden
     states `[B, S, H]` and this rank's `[V_local, H]` output weight shard, with the gradient computed in forward
@@ -189,6 +195,10 @@ def loss_fused_linear(
     sequences (`batch`'s tensors sliced along their first dim) is their share of the whole (e.g. `ClippedPGLoss`
     with the global counts bound). `distribution`: its scale only (a filtered one is a ValueError).
     `chunk_rows`: trained rows per chunk (whole sequences); None picks one as the op does (`chunk_rows_for`).
+    `shift=False`: `targets` are each row's own (already shifted) targets, and the logprobs stay with the rows, as
+    for a context-parallel rank's row-aligned share. `context` (an `ContextShard`): the CP ranks cut the same
+    chunks of sequences, from each sequence's largest count of trained rows over the group (one all-reduce), so
+    that a loss summing over the group (`sum_over_context`) meets its peers chunk by chunk.
     """
     distribution = SamplingDistribution() if distribution is None else distribution
     if distribution.filtered:
@@ -198,23 +208,31 @@ def loss_fused_linear(
     if hidden.dim() != 3 or hidden.shape[:2] != targets.shape:
         raise ValueError(f"hidden must be [B, S, H] with [B, S] = the targets' shape {tuple(targets.shape)}, got "
                          f"{tuple(hidden.shape)}")
-    targets = next_token_targets(targets)
+    if shift:
+        targets = next_token_targets(targets)
     check_linear_inputs(hidden, weight, targets, chunk_rows)
     shard = (VocabShard() if shard is None else shard).resolve(weight.shape[0])
     if check_inputs:
         check_target_ids(targets, shard)
     trained = targets >= 0
     # The call's host syncs: the rows per sequence (to cut chunks of whole sequences) and the trained rows' indices.
-    per_sequence = trained.sum(dim=1).tolist()
+    local_counts = trained.sum(dim=1)
+    per_sequence = local_counts.tolist()
     trained_rows = trained.reshape(-1).nonzero().squeeze(1)
+    # The chunks are cut alike on every rank that meets the others in the loss: the CP ranks by their largest counts.
+    cut_counts = per_sequence
+    if context is not None:
+        largest = local_counts.clone()
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=context.group)
+        cut_counts = largest.tolist()
     # The shard's whole width, the same on every TP rank, so that every rank cuts the same chunks (its valid columns
     # are fewer on the rank with the padding).
-    budget = int(chunk_rows) if chunk_rows is not None else chunk_rows_for(sum(per_sequence), weight.shape[0],
+    budget = int(chunk_rows) if chunk_rows is not None else chunk_rows_for(sum(cut_counts), weight.shape[0],
                                                                             hidden.dtype)
     linear = LinearCall.of(weight, sum(per_sequence), shard, distribution, True, budget, implementation)
     call = LossFusedCall(loss_fn=loss_fn, batch=batch, targets=targets, trained_rows=trained_rows,
-                         rows_per_sequence=per_sequence, sequences_per_chunk=sequence_chunks(per_sequence, budget),
-                         linear=linear)
+                         rows_per_sequence=per_sequence, sequences_per_chunk=sequence_chunks(cut_counts, budget),
+                         linear=linear, shift=shift)
     metrics: dict[str, torch.Tensor] = {}
     loss, _, _ = LossFusedLinear.apply(hidden, weight, call, metrics)
     return loss, metrics
