@@ -232,11 +232,32 @@ def _split_checks(rank: int, world_size: int) -> dict:
     return {"local": local, "rolled": rolled, "grad": x.grad, "grad_expected": x_ref.grad[cp_rank]}
 
 
+def _refusals() -> dict[str, str]:
+    """The ValueErrors of bad CP settings: a world size TP × PP × CP does not divide, a size below 1, and the GPTModel
+    without Transformer Engine's attention (the local spec has no CP)."""
+    from megatron.core import parallel_state
+    from megatron_grpo.megatron import GPTModelParams, ParallelParams, build_gpt_model, init_parallel
+
+    messages = {}
+    for name, params in (("indivisible", ParallelParams(context_parallel_size=3)),
+                         ("zero", ParallelParams(context_parallel_size=0))):
+        with pytest.raises(ValueError) as error:
+            init_parallel(params)
+        messages[name] = str(error.value)
+    init_parallel(ParallelParams(context_parallel_size=2))
+    with pytest.raises(ValueError) as error:
+        build_gpt_model(GPTModelParams(num_layers=1, hidden_size=8, num_attention_heads=2,
+                                       max_position_embeddings=SEQ, ffn_hidden_size=16), VOCAB)
+    messages["local_spec"] = str(error.value)
+    parallel_state.destroy_model_parallel()
+    return messages
+
+
 def _all_checks(rank: int, world_size: int) -> dict:
     from megatron_grpo.megatron.cpu_support import apply_cpu_support
 
     apply_cpu_support()
-    out = {"split": _split_checks(rank, world_size)}
+    out = {"refusals": _refusals(), "split": _split_checks(rank, world_size)}
     out.update({name: _run_layout(tp, cp) for name, (tp, cp) in LAYOUTS.items()})
     return out
 
@@ -244,6 +265,13 @@ def _all_checks(rank: int, world_size: int) -> dict:
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
     return run_on_ranks(4, _all_checks)
+
+
+def test_bad_context_parallel_settings_are_value_errors_naming_the_key(ranks):
+    messages = ranks[0]["refusals"]
+    assert "context_parallel_size" in messages["indivisible"] and "world size 4" in messages["indivisible"]
+    assert messages["zero"].startswith("context_parallel_size: must be an integer >= 1, got 0")
+    assert messages["local_spec"].startswith("context_parallel_size: 2 needs Transformer Engine's attention")
 
 
 def test_split_takes_each_chunks_last_target_from_the_next_chunk(ranks):
