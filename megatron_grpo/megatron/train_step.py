@@ -420,9 +420,9 @@ def _forward_backward(
     Returns the loss's metrics of each microbatch (none on pipeline stages other than the last).
     """
     if parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1 and not is_ddp(model):
-        raise ValueError("model: data (or context) parallelism needs the model wrapped in Megatron-Core's "
-                         "DistributedDataParallel (megatron_grpo.megatron.wrap_in_ddp), which reduces the gradients "
-                         "over the DP × CP ranks")
+        raise ValueError("model: data parallelism needs the model wrapped in Megatron-Core's DistributedDataParallel "
+                         "(megatron_grpo.megatron.wrap_in_ddp), which reduces the gradients over the DP ranks (and "
+                         "the context-parallel ranks, with CP)")
     microbatches = _split(batch, micro_batch_size)
     tokens, seqs = _global_valid_counts(microbatches)
     forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches), global_valid_tokens=tokens,
