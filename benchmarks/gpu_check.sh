@@ -23,7 +23,8 @@
 #     STEPS="tests runner" bash benchmarks/gpu_check.sh   # rerun chosen steps only (an earlier run's build stays)
 #     bash benchmarks/gpu_check.sh --dry-run        # no GPU needed: every step, the CUDA ones skipped (see below)
 # Without a CUDA device it always dry-runs. Every run first prints its plan: each step, whether STEPS selects it,
-# its budget, and where megatron-core comes from.
+# its budget, where megatron-core comes from, and what it leaves out: sequence parallelism needs TP >= 2, so two GPUs,
+# and this check runs on one; tests/megatron/test_sequence_parallel_fused.py checks it at TP 2 on the CPU (gloo).
 #
 # Budgets (seconds): machine 15, wheels 10, registers 40, build 80, tests 120, linear 40, runner 55, roofline 20,
 # bench 50: 430 s in all. A step that reaches its budget gets SIGINT (pytest then writes its summary and JUnit
@@ -57,16 +58,16 @@ export PYTHON="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") && trap 'rm -rf "$WORK"' EXIT
 export WORK WHEELS=.whl SITE="$PWD/build/gpu_check_site"  # SITE: megatron-core from .whl/, kept for reruns
-# The CUDA and CPU test files (the GPU tests are their `gpu`-marked cases: test_gpu.py, and the op tests' cuda
-# cases of conftest's `device` fixture); the dry run runs CPU_TESTS. tests/test_bench_gpu_check.py checks that
-# GPU_TESTS names every test file with a `gpu`-marked case.
-export GPU_TESTS="${GPU_TESTS:-tests/test_gpu.py tests/test_logprob_op.py tests/test_logprob_errors.py \
-tests/test_logprob_filtered.py tests/test_logprob_temperature.py \
-tests/test_linear_logprobs.py tests/test_linear_loss.py}"
-export CPU_TESTS="${CPU_TESTS:-tests/test_logprob_op.py tests/test_logprob_errors.py}"
-# The fused linear op's GPU-specific tests (test_gpu.py's `test_fused_linear_*`: split-row and production shapes,
-# peak memory): their own step and budget, not in `tests`. Its small-shape cuda cases run in `tests`.
-export LINEAR_TESTS="${LINEAR_TESTS:-tests/test_gpu.py}" LINEAR_SELECT=fused_linear
+# The CUDA and CPU test files (the GPU tests are their `gpu`-marked cases: tests/ops/test_gpu_kernels.py, and the
+# op tests' cuda cases of conftest's `device` fixture); the dry run runs CPU_TESTS.
+# tests/bench/test_bench_gpu_check.py checks that GPU_TESTS and LINEAR_TESTS name every file with a `gpu`-marked case.
+export GPU_TESTS="${GPU_TESTS:-tests/ops/test_gpu_kernels.py tests/ops/test_logprob_op.py tests/ops/test_logprob_errors.py \
+tests/ops/test_logprob_filtered.py tests/ops/test_logprob_temperature.py \
+tests/ops/test_linear_logprobs.py tests/loss/test_linear_loss.py}"
+export CPU_TESTS="${CPU_TESTS:-tests/ops/test_logprob_op.py tests/ops/test_logprob_errors.py}"
+# The fused linear op's GPU-specific tests (split-row and production shapes, peak memory, the loss-fused path in
+# bf16): their own step and budget. Its small-shape cuda cases run in `tests`.
+export LINEAR_TESTS="${LINEAR_TESTS:-tests/ops/test_gpu_linear.py}" LINEAR_SELECT=fused_linear
 
 ALL_STEPS="machine wheels registers build tests linear runner roofline bench"
 # Step budgets in seconds (sum 430); GRACE: from a step's SIGINT to its SIGKILL.
@@ -258,7 +259,8 @@ selected() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 budget_of() { local var="BUDGET_${1^^}"; echo "${!var}"; }
 
-# The plan: each step, whether STEPS selects it, its budget; where megatron-core comes from; the budgets' sum.
+# The plan: each step, whether STEPS selects it, its budget; where megatron-core comes from; the budgets' sum;
+# what the check leaves out.
 print_plan() {
   local name total=0 count=0 carry
   if compgen -G "$WHEELS/*.whl" >/dev/null; then
@@ -277,6 +279,8 @@ print_plan() {
   echo "budgets: $total s in all; SIGINT at a step's budget, SIGKILL $GRACE s later: at most" \
     "$((total + count * GRACE)) s"
   echo "rerun chosen steps: STEPS=\"tests runner\" bash benchmarks/gpu_check.sh (names: $ALL_STEPS)"
+  echo "not checked here: sequence parallelism (needs TP >= 2, two GPUs; this check runs on one)." \
+    "tests/megatron/test_sequence_parallel_fused.py checks the fused paths under it at TP 2 on the CPU"
 }
 
 first_failure=0

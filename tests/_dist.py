@@ -1,4 +1,4 @@
-"""Run a test function on N gloo ranks in fresh processes and collect what each rank returns.
+"""Run a test function on N gloo ranks in processes of their own and collect what each rank returns.
 
 Usage: `results = run_on_ranks(world_size, fn, *args)`, where `fn(rank, world_size, *args)` is a module-level
 function. Rank 0..N-1 results come back in order; any rank's exception fails the test with its traceback.
@@ -6,7 +6,10 @@ function. Rank 0..N-1 results come back in order; any rank's exception fails the
 
 from __future__ import annotations
 
+import atexit
 import io
+import os
+import queue as queue_module
 import socket
 import traceback
 from contextlib import contextmanager
@@ -56,40 +59,108 @@ def _to_bytes(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
-    torch.set_num_threads(1)
+def _run_task(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> tuple[int, bool, Any]:
+    """One task on one rank: a fresh gloo group for it, destroyed after; the rank's result or its traceback."""
+    environment = dict(os.environ)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-        queue.put((rank, True, _to_bytes(fn(rank, world_size, *args))))
+        return rank, True, _to_bytes(fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - the traceback goes back to the test
-        queue.put((rank, False, traceback.format_exc()))
+        return rank, False, traceback.format_exc()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
+        torch.set_default_dtype(torch.float32)
 
 
-def run_on_ranks(world_size: int, fn: Callable, *args: Any) -> list[Any]:
-    """Runs `fn(rank, world_size, *args)` on `world_size` gloo ranks; returns the per-rank results."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    failures: list[str] = []
-    try:
-        for _ in procs:
-            rank, ok, value = queue.get(timeout=TIMEOUT_S)
+def _serve(rank: int, world_size: int, tasks: Any, results: Any) -> None:
+    """A pool rank: runs the tasks it is sent, one at a time, until it is sent None."""
+    torch.set_num_threads(1)
+    while (task := tasks.get()) is not None:
+        results.put(_run_task(rank, world_size, *task))
+
+
+class _RankPool:
+    """`world_size` spawned processes kept for the whole session, so that a test pays for starting Python and
+    importing torch and Megatron once per world size, not once per call. A task that fails or times out retires
+    the pool (its processes may hold a broken group or a hung collective); the next call starts a fresh one."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.SimpleQueue() for _ in range(world_size)]
+        self.procs = [ctx.Process(target=_serve, args=(r, world_size, self.tasks[r], self.results))
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable, args: tuple) -> tuple[dict[int, Any], list[str]]:
+        port = free_port()
+        for queue in self.tasks:
+            queue.put((port, fn, args))
+        results: dict[int, Any] = {}
+        failures: list[str] = []
+        for _ in self.procs:
+            try:
+                rank, ok, value = self.results.get(timeout=TIMEOUT_S)
+            except queue_module.Empty:
+                failures.append(f"no result from {self.world_size - len(results) - len(failures)} rank(s) within "
+                                f"{TIMEOUT_S} s")
+                break
             if ok:
                 results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 failures.append(f"rank {rank} failed:\n{value}")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
+        return results, failures
+
+    def stop(self) -> None:
+        """Asks every rank to exit after its current task."""
+        for queue, p in zip(self.tasks, self.procs):
+            if p.is_alive():
+                try:
+                    queue.put(None)
+                except (OSError, ValueError):
+                    pass
+
+    def close(self, timeout: float = 10) -> None:
+        self.stop()
+        for p in self.procs:
+            p.join(timeout=timeout)
             if p.is_alive():
                 p.kill()
+                p.join()
+
+
+_POOLS: dict[int, _RankPool] = {}
+
+
+@atexit.register
+def _close_pools() -> None:
+    pools = list(_POOLS.values())
+    _POOLS.clear()
+    for pool in pools:  # every rank of every pool winds down at once
+        pool.stop()
+    for pool in pools:
+        pool.close()
+
+
+def run_on_ranks(world_size: int, fn: Callable, *args: Any) -> list[Any]:
+    """Runs `fn(rank, world_size, *args)` on `world_size` gloo ranks; returns the per-rank results.
+
+    The ranks are the session's pool of that size (`_RankPool`): each call gets a fresh process group, its
+    environment variables restored after, and a call that fails retires the pool, so one test's failure cannot
+    leak into the next. A function that needs a process of its own (import-time state) runs it as a subprocess."""
+    pool = _POOLS.get(world_size)
+    if pool is None or not all(p.is_alive() for p in pool.procs):
+        if pool is not None:
+            pool.close(timeout=1)
+        pool = _POOLS[world_size] = _RankPool(world_size)
+    results, failures = pool.run(fn, args)
     if failures:
+        del _POOLS[world_size]
+        pool.close(timeout=1)
         raise AssertionError("\n".join(failures))
     return [results[r] for r in range(world_size)]

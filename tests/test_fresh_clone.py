@@ -35,7 +35,7 @@ NOT_RUN = {
     "make test": "runs the tests",
     "make demo-figure": "refreshes the committed figure docs/demo_on_and_off_policy.png on purpose",
 }
-EXAMPLE_SCRIPT = "examples/"  # tests/test_example_training_loop.py: they write nothing
+EXAMPLE_SCRIPT = "examples/"  # tests/megatron/test_example_training_loop.py: they write nothing
 BENCHMARKS = ("megatron_grpo.bench.logprob", "megatron_grpo.bench.linear", "megatron_grpo.bench.scheduler")
 
 

@@ -42,7 +42,7 @@ GROUPS = ("train", "rollout", "loss", "timing", "passes")
 PROXIMAL_ERROR_METRICS = frozenset(f"prox_{method}_{kind}" for method in ("generation", "loglinear", "linear")
                                    for kind in ("abs_error", "rel_error", "is_weight_abs_error", "ratio_abs_error"))
 # The loss's metric names, as megatron_grpo.loss.metrics.METRIC_AGGREGATION declares them (kept here so that this
-# module imports neither torch nor the loss; tests/test_grpo_logging.py checks the two lists agree).
+# module imports neither torch nor the loss; tests/runner/test_grpo_logging.py checks the two lists agree).
 LOSS_METRICS = frozenset({
     "loss", "num_valid_tokens", "num_valid_samples", "filtered_out_tokens", "nonfinite_generation_logprobs",
     "positive_nll_loss", "probs_ratio", "probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped",

@@ -1,5 +1,8 @@
 """The loss's batch contract (docs/design.md, data contracts): validation, the trained-token mask, valid counts.
 
+A batch is padded (`[B, S]` per-token tensors, one sequence per row) or packed (`[1, T]` with `cu_seqlens`, see
+`megatron_grpo.ops.packing`); `LossBatch.layout` says which, and the sequence-level code reads it alone.
+
 Every problem is a `ValueError` that names the offending batch key. Per-token float inputs come back as float32
 with zeros off the trained-token mask, so garbage in padding (e.g. -inf logprobs) can never reach a NaN.
 """
@@ -11,7 +14,9 @@ from collections.abc import Mapping
 
 import torch
 
+from megatron_grpo.ops.context_shard import PACKED_WITH_CONTEXT_PARALLEL
 from megatron_grpo.ops.current import HiddenStates
+from megatron_grpo.ops.packing import SequenceLayout
 
 OPTIONAL_LOGPROB_KEYS = ("generation_logprobs", "prev_logprobs", "reference_policy_logprobs")
 
@@ -23,20 +28,21 @@ class BatchRequirements:
     prev_logprobs: str | None
     generation_logprobs: str | None
     reference_policy_logprobs: str | None
-    rewards: str | None = None  # [B] per-sequence rewards (VAPO's positive-example NLL)
+    rewards: str | None = None  # [N] per-sequence rewards (VAPO's positive-example NLL)
 
 
 @dataclasses.dataclass(frozen=True)
 class LossBatch:
-    """A validated batch, all per-token tensors `[B, S]` aligned with `input_ids`."""
+    """A validated batch, all per-token tensors aligned with `input_ids` (`[B, S]`, or `[1, T]` packed)."""
 
     input_ids: torch.Tensor  # int64
-    mask: torch.Tensor  # float32, 1 where a token is trained; position 0 is always 0
+    mask: torch.Tensor  # float32, 1 where a token is trained; each sequence's first token is 0 (token-aligned)
     advantages: torch.Tensor  # float32, broadcast over tokens when given per sequence
     prev_logprobs: torch.Tensor | None  # float32
     generation_logprobs: torch.Tensor | None  # float32
     reference_policy_logprobs: torch.Tensor | None  # float32
-    rewards: torch.Tensor | None = None  # float32 [B], only when required
+    rewards: torch.Tensor | None = None  # float32 [N], only when required
+    layout: SequenceLayout | None = None  # where each sequence lies; set by validate_batch
     labels: torch.Tensor | None = None  # int64, a row-aligned batch's targets (context parallelism), else None
 
     @property
@@ -61,10 +67,10 @@ def validate_batch(
     `check_values=False` skips the checks that read values (finite advantages and rewards: host syncs), for a caller
     that checked them once already; keys, shapes and dtypes are always checked.
 
-    `row_aligned`: a context-parallel rank's share of the batch, its targets shifted before the split (Megatron's
-    `labels` convention): `batch['labels']` `[B, S]` int64 holds each row's target, and every per-token tensor
-    describes that target (see `trained_token_mask`)."""
-    mask = trained_token_mask(batch, row_aligned=row_aligned)
+    `row_aligned`: a context-parallel rank's share of a padded batch, its targets shifted before the split
+    (Megatron's `labels` convention): `batch['labels']` `[B, S]` int64 holds each row's target, and every per-token
+    tensor describes that target (see `trained_token_mask`). A packed batch cannot be one (a ValueError)."""
+    mask, layout = _mask_and_layout(batch, row_aligned)
     batch_size, seq_len = mask.shape
     if output is not None:
         name, tensor, last = (("hidden", output.hidden, "H") if isinstance(output, HiddenStates)
@@ -80,7 +86,7 @@ def validate_batch(
             raise ValueError(f"{key}: expected a tensor, got {type(tensor).__name__}")
         _check_shape(key, tensor, [(batch_size, seq_len)])
         _check_floating(key, tensor)
-    advantages = _advantages(batch, batch_size, seq_len, check_values)
+    advantages = _advantages(batch, layout, check_values)
     logprobs = {}
     for key in OPTIONAL_LOGPROB_KEYS:
         reason = getattr(requirements, key)
@@ -93,7 +99,7 @@ def validate_batch(
         _check_shape(key, tensor, [(batch_size, seq_len)])
         _check_floating(key, tensor)
         logprobs[key] = _on_mask(tensor, mask)
-    rewards = _rewards(batch, batch_size, requirements.rewards, check_values) if requirements.rewards is not None \
+    rewards = _rewards(batch, layout, requirements.rewards, check_values) if requirements.rewards is not None \
         else None
     labels = None
     if row_aligned:
@@ -103,7 +109,7 @@ def validate_batch(
             raise ValueError(f"batch['labels']: expected dtype torch.int64, got {labels.dtype}")
     return LossBatch(
         input_ids=batch["input_ids"], mask=mask, advantages=_on_mask(advantages, mask), rewards=rewards, **logprobs,
-        labels=labels,
+        layout=layout, labels=labels,
     )
 
 
@@ -135,54 +141,65 @@ def trained_token_targets(input_ids: torch.Tensor, mask: torch.Tensor) -> torch.
 
 
 def trained_token_mask(batch: Mapping[str, torch.Tensor], *, row_aligned: bool = False) -> torch.Tensor:
-    """float32 `[B, S]`: `token_mask * sample_mask`, position 0 excluded (it has no logprob).
+    """float32, `input_ids`' shape: `token_mask * sample_mask`, each sequence's first token excluded (it has no
+    logprob).
 
     `row_aligned` (a context-parallel rank's share, targets shifted before the split): position `j` is row `j`'s
     target, whose mask the split batch already carries (the row before a sequence's first token never is one), so
     no position is excluded."""
-    input_ids = _tensor(batch, "input_ids")
-    if input_ids.dim() != 2:
-        raise ValueError(f"batch['input_ids']: expected shape [B, S], got {_shape(input_ids)}")
-    if input_ids.dtype != torch.int64:
-        raise ValueError(f"batch['input_ids']: expected dtype torch.int64, got {input_ids.dtype}")
-    batch_size, seq_len = input_ids.shape
-    token_mask = _tensor(batch, "token_mask")
-    sample_mask = _tensor(batch, "sample_mask")
-    _check_shape("token_mask", token_mask, [(batch_size, seq_len)])
-    _check_shape("sample_mask", sample_mask, [(batch_size,)])
-    for key, tensor in (("token_mask", token_mask), ("sample_mask", sample_mask)):
-        if tensor.dtype.is_complex:
-            raise ValueError(f"batch[{key!r}]: expected a bool, integer or floating dtype, got {tensor.dtype}")
-    mask = (token_mask != 0) & (sample_mask != 0)[:, None]
-    if not row_aligned:
-        mask[:, 0] = False
-    return mask.to(torch.float32)
+    return _mask_and_layout(batch, row_aligned)[0]
 
 
 def count_valid(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(trained tokens, sequences with at least one trained token) of one microbatch, as float32 scalars.
+    """(trained tokens, sequences with at least one trained token) of one microbatch, padded or packed, as float32
+    scalars.
 
     Sum these over the microbatches and data-parallel ranks of an optimizer step to get the loss's
     `global_valid_tokens` and `global_valid_seqs`.
     """
-    mask = trained_token_mask(batch)
-    return mask.sum(), (mask.sum(dim=1) > 0).sum().to(torch.float32)
+    mask, layout = _mask_and_layout(batch)
+    return mask.sum(), (layout.sum(mask) > 0).sum().to(torch.float32)
 
 
-def _advantages(batch: Mapping[str, torch.Tensor], batch_size: int, seq_len: int, check_values: bool) -> torch.Tensor:
+def _mask_and_layout(batch: Mapping[str, torch.Tensor], row_aligned: bool = False
+                     ) -> tuple[torch.Tensor, SequenceLayout]:
+    input_ids = _tensor(batch, "input_ids")
+    layout = SequenceLayout.of_batch(batch)
+    if row_aligned and layout.is_packed:
+        raise ValueError(f"batch['cu_seqlens']: {PACKED_WITH_CONTEXT_PARALLEL}")
+    if input_ids.dtype != torch.int64:
+        raise ValueError(f"batch['input_ids']: expected dtype torch.int64, got {input_ids.dtype}")
+    token_mask = _tensor(batch, "token_mask")
+    sample_mask = _tensor(batch, "sample_mask")
+    _check_shape("token_mask", token_mask, [layout.token_shape])
+    layout.check_per_sequence("sample_mask", sample_mask)
+    for key, tensor in (("token_mask", token_mask), ("sample_mask", sample_mask)):
+        if tensor.dtype.is_complex:
+            raise ValueError(f"batch[{key!r}]: expected a bool, integer or floating dtype, got {tensor.dtype}")
+    mask = (token_mask != 0) & layout.broadcast(sample_mask != 0)
+    if not row_aligned:
+        mask &= ~layout.sequence_starts
+    return mask.to(torch.float32), layout
+
+
+def _advantages(batch: Mapping[str, torch.Tensor], layout: SequenceLayout, check_values: bool) -> torch.Tensor:
     advantages = _tensor(batch, "advantages")
-    _check_shape("advantages", advantages, [(batch_size, seq_len), (batch_size,)])
+    if advantages.dim() == 1:
+        layout.check_per_sequence("advantages", advantages)
+    else:
+        _check_shape("advantages", advantages, [layout.token_shape, (layout.num_sequences,)])
     _check_floating("advantages", advantages)
     if check_values and not bool(torch.isfinite(advantages).all()):
         raise ValueError("batch['advantages']: contains NaN or infinite values")
-    return advantages[:, None].expand(batch_size, seq_len) if advantages.dim() == 1 else advantages
+    return layout.broadcast(advantages) if advantages.dim() == 1 else advantages
 
 
-def _rewards(batch: Mapping[str, torch.Tensor], batch_size: int, reason: str, check_values: bool) -> torch.Tensor:
+def _rewards(batch: Mapping[str, torch.Tensor], layout: SequenceLayout, reason: str, check_values: bool
+             ) -> torch.Tensor:
     if "rewards" not in batch:
         raise ValueError(f"batch['rewards'] is missing: it is required {reason}")
     rewards = _tensor(batch, "rewards")
-    _check_shape("rewards", rewards, [(batch_size,)])
+    layout.check_per_sequence("rewards", rewards)
     _check_floating("rewards", rewards)
     if check_values and not bool(torch.isfinite(rewards).all()):
         raise ValueError("batch['rewards']: contains NaN or infinite values")

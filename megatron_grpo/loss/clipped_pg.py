@@ -45,10 +45,10 @@ from megatron_grpo.loss.proximal import (
 from megatron_grpo.loss.reductions import (
     Count,
     aggregate_loss,
+    sequences_with_tokens,
     token_max,
     token_mean,
     token_mean_per_sequence,
-    token_count_per_sequence,
     token_min,
 )
 from megatron_grpo.ops.backends import Implementation
@@ -57,6 +57,7 @@ from megatron_grpo.ops.current import CurrentLogprobs, HiddenStates, ModelOutput
 from megatron_grpo.ops.distribution import SamplingDistribution
 from megatron_grpo.ops.dtypes import in_compute_dtype
 from megatron_grpo.ops.loss_fused_linear import loss_fused_linear
+from megatron_grpo.ops.packing import SequenceLayout
 from megatron_grpo.ops.vocab_shard import VocabShard
 
 
@@ -73,6 +74,10 @@ class ClippedPGLoss:
     `loss_fn(None, batch, curr_logprobs=..., curr_entropy=..., ...)` with precomputed current logprobs. Every entry
     takes its current tensors from `megatron_grpo.ops.current_logprobs` (or the loss-fused path's chunks) and then
     runs the same per-token code.
+
+    The batch is padded (`[B, S]` per-token tensors) or packed (`[1, T]` with `cu_seqlens`, `[N]` per-sequence
+    tensors; `ops.packing`): every term and metric is the same on the same sequences either way, per-token metrics
+    (`curr_logprobs`, `prev_logprobs`) come back in the batch's own layout.
 
     `loss` is this microbatch's share of the step's globally normalised loss. `metrics` maps the names in
     `metrics.METRIC_AGGREGATION` to detached tensors (`self.metric_aggregation` says how each aggregates):
@@ -165,7 +170,8 @@ class ClippedPGLoss:
         per-token tensors belong to the labels' rows). The loss is this rank's share, normalised by the same global
         counts; sequence sums (GSPO, sequence-level IS, `seq-mask-tis`, sequence token counts) are over the CP
         group, and `num_valid_samples` is counted by one rank of it. The Megatron step splits with
-        `megatron_grpo.megatron.split_for_context_parallel`.
+        `megatron_grpo.megatron.split_for_context_parallel`. Padded batches only: a packed one with `context` is a
+        ValueError.
         """
         distribution = SamplingDistribution() if distribution is None else distribution
         precomputed = self._check_precomputed(logits, curr_logprobs, curr_entropy, curr_unfiltered_logprobs,
@@ -267,17 +273,18 @@ class ClippedPGLoss:
             curr_unfiltered = torch.where(trained, in_compute_dtype(current.unfiltered_logprobs), zero)
         alpha = self._interpolation_weights(batch, inputs, prev_approximation, compare_approximations)
         if prev_approximation is not None:
-            prev = approximate_prev(prev_approximation.method, curr, inputs.generation_logprobs, inputs.mask, alpha)
+            prev = approximate_prev(prev_approximation.method, curr, inputs.generation_logprobs, inputs.mask, alpha,
+                                    inputs.layout)
         else:
             prev = curr.detach() if prev_from_current else inputs.prev_logprobs
         errors = None
         if compare_approximations is not None:
-            errors = approximation_errors(prev, curr, inputs.generation_logprobs, inputs.mask, alpha)
+            errors = approximation_errors(prev, curr, inputs.generation_logprobs, inputs.mask, alpha, inputs.layout)
         kept = ~(torch.isneginf(curr) | torch.isneginf(prev))  # -inf: target outside a top-k / top-p kept set
         zero = torch.zeros((), dtype=curr.dtype, device=curr.device)
         curr, prev = torch.where(kept, curr, zero), torch.where(kept, prev, zero)
         mask = inputs.mask * kept
-        policy = self._policy_term(curr, prev, inputs.advantages, mask, context)
+        policy = self._policy_term(curr, prev, inputs.advantages, mask, inputs.layout, context)
         weights = self._importance_weights(prev, inputs, mask, context)
         per_token_loss = policy.per_token_loss
         if cfg.use_importance_sampling_correction:
@@ -290,6 +297,7 @@ class ClippedPGLoss:
             global_valid_tokens=global_valid_tokens,
             global_valid_seqs=global_valid_seqs,
             max_response_length=cfg.max_response_length,
+            layout=inputs.layout,
             context=context,
         )
         loss = aggregate(per_token_loss, mask)
@@ -302,7 +310,7 @@ class ClippedPGLoss:
             loss = loss + cfg.reference_policy_kl_penalty * aggregate(kl, kl_mask)
         nll = None
         if cfg.positive_example_nll_weight > 0:
-            nll = self._positive_example_nll(curr, inputs.rewards, mask, global_valid_tokens)
+            nll = self._positive_example_nll(curr, inputs.rewards, mask, global_valid_tokens, inputs.layout)
             loss = loss + cfg.positive_example_nll_weight * nll
         with torch.no_grad():
             metrics = self._metrics(loss, curr, prev, inputs, mask, policy, weights, kl, kl_mask, entropy, nll, context,
@@ -377,10 +385,10 @@ class ClippedPGLoss:
             raise ValueError(f"batch[{VERSION_KEY!r}] is missing: it is required by {user} (the weight version "
                              "that generated each sample)")
         behave = batch[VERSION_KEY]
-        if not isinstance(behave, torch.Tensor) or tuple(behave.shape) != (inputs.mask.shape[0],):
-            shape = list(behave.shape) if isinstance(behave, torch.Tensor) else type(behave).__name__
-            raise ValueError(f"batch[{VERSION_KEY!r}]: expected a tensor of shape [{inputs.mask.shape[0]}], got "
-                             f"{shape}")
+        if not isinstance(behave, torch.Tensor):
+            raise ValueError(f"batch[{VERSION_KEY!r}]: expected a tensor of shape [{inputs.layout.num_sequences}], "
+                             f"got {type(behave).__name__}")
+        inputs.layout.check_per_sequence(VERSION_KEY, behave)
         if compare is not None:
             check_generation_logprobs(inputs.generation_logprobs, inputs.mask, user)
         return interpolation_weights(behave, versions)
@@ -410,12 +418,12 @@ class ClippedPGLoss:
 
     def _policy_term(
         self, curr: torch.Tensor, prev: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-        context: ContextShard | None = None,
+        layout: SequenceLayout, context: ContextShard | None = None,
     ) -> _PolicyTerm:
         cfg = self.config
         log_ratio = curr - prev
         if cfg.sequence_level_importance_ratio:
-            log_ratio = token_mean_per_sequence(log_ratio, mask, context)[:, None].expand_as(log_ratio)
+            log_ratio = layout.broadcast(token_mean_per_sequence(log_ratio, mask, layout, context=context))
         ratio = torch.exp(log_ratio)
         if cfg.disable_ppo_ratio:
             return _PolicyTerm(per_token_loss=-advantages * curr, ratio=ratio, clamped_ratio=ratio)
@@ -440,6 +448,7 @@ class ClippedPGLoss:
             self.config.truncated_importance_sampling,
             sequence_level=self.config.sequence_level_importance_ratio,
             sequence_weight=self.config.sequence_level_importance_weight,
+            layout=inputs.layout,
             context=context,
         )
 
@@ -460,10 +469,11 @@ class ClippedPGLoss:
 
     @staticmethod
     def _positive_example_nll(
-        curr: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, global_valid_tokens: Count
+        curr: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, global_valid_tokens: Count,
+        layout: SequenceLayout,
     ) -> torch.Tensor:
         """VAPO's NLL of the samples with reward > 0, summed over their trained tokens / `global_valid_tokens`."""
-        positive = mask * (rewards > 0).to(mask.dtype)[:, None]
+        positive = mask * layout.broadcast((rewards > 0).to(mask.dtype))
         return aggregate_loss(
             -curr, positive, "token-mean", global_valid_tokens=global_valid_tokens, global_valid_seqs=1,
             max_response_length=None,
@@ -487,7 +497,7 @@ class ClippedPGLoss:
         prev_is_generation: bool = False,
     ) -> dict[str, torch.Tensor]:
         ratio, clamped = policy.ratio.detach(), policy.clamped_ratio.detach()
-        has_tokens = (token_count_per_sequence(inputs.mask, context) > 0).to(torch.float32)
+        has_tokens = sequences_with_tokens(inputs.mask, inputs.layout, context=context)
         counted = context is None or context.counts_sequences  # one CP rank counts the sequences
         metrics = {
             "loss": loss.detach().clone(),  # Megatron divides the returned loss in place
@@ -513,12 +523,13 @@ class ClippedPGLoss:
         if nll is not None:
             metrics["positive_nll_loss"] = nll.detach()
         if inputs.generation_logprobs is not None and not prev_is_generation:  # else prev vs itself: left out
-            metrics.update(self._mismatch_metrics(prev.detach(), inputs.generation_logprobs, mask, weights, context))
+            metrics.update(self._mismatch_metrics(prev.detach(), inputs.generation_logprobs, mask, weights,
+                                                  inputs.layout, context))
         return metrics
 
     def _mismatch_metrics(
         self, prev: torch.Tensor, generation: torch.Tensor, mask: torch.Tensor, weights: ImportanceWeights,
-        context: ContextShard | None = None,
+        layout: SequenceLayout, context: ContextShard | None = None,
     ) -> dict[str, torch.Tensor]:
         """How far the rollout engine's logprobs are from the trainer's prev logprobs."""
         finite = mask * torch.isfinite(generation)
@@ -535,9 +546,9 @@ class ClippedPGLoss:
         if oob is None:
             return metrics
         if oob.dim() == 1:  # seq-mask-tis: one flag per sequence
-            has_tokens = (token_count_per_sequence(mask, context) > 0).to(torch.float32)
+            has_tokens = sequences_with_tokens(mask, layout, context=context)
             metrics["is_oob_ratio"] = (oob.to(torch.float32) * has_tokens).sum() / has_tokens.sum().clamp(min=1)
-            metrics["is_oob_token_ratio"] = token_mean(oob[:, None].expand_as(mask).to(torch.float32), mask)
+            metrics["is_oob_token_ratio"] = token_mean(layout.broadcast(oob.to(torch.float32)), mask)
         else:
             metrics["is_oob_ratio"] = token_mean(oob.to(torch.float32), mask)
         return metrics

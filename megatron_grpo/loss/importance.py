@@ -9,13 +9,14 @@ import torch
 from megatron_grpo.loss.config import SequenceWeight, TruncatedImportanceSamplingConfig
 from megatron_grpo.loss.reductions import token_mean_per_sequence, token_sum_per_sequence
 from megatron_grpo.ops.context_shard import ContextShard
+from megatron_grpo.ops.packing import SequenceLayout
 
 
 @dataclasses.dataclass(frozen=True)
 class ImportanceWeights:
-    """Detached `[B, S]` weights, and where truncation rejected or capped them (None without truncation).
+    """Detached per-token weights, and where truncation rejected or capped them (None without truncation).
 
-    `out_of_bounds` is `[B, S]` for `tis` and `icepop`; for `seq-mask-tis` it is `[B]`, one flag per sequence.
+    `out_of_bounds` is per token for `tis` and `icepop`; for `seq-mask-tis` it is `[N]`, one flag per sequence.
     """
 
     weights: torch.Tensor
@@ -36,6 +37,7 @@ def importance_weights(
     *,
     sequence_level: bool,
     sequence_weight: SequenceWeight,
+    layout: SequenceLayout | None = None,
     context: ContextShard | None = None,
 ) -> ImportanceWeights:
     """Weights `w = exp(prev - generation)`, truncated as `truncation.type` says; non-finite weights are 0.
@@ -48,15 +50,17 @@ def importance_weights(
     - `seq-mask-tis`: `w = 0` for every token of a sequence whose geometric-mean weight (non-finite token log
       weights counted as 0) lies outside `[ratio_min, ratio_max]`; kept sequences keep their token weights
       untruncated.
-    Under context parallelism (`context`) the sequence sums are over every CP rank's tokens.
+    `layout`: where the sequences lie (None: one per row of `[B, S]`). Under context parallelism (`context`) the
+    sequence sums are over every CP rank's tokens.
     """
+    layout = SequenceLayout.padded(*mask.shape, device=mask.device) if layout is None else layout
     log_weights = (prev_logprobs - generation_logprobs).detach()
     if sequence_level:
         if sequence_weight == "product":
-            per_sequence = token_sum_per_sequence(log_weights, mask, context)
+            per_sequence = token_sum_per_sequence(log_weights, mask, layout, context=context)
         else:
-            per_sequence = token_mean_per_sequence(log_weights, mask, context)
-        weights = torch.exp(per_sequence)[:, None].expand_as(log_weights)
+            per_sequence = token_mean_per_sequence(log_weights, mask, layout, context=context)
+        weights = layout.broadcast(torch.exp(per_sequence))
     else:
         weights = torch.exp(log_weights)
     weights = finite_or_zero(weights)
@@ -70,7 +74,8 @@ def importance_weights(
         out_of_bounds = (weights < truncation.ratio_min) | (weights > truncation.ratio_max)
         return ImportanceWeights(weights=weights.masked_fill(out_of_bounds, 0.0), out_of_bounds=out_of_bounds)
     if truncation.type == "seq-mask-tis":
-        geometric_mean = torch.exp(token_mean_per_sequence(finite_or_zero(log_weights), mask, context))
+        geometric_mean = torch.exp(token_mean_per_sequence(finite_or_zero(log_weights), mask, layout,
+                                                           context=context))
         rejected = (geometric_mean < truncation.ratio_min) | (geometric_mean > truncation.ratio_max)
-        return ImportanceWeights(weights=weights.masked_fill(rejected[:, None], 0.0), out_of_bounds=rejected)
+        return ImportanceWeights(weights=weights.masked_fill(layout.broadcast(rejected), 0.0), out_of_bounds=rejected)
     raise ValueError(f"loss_fn.truncated_importance_sampling.type: unknown type {truncation.type!r}")

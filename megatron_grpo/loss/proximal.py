@@ -30,6 +30,7 @@ import math
 import torch
 
 from megatron_grpo.loss.config import APPROXIMATIONS, ApproximationMethod
+from megatron_grpo.ops.packing import SequenceLayout
 
 VERSION_KEY = "rollout_weight_version"  # the batch's per-sample [B] weight version of the generating policy
 ERROR_KINDS = ("abs_error", "rel_error", "is_weight_abs_error", "ratio_abs_error")
@@ -105,9 +106,11 @@ def check_generation_logprobs(generation: torch.Tensor | None, mask: torch.Tenso
 
 
 def approximate_prev(method: ApproximationMethod, curr: torch.Tensor, generation: torch.Tensor,
-                     mask: torch.Tensor, alpha: torch.Tensor | None = None) -> torch.Tensor:
-    """`[B, S]` prev logprobs in `curr`'s dtype, detached, 0 off `mask`: the generation logprobs, or the
-    interpolation with per-sample `alpha` (`[B]`, from `interpolation_weights`).
+                     mask: torch.Tensor, alpha: torch.Tensor | None = None,
+                     layout: SequenceLayout | None = None) -> torch.Tensor:
+    """Per-token prev logprobs in `curr`'s dtype, detached, 0 off `mask`: the generation logprobs, or the
+    interpolation with per-sample `alpha` (`[N]`, from `interpolation_weights`; `layout` says where each sample's
+    tokens lie, None: one per row of `[B, S]`).
 
     Where alpha is 1 the result is `curr.detach()` bit for bit. A NaN or +inf on a trained token, or a -inf where
     curr is finite, is a ValueError: the interpolation failed. (-inf where curr is -inf is the token a top-k /
@@ -121,7 +124,8 @@ def approximate_prev(method: ApproximationMethod, curr: torch.Tensor, generation
         return torch.where(trained, generation.to(curr.dtype), zero)
     if alpha is None:
         raise ValueError(f"approximate_prev: {method!r} needs alpha")
-    a = alpha.to(torch.float64)[:, None].expand_as(curr)
+    layout = SequenceLayout.padded(*curr.shape, device=curr.device) if layout is None else layout
+    a = layout.broadcast(alpha.to(torch.float64))
     current, behave = curr.to(torch.float64), generation.to(torch.float64)
     if method == "loglinear":
         value = torch.where(a == 0, behave, behave + a * (current - behave))
@@ -139,7 +143,7 @@ def approximate_prev(method: ApproximationMethod, curr: torch.Tensor, generation
 
 
 def approximation_errors(prev: torch.Tensor, curr: torch.Tensor, generation: torch.Tensor, mask: torch.Tensor,
-                         alpha: torch.Tensor) -> dict[str, torch.Tensor]:
+                         alpha: torch.Tensor, layout: SequenceLayout | None = None) -> dict[str, torch.Tensor]:
     """Per-token errors of each approximation against the computed `prev` (AReaL's `metrics` mode), as `[B, S]`
     float64 tensors named `prox_<method>_<kind>`, over `mask` (0 elsewhere):
 
@@ -154,7 +158,7 @@ def approximation_errors(prev: torch.Tensor, curr: torch.Tensor, generation: tor
     errors = {}
     for method in APPROXIMATIONS:
         approx = approximate_prev(method, torch.where(keep, curr.detach(), torch.zeros_like(curr)), generation,
-                                  keep.to(mask.dtype), alpha).to(torch.float64)
+                                  keep.to(mask.dtype), alpha, layout).to(torch.float64)
         diff = (truth - approx).abs()
         kinds = {
             "abs_error": diff,

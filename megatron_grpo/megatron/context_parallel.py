@@ -20,7 +20,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import get_batch_on_this_cp_rank
 
-from megatron_grpo.ops.context_shard import ContextShard
+from megatron_grpo.ops.context_shard import PACKED_WITH_CONTEXT_PARALLEL, ContextShard
+from megatron_grpo.ops.packing import CU_SEQLENS
 from megatron_grpo.ops.shift import aligned_with_tokens
 
 Batch = Mapping[str, torch.Tensor]
@@ -49,7 +50,10 @@ def split_for_context_parallel(batch: Batch) -> dict[str, torch.Tensor]:
     """This CP rank's row-aligned share of a full `[B, S]` batch (see the module docstring): `input_ids` (the model's
     input) and `position_ids` (their global positions), `labels`, and every other per-token tensor (those shaped like
     `input_ids`) shifted so position `t` belongs to `labels[t] = input_ids[t + 1]`; per-sequence tensors unchanged.
-    `S` must be a multiple of 2·CP (Megatron's zigzag), else a ValueError naming `batch['input_ids']`."""
+    `S` must be a multiple of 2·CP (Megatron's zigzag), else a ValueError naming `batch['input_ids']`; a packed
+    batch (`cu_seqlens`) is a ValueError (not supported under CP)."""
+    if CU_SEQLENS in batch:
+        raise ValueError(f"batch['cu_seqlens']: {PACKED_WITH_CONTEXT_PARALLEL}")
     input_ids = batch["input_ids"]
     size = context_parallel_size()
     if input_ids.dim() != 2 or input_ids.shape[1] % (2 * size):

@@ -13,7 +13,9 @@ Every workaround lives here, with its reason (docs/design.md, "Platforms and Meg
 Handled where they arise rather than by patching:
 5. The RNG tracker: `model_parallel_cuda_manual_seed` needs CUDA RNG state, so `parallel.init_parallel` asks
    for Megatron's inference tracker on CPU (its forks are no-ops; dropout then draws from the CPU generator).
-6. `sequence_parallel` needs TE's LayerNorm: `model.build_gpt_model` keeps it off on CPU.
+6. `sequence_parallel` needs TE's LayerNorm: `model.build_gpt_model` keeps it off (its local spec has torch's);
+   a script's own GPTModel with TE can turn it on, and the fused paths then gather its hidden states
+   (`hidden_states.py`).
 7. `megatron.core.optimizer` allocates on "cuda" in its constructor: on the CPU the policy's optimizer is
    `AdamOverMainGrad`, torch's AdamW reading the gradients Megatron's DDP reduced into `main_grad`.
 """

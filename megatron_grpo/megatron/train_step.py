@@ -10,14 +10,17 @@
   pass was skipped) and the passes it ran, the same on every rank. The sync and async loops both call it.
 
 Batches follow the contract in docs/design.md: dicts of `[B, S]` tensors aligned with `input_ids` (position 0 has no
-logprob). A batch given to these functions is this data-parallel rank's share; with DP > 1 the model is wrapped
-in Megatron's DistributedDataParallel (`ddp.wrap_in_ddp`), which reduces the gradients.
+logprob), or packed (`[1, T]` with `cu_seqlens`, `ops.packing`) where `make_forward_step` and `compute_logprobs`
+take them; `train_step` takes the rollout padded and packs each optimizer step's microbatches itself when
+`StepConfig.max_tokens_per_microbatch` is set. A batch given to these functions is this data-parallel rank's
+share; with DP > 1 the model is wrapped in Megatron's DistributedDataParallel (`ddp.wrap_in_ddp`), which reduces
+the gradients.
 
 With context parallelism (CP > 1 in parallel_state) every CP rank is given the same full batch; the forward step
 splits each microbatch (`context_parallel.split_for_context_parallel`: targets shifted on the full sequences, then
 Megatron's zigzag), the loss reads its share with the CP group (`ops.ContextShard`), and the per-token results
 come back whole and token-aligned (`context_parallel.gather_from_context_parallel`). The model must then be in
-Megatron's DDP, which reduces over DP × CP.
+Megatron's DDP, which reduces over DP × CP. Packed batches under CP are not supported (a ValueError).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from megatron_grpo.megatron.ddp import is_ddp
 from megatron_grpo.megatron.forward import (
     Batch,
     ForwardStep,
+    batch_forward,
     from_last_stage,
     metrics_from_last_stage,
     model_forward,
@@ -62,8 +66,10 @@ from megatron_grpo.megatron.optimizer import (
     optimizer_step,
     zero_optimizer_grads,
 )
+from megatron_grpo.ops.context_shard import PACKED_WITH_CONTEXT_PARALLEL
 from megatron_grpo.ops.current import HiddenStates, current_logprobs
 from megatron_grpo.ops.distribution import SamplingDistribution
+from megatron_grpo.ops.packing import CU_SEQLENS, PackedMicrobatches, SequenceLayout, next_token_targets_of
 from megatron_grpo.ops.vocab_shard import VocabShard
 from megatron_grpo.scheduler import LogprobPlan
 from megatron_grpo.timing import StepTimer
@@ -87,6 +93,9 @@ class StepConfig:
     #   policy trained): `SamplingDistribution.of_sampling(temperature, top_k, top_p)`; default softmax(logits)
     fused_linear_logprobs: bool = False  # logprobs from final hidden states (`vocab_parallel_linear_logprobs`)
     fused_linear_loss: bool = False  # the training loss's gradient in forward (`ClippedPGLoss.on_hidden_states`)
+    max_tokens_per_microbatch: int | None = None  # pack each optimizer step's sequences (first-fit decreasing)
+    #   into microbatches of at most this many tokens (`ops.packing.PackedMicrobatches`) instead of
+    #   micro_batch_size rows; None: padded microbatches
 
 
 @dataclass(frozen=True)
@@ -153,6 +162,7 @@ def make_forward_step(
     (`gather_from_context_parallel` makes them whole). `global_valid_*` still count the whole sequences. The loss
     of each CP rank is its share; Megatron's DDP averages over DP × CP and its schedule multiplies the loss by the
     CP size (Megatron-Core 0.16 and 0.19, for a `loss_func` returning two values), so the scale above is unchanged.
+    Packed batches under CP are a ValueError (`split_for_context_parallel`).
 
     The fused GEMMs run in the model's compute dtype (`hidden_states.compute_dtype`: bf16 under bf16 autocast).
     `check_inputs=False`: the loss and the ops skip their checks of values that cost a host sync per microbatch
@@ -197,9 +207,7 @@ def make_forward_step(
         batch = next(data_iterator)
         if context is not None:
             batch = split_for_context_parallel(batch)
-        output = model_forward(model, batch["input_ids"], hidden_states=fused_linear,
-                               position_ids=batch.get("position_ids") if context is not None else None)
-        return output, partial(loss_func, batch, model)
+        return batch_forward(model, batch, hidden_states=fused_linear), partial(loss_func, batch, model)
 
     return forward_step
 
@@ -224,9 +232,14 @@ def prev_source_kwargs(plan: LogprobPlan, versions: StepVersions | None = None) 
 
 def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int, vocab: VocabShard,
                      distribution: SamplingDistribution | None = None, fused_linear: bool = False,
-                     check_inputs: bool = True) -> torch.Tensor:
+                     check_inputs: bool = True, max_tokens_per_microbatch: int | None = None) -> torch.Tensor:
     """float32 `[B, S]` logprobs of `batch["input_ids"]` under `distribution` (`SamplingDistribution`; None:
     softmax(logits); -inf outside a top-k / top-p kept set) of `model`, in eval mode; position 0 is 0.
+
+    A packed batch (`batch['cu_seqlens']`, `ops.packing`) is one microbatch and gives `[1, T]` logprobs, 0 at
+    each sequence's first token. `max_tokens_per_microbatch`: the padded batch's rows are packed into microbatches
+    of at most that many tokens (`ops.packing.PackedMicrobatches`), and the logprobs come back `[B, S]` (0 past
+    each row's last trained token).
 
     `fused_linear`: from the final hidden states and the output weight (`vocab_parallel_linear_logprobs`),
     without materialising the logits.
@@ -237,11 +250,22 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
 
     A forward-only pass through Megatron's schedule; with pipeline parallelism the last stage broadcasts the
     result to the other stages. With context parallelism every CP rank is given the full batch, computes the
-    logprobs of its share of each sequence, and returns the whole `[B, S]` (one all-gather over the CP group).
+    logprobs of its share of each sequence, and returns the whole `[B, S]` (one all-gather over the CP group); a
+    packed batch or `max_tokens_per_microbatch` under CP is a ValueError.
     """
     input_ids = batch["input_ids"]
-    microbatches = [{"input_ids": mb["input_ids"]} for mb in _split(batch, micro_batch_size)]
     context = context_shard()
+    if context is not None and (max_tokens_per_microbatch is not None or CU_SEQLENS in batch):
+        key = "batch['cu_seqlens']" if CU_SEQLENS in batch else "max_tokens_per_microbatch"
+        raise ValueError(f"{key}: {PACKED_WITH_CONTEXT_PARALLEL}")
+    packing = None
+    if max_tokens_per_microbatch is not None and CU_SEQLENS not in batch:
+        packing = _packed_microbatches(batch, max_tokens_per_microbatch)
+        microbatches = packing.microbatches
+    else:
+        microbatches = _split(batch, micro_batch_size)
+    if context is not None:  # the split shifts every per-token tensor of a microbatch: hand it the tokens alone
+        microbatches = [{"input_ids": mb["input_ids"]} for mb in microbatches]
 
     def logprob_func(targets: torch.Tensor, output_tensor: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
         output = HiddenStates(*_in_compute_dtype(model, output_tensor)) if fused_linear else output_tensor
@@ -251,14 +275,13 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
         microbatch = next(data_iterator)
         if context is None:
-            ids = targets = microbatch["input_ids"]
-            positions = None
+            # No logprob crosses into a sequence: each sequence's first token (a padded row's position 0) scores
+            # nothing.
+            targets = next_token_targets_of(microbatch["input_ids"], SequenceLayout.of_batch(microbatch))
         else:  # row-aligned: each row scores its label; the last row of a sequence has none
             microbatch = split_for_context_parallel(microbatch)
-            ids, positions = microbatch["input_ids"], microbatch["position_ids"]
-            targets = microbatch["labels"].masked_fill(positions == input_ids.shape[1] - 1, -1)
-        output = model_forward(model, ids, hidden_states=fused_linear, position_ids=positions)
-        return output, partial(logprob_func, targets)
+            targets = microbatch["labels"].masked_fill(microbatch["position_ids"] == input_ids.shape[1] - 1, -1)
+        return batch_forward(model, microbatch, hidden_states=fused_linear), partial(logprob_func, targets)
 
     was_training = model.training
     model.eval()
@@ -267,9 +290,20 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
             outputs = run_schedule(forward_step, model, microbatches, forward_only=True)
     finally:
         model.train(was_training)
-    logprobs = gather_from_context_parallel(torch.cat(outputs)) if outputs else torch.empty(
-        input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    if packing is not None:
+        logprobs = packing.unpack(outputs) if outputs else torch.empty(input_ids.shape, dtype=torch.float32,
+                                                                       device=input_ids.device)
+    else:
+        logprobs = gather_from_context_parallel(torch.cat(outputs)) if outputs else torch.empty(
+            input_ids.shape, dtype=torch.float32, device=input_ids.device)
     return from_last_stage(logprobs)
+
+
+def _packed_microbatches(batch: Batch, max_tokens: int) -> PackedMicrobatches:
+    """`batch`'s rows packed into microbatches of at most `max_tokens` tokens; under pipeline parallelism all of
+    one length, as the stages exchange activations of one shape."""
+    same_length = parallel_state.get_pipeline_model_parallel_world_size() > 1
+    return PackedMicrobatches(batch, max_tokens, same_length=same_length)
 
 
 def _in_compute_dtype(model: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,6 +371,13 @@ def train_step(
     micro_batch_size = step.micro_batch_size
     distribution = step.distribution  # train the policy the rollouts sampled from
     fused = step.fused_linear_logprobs
+    packed_tokens = step.max_tokens_per_microbatch
+    if CU_SEQLENS in batch:
+        raise ValueError("batch['cu_seqlens']: train_step takes the rollout padded, [B, S], and packs each optimizer "
+                         "step itself with StepConfig.max_tokens_per_microbatch")
+    if packed_tokens is not None and context_shard() is not None:
+        raise ValueError(f"StepConfig.max_tokens_per_microbatch: {PACKED_WITH_CONTEXT_PARALLEL} (context_parallel_size "
+                         f"{parallel_state.get_context_parallel_world_size()}); leave it None")
     step_rows = _rows_per_optimizer_step(step, batch["input_ids"].shape[0])
     batch = dict(batch)
     passes_run: dict[str, int] = {}
@@ -346,13 +387,14 @@ def train_step(
             batch["reference_policy_logprobs"] = compute_logprobs(reference_model, batch,
                                                                   micro_batch_size=micro_batch_size, vocab=vocab,
                                                                   distribution=distribution.unfiltered(),
-                                                                  fused_linear=fused, check_inputs=False)
+                                                                  fused_linear=fused, check_inputs=False,
+                                                                  max_tokens_per_microbatch=packed_tokens)
         passes_run["reference"] = 1
     if plan.compute_prev_logprobs:
         with timer.section("prev_pass"):
             batch["prev_logprobs"] = compute_logprobs(model, batch, micro_batch_size=micro_batch_size, vocab=vocab,
                                                       distribution=distribution, fused_linear=fused,
-                                                      check_inputs=False)
+                                                      check_inputs=False, max_tokens_per_microbatch=packed_tokens)
         passes_run["prev"] = 1
     if plan.prev_approximation == "generation":  # verl's bypass: the rollout's logprobs are prev from the start
         check_generation_logprobs(batch.get("generation_logprobs"), trained_token_mask(batch),
@@ -372,14 +414,18 @@ def train_step(
         versions = (StepVersions.of_optimizer_step(proximal_version, start // step_rows, rows // step_rows)
                     if plan.needs_versions else None)
         with timer.section("forward_backward"):
-            metrics = _forward_backward(model, optimizer, loss_fn, plan, step_batch, micro_batch_size, vocab,
-                                        distribution, fused_linear=fused, fused_loss=step.fused_linear_loss,
-                                        versions=versions)
+            packing = None if packed_tokens is None else _packed_microbatches(step_batch, packed_tokens)
+            microbatches = _split(step_batch, micro_batch_size) if packing is None else packing.microbatches
+            metrics = _forward_backward(model, optimizer, loss_fn, plan, microbatches, vocab, distribution,
+                                        fused_linear=fused, fused_loss=step.fused_linear_loss, versions=versions)
         with timer.section("optimizer"):
             lr = learning_rate(optimizer)  # the rate this step uses
             grad_norm = optimizer_step(model, optimizer, clip)
         step_metrics.append({**metrics_from_last_stage(_aggregate(metrics, loss_fn)), "grad_norm": grad_norm,
                              "grad_norm_after_clip": grad_norm_after_clipping(grad_norm, clip), "lr": lr})
+        if packing is not None and metrics:  # the per-token metrics back to the rollout's rows
+            metrics = [dict(metrics[0], **{key: packing.unpack([m[key] for m in metrics])
+                                           for key in ("curr_logprobs", "prev_logprobs") if key in metrics[0]})]
         microbatch_metrics.extend(metrics)
 
     curr_logprobs = from_last_stage(
@@ -406,8 +452,7 @@ def _forward_backward(
     optimizer: Optimizer,
     loss_fn: LossFn,
     plan: LogprobPlan,
-    batch: Batch,
-    micro_batch_size: int,
+    microbatches: list[Batch],
     vocab: VocabShard,
     distribution: SamplingDistribution,
     fused_linear: bool = False,
@@ -423,7 +468,6 @@ def _forward_backward(
         raise ValueError("model: data parallelism needs the model wrapped in Megatron-Core's DistributedDataParallel "
                          "(megatron_grpo.megatron.wrap_in_ddp), which reduces the gradients over the DP ranks (and "
                          "the context-parallel ranks, with CP)")
-    microbatches = _split(batch, micro_batch_size)
     tokens, seqs = _global_valid_counts(microbatches)
     forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches), global_valid_tokens=tokens,
                                      global_valid_seqs=seqs, vocab=vocab, distribution=distribution,
@@ -446,6 +490,9 @@ def _aggregate(microbatch_metrics: list[dict[str, torch.Tensor]], loss_fn: LossF
 
 
 def _split(batch: Batch, micro_batch_size: int) -> list[Batch]:
+    """Microbatches of `micro_batch_size` rows; a packed batch is one microbatch."""
+    if CU_SEQLENS in batch:
+        return [batch]
     rows = batch["input_ids"].shape[0]
     if rows == 0 or rows % micro_batch_size:
         raise ValueError(f"batch['input_ids']: {rows} sequences are not a positive multiple of "

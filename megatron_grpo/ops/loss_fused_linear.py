@@ -20,8 +20,10 @@ then goes into Megatron DDP's `main_grad` where the weight has one, with Megatro
 (`main_grad`). `dH` is this rank's partial sum over its vocab shard: the caller reduces it over TP where Megatron's
 output layer does, as for the op. Chunks hold whole sequences, so a loss term that couples a sequence's tokens
 (GSPO's sequence ratio, sequence-mean aggregation) is exact; a sequence whose trained rows exceed the chunk budget is
-a chunk of its own. The value and metrics come from one more loss evaluation on the whole microbatch's (detached)
-logprobs. No top-k / top-p here (use the op, `vocab_parallel_linear_logprobs`). The loss is a Python callable, so
+a chunk of its own. A packed batch (`[1, T]` with `cu_seqlens`, `ops.packing`) is cut the same way, each chunk a
+run of whole packed sequences (a packed sub-batch of its own); under context parallelism the CP ranks cut the same
+chunks. The value and metrics come from one more loss evaluation on the whole microbatch's (detached) logprobs.
+No top-k / top-p here (use the op, `vocab_parallel_linear_logprobs`). The loss is a Python callable, so
 this is an eager autograd Function, not a traceable op.
 """
 
@@ -35,12 +37,13 @@ import torch.distributed as dist
 
 from .backends import Implementation
 from .checks import check_linear_inputs, check_target_ids
-from .context_shard import ContextShard
+from .context_shard import PACKED_WITH_CONTEXT_PARALLEL, ContextShard
 from .chunks import WeightGradient, chunk_buffer, chunk_logits, chunk_rows_for, hidden_gradient
 from .distribution import SamplingDistribution
 from .dtypes import compute_dtype
 from .linear_logprobs import LinearCall
 from .main_grad import added_to_main_grad, main_grad_of
+from .packing import CU_SEQLENS, SequenceLayout
 from .partials import combine_partials, gather_partials
 from .rows import row_gradient
 from .shift import next_token_targets
@@ -48,7 +51,7 @@ from .vocab_shard import VocabShard
 
 Batch = Mapping[str, torch.Tensor]
 # loss_fn(batch, curr_logprobs, curr_entropy) -> (loss, metrics): a sequence-additive loss on precomputed
-# `[b, S]` current logprobs and entropies, with the global counts already bound.
+# current logprobs and entropies (`[b, S]`, or `[1, t]` packed), with the global counts already bound.
 SequenceLoss = Callable[[Batch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -57,11 +60,13 @@ class LossFusedCall:
     """Everything the autograd Function takes besides `hidden` and `weight`."""
 
     loss_fn: SequenceLoss
-    batch: Batch  # the loss's inputs, each indexed by sequence first (sliced per chunk)
-    targets: torch.Tensor  # [B, S] next-token targets of each row (-1: not trained)
-    trained_rows: torch.Tensor  # [trained rows] int64: each trained row's index among the B * S rows, in order
+    batch: Batch  # the loss's inputs (sliced per chunk by `layout.select`)
+    layout: SequenceLayout  # padded (a sequence per row) or packed
+    targets: torch.Tensor  # [B, S] (or [1, T]) next-token targets of each row (-1: not trained)
+    trained_rows: torch.Tensor  # [trained rows] int64: each trained row's index among the flat rows, in order
     rows_per_sequence: list[int]  # trained rows of each sequence (known on the host)
     sequences_per_chunk: list[slice]
+    token_spans: list[tuple[int, int]]  # each chunk's flat rows [start, stop) (known on the host)
     linear: LinearCall  # shard, valid columns, scale and kernels
     shift: bool = True  # row t scores token t + 1 (token-aligned outputs); False: row t's own target (row-aligned)
 
@@ -72,22 +77,21 @@ class LossFusedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, call: LossFusedCall, metrics_out: dict):
-        batch_size, seq_len, _ = hidden.shape
         valid = call.linear.valid_cols
         weight_valid = weight[:valid]
         grad_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
         # Not into main_grad yet: the upstream gradient that scales dW is known in backward only.
         weight_gradient = WeightGradient(weight, valid, len(call.sequences_per_chunk))
-        logprobs = torch.zeros(batch_size, seq_len, dtype=compute_dtype(hidden.dtype), device=hidden.device)
+        logprobs = torch.zeros(hidden.shape[:2], dtype=compute_dtype(hidden.dtype), device=hidden.device)
         entropy = torch.zeros_like(logprobs)
         largest = max((sum(call.rows_per_sequence[sl]) for sl in call.sequences_per_chunk), default=0)
         buffer = chunk_buffer(largest, valid, hidden)  # one aligned logits buffer for every chunk
         first_row = 0  # of the chunk, among the trained rows
-        for sequences in call.sequences_per_chunk:
+        for sequences, span in zip(call.sequences_per_chunk, call.token_spans, strict=True):
             count = sum(call.rows_per_sequence[sequences])
-            rows = call.trained_rows[first_row:first_row + count] - sequences.start * seq_len  # within the chunk
+            rows = call.trained_rows[first_row:first_row + count] - span[0]  # within the chunk
             first_row += count
-            LossFusedLinear.chunk(hidden, weight_valid, sequences, rows, buffer[:count], call, grad_hidden,
+            LossFusedLinear.chunk(hidden, weight_valid, sequences, span, rows, buffer[:count], call, grad_hidden,
                                   weight_gradient, logprobs, entropy)
         with torch.no_grad():
             loss, metrics = call.loss_fn(call.batch, logprobs, entropy)
@@ -110,31 +114,34 @@ class LossFusedLinear(torch.autograd.Function):
         return grad_hidden * scale, grad_weight * scale, None, None
 
     @staticmethod
-    def chunk(hidden, weight_valid, sequences: slice, rows: torch.Tensor, buffer: torch.Tensor, call: LossFusedCall,
-              grad_hidden, weight_gradient: WeightGradient, logprobs, entropy) -> None:
-        """Forward, loss gradient and backward of one chunk of whole sequences, whose trained rows are `rows` (indices
-        among the chunk's flattened rows; no host sync here), its logits in `buffer`; fills its rows of `logprobs`,
-        `entropy` (aligned with the tokens) and `grad_hidden`, and adds its share to `weight_gradient`."""
+    def chunk(hidden, weight_valid, sequences: slice, span: tuple[int, int], rows: torch.Tensor, buffer: torch.Tensor,
+              call: LossFusedCall, grad_hidden, weight_gradient: WeightGradient, logprobs, entropy) -> None:
+        """Forward, loss gradient and backward of one chunk of whole sequences, the flat rows `span`, whose trained
+        rows are `rows` (indices among the chunk's rows; no host sync here), its logits in `buffer`; fills its rows of
+        `logprobs`, `entropy` (aligned with the tokens) and `grad_hidden`, and adds its share to `weight_gradient`."""
         linear = call.linear
         kernels, start, valid, scale = (linear.kernels, linear.shard.start_index, linear.valid_cols,
                                         linear.distribution.logit_scale)
-        targets = call.targets[sequences]
-        h = hidden[sequences].reshape(-1, hidden.shape[-1]).index_select(0, rows)
-        row_targets = targets.reshape(-1).index_select(0, rows)
+        first, stop = span
+        h = hidden.reshape(-1, hidden.shape[-1])[first:stop].index_select(0, rows)
+        row_targets = call.targets.reshape(-1)[first:stop].index_select(0, rows)
         logits = chunk_logits(h, weight_valid, scale, buffer)
         partials = kernels.logprob_partials(logits, row_targets, start, valid, True, None)
         stats = combine_partials(gather_partials(partials, linear.shard.group), row_targets, True)
-        # The rows' logprobs and entropies as leaves at their tokens' positions (row t scores token t + 1), or at the
-        # rows themselves when the targets were shifted before (row-aligned: context parallelism).
-        positions = rows + 1 if call.shift else rows  # a last position is never a trained row when shifting
-        chunk_logprobs = logprobs[sequences]
-        chunk_entropy = entropy[sequences]
+        # The rows' logprobs and entropies as leaves at their tokens' positions: row t scores token t + 1, or, when the
+        # targets were shifted before (row-aligned: context parallelism), its own position. When shifting, a
+        # sequence's last row is never a trained one (the next token starts a row or a packed sequence, and has no
+        # logprob), so every position stays inside the chunk.
+        positions = rows + 1 if call.shift else rows
+        sub_batch = call.layout.select(call.batch, sequences, span)
+        token_shape = sub_batch["input_ids"].shape
+        chunk_logprobs = logprobs.view(-1)[first:stop].view(token_shape)
+        chunk_entropy = entropy.view(-1)[first:stop].view(token_shape)
         chunk_logprobs.view(-1)[positions] = stats.logprob
         chunk_entropy.view(-1)[positions] = stats.entropy
         with torch.enable_grad():
             leaf_logprobs = chunk_logprobs.clone().requires_grad_(True)
             leaf_entropy = chunk_entropy.clone().requires_grad_(True)
-            sub_batch = {key: value[sequences] for key, value in call.batch.items()}
             loss, _ = call.loss_fn(sub_batch, leaf_logprobs, leaf_entropy)
             grad_logprobs, grad_entropy = torch.autograd.grad(loss, (leaf_logprobs, leaf_entropy),
                                                               allow_unused=True)
@@ -144,12 +151,12 @@ class LossFusedLinear(torch.autograd.Function):
                                  None if grad_entropy_rows is None else stats.mean_x, grad_logprob_rows,
                                  grad_entropy_rows, logits, None)  # in place: logits become dlogits
         dh = hidden_gradient(logits, weight_valid, scale, h.new_empty(h.shape))
-        grad_hidden[sequences].view(-1, hidden.shape[-1]).index_copy_(0, rows, dh)
+        grad_hidden.view(-1, hidden.shape[-1])[first:stop].index_copy_(0, rows, dh)
         weight_gradient.add(logits, h, scale)
 
 
 def _rows_of(per_token: torch.Tensor | None, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A `[b, S]` per-token gradient as the rows' contiguous `[rows]` vector in `like`'s dtype (zeros when
+    """A per-token gradient as the rows' contiguous `[rows]` vector in `like`'s dtype (zeros when
     unused)."""
     if per_token is None:
         return row_gradient(None, positions.numel(), like)
@@ -191,9 +198,11 @@ def loss_fused_linear(
     over TP by the caller) and `weight`.
 
     `targets` `[B, S]`: the sequences' token ids, < 0 where a token is not trained (the ops' `shift=True` targets).
+    A packed batch (`batch['cu_seqlens']`, `ops.packing`) has `[1, T, H]` hidden states and `[1, T]` targets, < 0 at
+    every sequence's first token (`ops.packing.next_token_targets_of`), so no logprob crosses a boundary.
     `loss_fn(batch, curr_logprobs, curr_entropy)` must be sequence-additive: its value on a subset of the
-    sequences (`batch`'s tensors sliced along their first dim) is their share of the whole (e.g. `ClippedPGLoss`
-    with the global counts bound). `distribution`: its scale only (a filtered one is a ValueError).
+    sequences (`batch` cut by `SequenceLayout.select`) is their share of the whole (e.g. `ClippedPGLoss` with the
+    global counts bound). `distribution`: its scale only (a filtered one is a ValueError).
     `chunk_rows`: trained rows per chunk (whole sequences); None picks one as the op does (`chunk_rows_for`).
     `shift=False`: `targets` are each row's own (already shifted) targets, and the logprobs stay with the rows, as
     for a context-parallel rank's row-aligned share. `context` (an `ContextShard`): the CP ranks cut the same
@@ -214,9 +223,13 @@ def loss_fused_linear(
     shard = (VocabShard() if shard is None else shard).resolve(weight.shape[0])
     if check_inputs:
         check_target_ids(targets, shard)
-    trained = targets >= 0
+    layout = (SequenceLayout.packed(batch[CU_SEQLENS], targets.shape[1]) if CU_SEQLENS in batch
+              else SequenceLayout.padded(*targets.shape, device=targets.device))
+    if context is not None and layout.is_packed:
+        raise ValueError(f"batch['cu_seqlens']: {PACKED_WITH_CONTEXT_PARALLEL}")
+    trained = targets >= 0  # a trained row scores a token of its own sequence (shifting: token t + 1)
     # The call's host syncs: the rows per sequence (to cut chunks of whole sequences) and the trained rows' indices.
-    local_counts = trained.sum(dim=1)
+    local_counts = layout.sum(trained.to(torch.int64))
     per_sequence = local_counts.tolist()
     trained_rows = trained.reshape(-1).nonzero().squeeze(1)
     # The chunks are cut alike on every rank that meets the others in the loss: the CP ranks by their largest counts.
@@ -230,9 +243,10 @@ def loss_fused_linear(
     budget = int(chunk_rows) if chunk_rows is not None else chunk_rows_for(sum(cut_counts), weight.shape[0],
                                                                             hidden.dtype)
     linear = LinearCall.of(weight, sum(per_sequence), shard, distribution, True, budget, implementation)
-    call = LossFusedCall(loss_fn=loss_fn, batch=batch, targets=targets, trained_rows=trained_rows,
-                         rows_per_sequence=per_sequence, sequences_per_chunk=sequence_chunks(cut_counts, budget),
-                         linear=linear, shift=shift)
+    chunks = sequence_chunks(cut_counts, budget)
+    call = LossFusedCall(loss_fn=loss_fn, batch=batch, layout=layout, targets=targets, trained_rows=trained_rows,
+                         rows_per_sequence=per_sequence, sequences_per_chunk=chunks,
+                         token_spans=layout.token_spans(chunks), linear=linear, shift=shift)
     metrics: dict[str, torch.Tensor] = {}
     loss, _, _ = LossFusedLinear.apply(hidden, weight, call, metrics)
     return loss, metrics

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS))
+sys.path[:0] = [str(TESTS), str(TESTS / "runner")]  # the learning tests' layouts
 
 from grpo_workers.launch import run, torchrun_command, write_config  # noqa: E402
 from test_grpo_learning import LAYOUTS  # noqa: E402

@@ -249,7 +249,48 @@ def _refusals() -> dict[str, str]:
         build_gpt_model(GPTModelParams(num_layers=1, hidden_size=8, num_attention_heads=2,
                                        max_position_embeddings=SEQ, ffn_hidden_size=16), VOCAB)
     messages["local_spec"] = str(error.value)
+    messages.update(_packed_refusals())
     parallel_state.destroy_model_parallel()
+    return messages
+
+
+def _packed_refusals() -> dict[str, str]:
+    """Under CP 2: a packed batch (or packing by `max_tokens_per_microbatch`) at every entry that could meet both."""
+    from megatron_grpo.loss import ClippedPGLoss
+    from megatron_grpo.megatron import (
+        StepConfig,
+        compute_logprobs,
+        model_forward,
+        split_for_context_parallel,
+        train_step,
+    )
+    from megatron_grpo.megatron.context_parallel import context_shard
+    from megatron_grpo.ops import VocabShard
+    from megatron_grpo.ops.packing import pack_rows
+    from megatron_grpo.scheduler import LogprobPlan
+
+    full = _global_batch()
+    packed = pack_rows(full, [0, 1], [SEQ, SEQ])
+    plan = LogprobPlan(compute_reference_logprobs=False, compute_prev_logprobs=False, prev_from_current=True,
+                       reasons=())
+    attempts = {
+        "packed_split": lambda: split_for_context_parallel(packed),
+        "packed_loss": lambda: ClippedPGLoss(loss_config())(
+            None, {**packed, "labels": packed["input_ids"]}, curr_logprobs=torch.zeros(1, 2 * SEQ),
+            curr_entropy=torch.zeros(1, 2 * SEQ), global_valid_tokens=1.0, global_valid_seqs=1.0,
+            prev_logprobs_from_current=True, context=context_shard()),
+        "packed_forward": lambda: model_forward(None, packed["input_ids"], cu_seqlens=packed["cu_seqlens"]),
+        "packing_logprobs": lambda: compute_logprobs(None, full, micro_batch_size=1, vocab=VocabShard(),
+                                                     max_tokens_per_microbatch=2 * SEQ),
+        "packing_train_step": lambda: train_step(
+            StepConfig(global_batch_size=ROWS, micro_batch_size=1, max_tokens_per_microbatch=2 * SEQ), None, None,
+            ClippedPGLoss(loss_config()), plan, full, vocab=VocabShard()),
+    }
+    messages = {}
+    for name, attempt in attempts.items():
+        with pytest.raises(ValueError) as error:
+            attempt()
+        messages[name] = str(error.value)
     return messages
 
 
@@ -272,6 +313,18 @@ def test_bad_context_parallel_settings_are_value_errors_naming_the_key(ranks):
     assert "context_parallel_size" in messages["indivisible"] and "world size 4" in messages["indivisible"]
     assert messages["zero"].startswith("context_parallel_size: must be an integer >= 1, got 0")
     assert messages["local_spec"].startswith("context_parallel_size: 2 needs Transformer Engine's attention")
+
+
+def test_packed_batches_under_context_parallelism_are_value_errors_naming_both(ranks):
+    """Packed (THD) batches and CP together are not supported: every entry that could meet both says so, naming
+    its key."""
+    messages = ranks[0]["refusals"]
+    both = "packed (THD) batches and context parallelism together are not supported"
+    for name in ("packed_split", "packed_loss", "packed_forward"):
+        assert messages[name].startswith(f"cu_seqlens: {both}" if name == "packed_forward"
+                                         else f"batch['cu_seqlens']: {both}"), (name, messages[name])
+    assert messages["packing_logprobs"].startswith(f"max_tokens_per_microbatch: {both}")
+    assert messages["packing_train_step"].startswith(f"StepConfig.max_tokens_per_microbatch: {both}")
 
 
 def test_split_takes_each_chunks_last_target_from_the_next_chunk(ranks):

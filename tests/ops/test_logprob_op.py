@@ -2,7 +2,7 @@
 
 Every case that holds on any device runs on the CPU and, where CUDA is present, on the GPU (conftest's `device`;
 the cuda cases are marked `gpu`). Inputs are built on the CPU, run on the device, and compared on the CPU.
-GPU-only cases (split rows, launch boundaries, streams, production shapes) are in test_gpu.py.
+GPU-only cases (split rows, launch boundaries, streams, production shapes) are in test_gpu_kernels.py.
 """
 
 from __future__ import annotations

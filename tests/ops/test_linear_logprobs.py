@@ -3,7 +3,7 @@ float64, then `expected_logprobs` on the full, unpadded vocab, and float64 autog
 and weight. On 1, 2 and 4 gloo ranks, with padding, a rank that is all padding, ignored rows, entropy,
 logit_scale != 1, odd chunk sizes, fp32 and bf16, the collective count, and every bad input's message.
 The one-rank comparisons with the anchor run on every device (conftest's `device`: the cpu case, and the cuda case
-marked `gpu`); the CUDA kernels at larger shapes, with rows split across blocks, are in test_gpu.py."""
+marked `gpu`); the CUDA kernels at larger shapes, with rows split across blocks, are in test_gpu_linear.py."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ import pytest
 from megatron_grpo.bench.logprob import FUSED_EXP, MEGATRON, report
 from megatron_grpo.bench.measure import collect
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HIDE_MEGATRON = REPO / "benchmarks" / "hide_megatron"
 
 

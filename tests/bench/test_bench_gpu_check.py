@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 STEPS = ["machine", "wheels", "registers", "build", "tests", "linear", "runner", "roofline", "bench"]
 
@@ -78,6 +78,9 @@ def test_the_plan_lists_the_carry_step_the_steps_filter_and_the_budgets(tmp_path
     assert re.search(r"^  wheels .*carry: (no \.whl/\*\.whl|.*\.whl)", out, flags=re.M)
     total = sum(budgets().values())
     assert f"budgets: {total} s in all" in out and 'rerun chosen steps: STEPS="tests runner"' in out
+    # what the one-GPU check leaves out, and the test that covers it instead (a file that exists)
+    left_out = re.search(r"^not checked here: sequence parallelism .* (tests/\S+\.py) checks", out, flags=re.M)
+    assert left_out and (REPO / left_out.group(1)).is_file()
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert re.search(r"^machine +ok ", summary, flags=re.M)
     assert len(re.findall(r"^\w+ +not selected \(STEPS\) ", summary, flags=re.M)) == len(STEPS) - 1
@@ -111,23 +114,26 @@ def files_with_gpu_tests() -> set[str]:
     """Test files with a `gpu`-marked case: marked by hand, or a test taking conftest's `device` fixture."""
     marked = re.compile(r"(@|= |marks=\[?)pytest\.mark\.gpu\b")
     takes_device = re.compile(r"^def test_\w+\([^)]*\bdevice\b", flags=re.M)
-    return {f"tests/{path.name}" for path in (REPO / "tests").glob("test_*.py")
+    return {str(path.relative_to(REPO)) for path in (REPO / "tests").rglob("test_*.py")
             if marked.search(path.read_text()) or takes_device.search(path.read_text())}
 
 
 def test_gpu_tests_name_every_file_with_a_gpu_marked_case():
     listed = re.search(r'^export GPU_TESTS="\$\{GPU_TESTS:-(.*?)\}"$', SCRIPT.read_text(), flags=re.M | re.S)
     assert listed, "GPU_TESTS's default not found in gpu_check.sh"
-    gpu_tests = set(listed.group(1).replace("\\\n", " ").split())
+    linear = re.search(r'^export LINEAR_TESTS="\$\{LINEAR_TESTS:-(.*?)\}"', SCRIPT.read_text(), flags=re.M)
+    assert linear, "LINEAR_TESTS's default not found in gpu_check.sh"
+    gpu_tests = set(listed.group(1).replace("\\\n", " ").split()) | set(linear.group(1).split())
     found = files_with_gpu_tests()
-    assert {"tests/test_gpu.py", "tests/test_logprob_op.py", "tests/test_linear_logprobs.py"} <= found
-    assert found - gpu_tests == set(), "benchmarks/gpu_check.sh's GPU_TESTS misses these files' gpu-marked cases"
+    assert {"tests/ops/test_gpu_kernels.py", "tests/ops/test_gpu_linear.py", "tests/ops/test_logprob_op.py",
+            "tests/ops/test_linear_logprobs.py"} <= found
+    assert found - gpu_tests == set(), "benchmarks/gpu_check.sh's GPU_TESTS and LINEAR_TESTS miss these files' gpu cases"
 
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
 def test_dry_run_goes_through_every_step_within_budget(tmp_path):
     out = tmp_path / "out"
-    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, CPU_TESTS="tests/test_logprob_errors.py",
+    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, CPU_TESTS="tests/ops/test_logprob_errors.py",
                TMPDIR=str(tmp_path))
     start = time.monotonic()
     done = subprocess.run(["bash", str(SCRIPT), "--dry-run"], cwd=REPO, env=env, capture_output=True, text=True,

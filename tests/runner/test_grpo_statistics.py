@@ -8,7 +8,7 @@ import torch
 from megatron_grpo.grpo.statistics import rollout_statistics
 from megatron_grpo.megatron.optimizer import grad_norm_after_clipping, learning_rate
 from megatron_grpo.timing import PHASES, StepTimer, format_time_breakdown, time_breakdown_rows
-from tests._dist import run_on_ranks
+from _dist import run_on_ranks
 
 EOS, PAD = 2, 0
 

@@ -21,7 +21,7 @@ from megatron_grpo.grpo.tensorboard_log import (
     scalar_tags,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:

@@ -12,7 +12,7 @@ from megatron_grpo.nemo_rl_config import load_nemo_rl_config, nemo_rl_decisions,
 from megatron_grpo.scheduler import plan_logprob_passes
 from megatron_grpo.scheduler_cli import main as plan_main
 
-NEMO = pathlib.Path(__file__).resolve().parent / "nemo_rl_configs"
+NEMO = pathlib.Path(__file__).resolve().parents[1] / "nemo_rl_configs"
 SKIP_SWITCH = "grpo.skip_reference_policy_logprobs_calculation"
 
 

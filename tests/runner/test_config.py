@@ -346,7 +346,7 @@ def test_reading_a_config_imports_neither_torch_nor_more_than_the_bottom_module(
         "megatron_grpo.config.load_config(sys.argv[1])\n"
         "assert 'torch' not in sys.modules\n"
     )
-    repo = pathlib.Path(__file__).resolve().parent.parent
+    repo = pathlib.Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", code, str(TINY)], cwd=repo, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr

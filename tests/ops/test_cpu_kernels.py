@@ -79,7 +79,7 @@ def test_aten_cpu_capability_avx2_selects_the_avx2_build():
     code = "import torch, megatron_grpo._C; print(torch.ops.megatron_grpo.cpu_kernel_isa())"
     env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.stdout.strip() == "avx2"
 
 

@@ -222,7 +222,7 @@ def test_resume_from_an_empty_directory_is_a_clear_error(tmp_path):
 
 def test_the_runner_reaches_megatron_core_only_through_megatron_grpo_megatron():
     """docs/design.md: `megatron_grpo/megatron/` is the only package that imports megatron.core."""
-    package = Path(__file__).parents[1] / "megatron_grpo" / "grpo"
+    package = Path(__file__).parents[2] / "megatron_grpo" / "grpo"
     imports = {}
     for source in sorted(package.glob("*.py")):
         for node in ast.walk(ast.parse(source.read_text(), str(source))):

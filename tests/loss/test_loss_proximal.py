@@ -176,7 +176,7 @@ def test_compare_approximations_are_zero_where_the_pass_is_the_current_policy():
     (None, r"batch\['rollout_weight_version'\] is missing"),
     (torch.tensor([3.0, float("nan"), 0.0, 3.0, 1.0]), r"batch\['rollout_weight_version'\]: contains NaN"),
     (torch.tensor([4, 2, 0, 3, 1]), r"version 4 is newer than the step's proximal version 3"),
-    (torch.tensor([3, 2, 0]), r"batch\['rollout_weight_version'\]: expected a tensor of shape \[5\]"),
+    (torch.tensor([3, 2, 0]), r"batch\['rollout_weight_version'\]: expected shape \[5\] \(one value per sequence"),
 ], ids=["missing", "nan", "newer-than-proximal", "wrong-shape"])
 def test_a_bad_version_is_a_named_error(versions, message):
     data = inputs()
