@@ -148,6 +148,7 @@ class PolicyConfig(StrictSection):
 
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
+    context_parallel_size: int  # each sequence split over this many ranks; > 1 is refused by this runner
     train_global_batch_size: int  # sequences per optimizer step, all DP ranks
     train_micro_batch_size: int  # sequences per microbatch per DP rank
     precision: Literal["fp32", "bf16"]  # no fp16: the train step does no loss scaling
@@ -158,8 +159,8 @@ class PolicyConfig(StrictSection):
     optimizer: OptimizerConfig
 
     def conflicts(self) -> list[str]:
-        positive = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "train_global_batch_size",
-                    "train_micro_batch_size")
+        positive = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                    "train_global_batch_size", "train_micro_batch_size")
         problems = _failing(self, positive, _positive, "must be > 0")
         if self.fused_linear_loss and not self.fused_linear_logprobs:
             problems.append(f"{self.key('fused_linear_loss')}: true needs {self.key('fused_linear_logprobs')}: true")

@@ -12,11 +12,12 @@ from megatron_grpo.ops.distribution import SamplingDistribution
 
 
 def parallel_params(cfg: Config) -> ParallelParams:
-    """`policy.tensor_model_parallel_size`, `policy.pipeline_model_parallel_size`, `seed`,
-    `distributed.timeout_seconds`."""
+    """`policy.tensor_model_parallel_size`, `policy.pipeline_model_parallel_size`, `policy.context_parallel_size`,
+    `seed`, `distributed.timeout_seconds`."""
     return ParallelParams(
         tensor_model_parallel_size=cfg.policy.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.policy.pipeline_model_parallel_size,
+        context_parallel_size=cfg.policy.context_parallel_size,
         seed=cfg.seed,
         timeout_seconds=cfg.distributed.timeout_seconds,
     )

@@ -18,6 +18,7 @@ ranks' exit codes into one line; under a bare `torchrun`, torchrun adds its own 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import signal
@@ -199,6 +200,23 @@ def checked_plan(cfg: Config, *, world_size: Optional[int], cuda_available: bool
     return plan
 
 
+def context_parallel_problems(size: int, *, cuda_available: bool) -> list[str]:
+    """Why this runner cannot split sequences over `size` > 1 context-parallel ranks here. Megatron-Core's local
+    attention spec (the one without Transformer Engine) has no context parallelism: each rank would attend within
+    its own chunks only. With TE, the plugin's training API splits batches (`make_forward_step`, `train_step`), but
+    this runner's sampler feeds every rank whole sequences, which TE's CP attention would take as chunks."""
+    if size <= 1:
+        return []
+    te_found = cuda_available and importlib.util.find_spec("transformer_engine") is not None
+    if not te_found:
+        return [f"policy.context_parallel_size: {size} needs Transformer Engine's attention (CUDA with "
+                "transformer_engine importable): Megatron-Core's local attention spec has no context parallelism; "
+                "set it to 1"]
+    return [f"policy.context_parallel_size: {size}: this runner's rollout sampler does not split sequences over "
+            "context-parallel ranks; set it to 1 (the plugin's train_step and make_forward_step support it: "
+            "docs/runner.md)"]
+
+
 def runner_config_problems(cfg: Config, *, world_size: Optional[int], cuda_available: bool) -> list[str]:
     """Settings the config accepts in general but this runner cannot run on `world_size` ranks (None: not known
     yet, as for an elastic number of nodes) with or without CUDA, each naming its key."""
@@ -206,13 +224,16 @@ def runner_config_problems(cfg: Config, *, world_size: Optional[int], cuda_avail
     if cfg.policy.precision != "fp32" and not cuda_available:
         problems.append(f"policy.precision: {cfg.policy.precision} needs CUDA, which is not available here; "
                         "use fp32 on the CPU")
-    model_parallel = cfg.policy.tensor_model_parallel_size * cfg.policy.pipeline_model_parallel_size
+    problems.extend(context_parallel_problems(cfg.policy.context_parallel_size, cuda_available=cuda_available))
+    model_parallel = (cfg.policy.tensor_model_parallel_size * cfg.policy.pipeline_model_parallel_size
+                      * cfg.policy.context_parallel_size)
     if world_size is None:
         pass
     elif world_size % model_parallel:
+        sizes = "tensor × pipeline" + (" × context" if cfg.policy.context_parallel_size > 1 else "")
         problems.append(f"policy.tensor_model_parallel_size: {world_size} ranks do not split into groups of "
-                        f"tensor × pipeline parallel size {model_parallel} (launch a multiple of {model_parallel} "
-                        "ranks: --nproc-per-node N, or N per node)")
+                        f"{sizes} parallel size {model_parallel} (launch a multiple of {model_parallel} ranks: "
+                        "--nproc-per-node N, or N per node)")
     elif cfg.grpo.num_prompts_per_step % (world_size // model_parallel):
         problems.append(f"grpo.num_prompts_per_step ({cfg.grpo.num_prompts_per_step}) must be a multiple of the "
                         f"data-parallel size ({world_size // model_parallel}): each DP rank samples whole groups")

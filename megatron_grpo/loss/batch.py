@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
+from megatron_grpo.ops.context_shard import PACKED_WITH_CONTEXT_PARALLEL
 from megatron_grpo.ops.current import HiddenStates
 from megatron_grpo.ops.packing import SequenceLayout
 
@@ -35,26 +36,41 @@ class LossBatch:
     """A validated batch, all per-token tensors aligned with `input_ids` (`[B, S]`, or `[1, T]` packed)."""
 
     input_ids: torch.Tensor  # int64
-    mask: torch.Tensor  # float32, 1 where a token is trained; each sequence's first token is always 0
+    mask: torch.Tensor  # float32, 1 where a token is trained; each sequence's first token is 0 (token-aligned)
     advantages: torch.Tensor  # float32, broadcast over tokens when given per sequence
     prev_logprobs: torch.Tensor | None  # float32
     generation_logprobs: torch.Tensor | None  # float32
     reference_policy_logprobs: torch.Tensor | None  # float32
     rewards: torch.Tensor | None = None  # float32 [N], only when required
     layout: SequenceLayout | None = None  # where each sequence lies; set by validate_batch
+    labels: torch.Tensor | None = None  # int64, a row-aligned batch's targets (context parallelism), else None
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """The ops' targets, -1 off the trained-token mask: the tokens themselves (token-aligned, for the ops'
+        `shift=True`) or the labels (row-aligned, `shift=False`)."""
+        return trained_token_targets(self.input_ids if self.labels is None else self.labels, self.mask)
+
+    @property
+    def row_aligned(self) -> bool:
+        return self.labels is not None
 
 
 def validate_batch(
     batch: Mapping[str, torch.Tensor], output: torch.Tensor | HiddenStates | None, requirements: BatchRequirements,
-    *, current: Mapping[str, torch.Tensor] | None = None, check_values: bool = True,
+    *, current: Mapping[str, torch.Tensor] | None = None, check_values: bool = True, row_aligned: bool = False,
 ) -> LossBatch:
     """Checks `batch` against the model's `output` (logits `[B, S, V_local]`, or `HiddenStates` of `[B, S, H]`), or
     against the precomputed `[B, S]` per-token tensors of `current` (name -> tensor) when there is no output, and
     returns it in the loss's working form.
 
     `check_values=False` skips the checks that read values (finite advantages and rewards: host syncs), for a caller
-    that checked them once already; keys, shapes and dtypes are always checked."""
-    mask, layout = _mask_and_layout(batch)
+    that checked them once already; keys, shapes and dtypes are always checked.
+
+    `row_aligned`: a context-parallel rank's share of a padded batch, its targets shifted before the split
+    (Megatron's `labels` convention): `batch['labels']` `[B, S]` int64 holds each row's target, and every per-token
+    tensor describes that target (see `trained_token_mask`). A packed batch cannot be one (a ValueError)."""
+    mask, layout = _mask_and_layout(batch, row_aligned)
     batch_size, seq_len = mask.shape
     if output is not None:
         name, tensor, last = (("hidden", output.hidden, "H") if isinstance(output, HiddenStates)
@@ -85,9 +101,15 @@ def validate_batch(
         logprobs[key] = _on_mask(tensor, mask)
     rewards = _rewards(batch, layout, requirements.rewards, check_values) if requirements.rewards is not None \
         else None
+    labels = None
+    if row_aligned:
+        labels = _tensor(batch, "labels")
+        _check_shape("labels", labels, [(batch_size, seq_len)])
+        if labels.dtype != torch.int64:
+            raise ValueError(f"batch['labels']: expected dtype torch.int64, got {labels.dtype}")
     return LossBatch(
         input_ids=batch["input_ids"], mask=mask, advantages=_on_mask(advantages, mask), rewards=rewards, **logprobs,
-        layout=layout,
+        layout=layout, labels=labels,
     )
 
 
@@ -118,10 +140,14 @@ def trained_token_targets(input_ids: torch.Tensor, mask: torch.Tensor) -> torch.
     return input_ids.masked_fill(mask == 0, -1)
 
 
-def trained_token_mask(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def trained_token_mask(batch: Mapping[str, torch.Tensor], *, row_aligned: bool = False) -> torch.Tensor:
     """float32, `input_ids`' shape: `token_mask * sample_mask`, each sequence's first token excluded (it has no
-    logprob)."""
-    return _mask_and_layout(batch)[0]
+    logprob).
+
+    `row_aligned` (a context-parallel rank's share, targets shifted before the split): position `j` is row `j`'s
+    target, whose mask the split batch already carries (the row before a sequence's first token never is one), so
+    no position is excluded."""
+    return _mask_and_layout(batch, row_aligned)[0]
 
 
 def count_valid(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,9 +161,12 @@ def count_valid(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.
     return mask.sum(), (layout.sum(mask) > 0).sum().to(torch.float32)
 
 
-def _mask_and_layout(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, SequenceLayout]:
+def _mask_and_layout(batch: Mapping[str, torch.Tensor], row_aligned: bool = False
+                     ) -> tuple[torch.Tensor, SequenceLayout]:
     input_ids = _tensor(batch, "input_ids")
     layout = SequenceLayout.of_batch(batch)
+    if row_aligned and layout.is_packed:
+        raise ValueError(f"batch['cu_seqlens']: {PACKED_WITH_CONTEXT_PARALLEL}")
     if input_ids.dtype != torch.int64:
         raise ValueError(f"batch['input_ids']: expected dtype torch.int64, got {input_ids.dtype}")
     token_mask = _tensor(batch, "token_mask")
@@ -147,7 +176,9 @@ def _mask_and_layout(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, S
     for key, tensor in (("token_mask", token_mask), ("sample_mask", sample_mask)):
         if tensor.dtype.is_complex:
             raise ValueError(f"batch[{key!r}]: expected a bool, integer or floating dtype, got {tensor.dtype}")
-    mask = (token_mask != 0) & layout.broadcast(sample_mask != 0) & ~layout.sequence_starts
+    mask = (token_mask != 0) & layout.broadcast(sample_mask != 0)
+    if not row_aligned:
+        mask &= ~layout.sequence_starts
     return mask.to(torch.float32), layout
 
 

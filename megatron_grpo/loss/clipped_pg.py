@@ -28,7 +28,7 @@ from functools import partial
 
 import torch
 
-from megatron_grpo.loss.batch import BatchRequirements, LossBatch, trained_token_targets, validate_batch
+from megatron_grpo.loss.batch import BatchRequirements, LossBatch, validate_batch
 from megatron_grpo.loss.config import ClippedPGLossConfig
 from megatron_grpo.loss.importance import ImportanceWeights, finite_or_zero, importance_weights
 from megatron_grpo.loss.kl import kl_estimate
@@ -52,6 +52,7 @@ from megatron_grpo.loss.reductions import (
     token_min,
 )
 from megatron_grpo.ops.backends import Implementation
+from megatron_grpo.ops.context_shard import ContextShard
 from megatron_grpo.ops.current import CurrentLogprobs, HiddenStates, ModelOutput, current_logprobs
 from megatron_grpo.ops.distribution import SamplingDistribution
 from megatron_grpo.ops.dtypes import in_compute_dtype
@@ -135,6 +136,7 @@ class ClippedPGLoss:
         curr_unfiltered_logprobs: torch.Tensor | None = None,
         inplace_backward: bool = False,
         check_inputs: bool = True,
+        context: ContextShard | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This microbatch's globally normalised loss and its detached metrics (see the class docstring), from the
         model's logits `[B, S, V_local]` (the output tensor a Megatron `forward_step` hands its loss function).
@@ -162,6 +164,14 @@ class ClippedPGLoss:
         `check_inputs=False` skips the checks of values that cost a host sync (target ids within the vocab, finite
         advantages and rewards), for a caller that checked its batch once (the Megatron train step); keys, shapes and
         dtypes are always checked.
+
+        `context` (`ops.ContextShard`, context parallelism): the batch is this CP rank's row-aligned share of every
+        sequence (targets shifted before the split: `batch['labels']`, Megatron's convention; `logits` and the
+        per-token tensors belong to the labels' rows). The loss is this rank's share, normalised by the same global
+        counts; sequence sums (GSPO, sequence-level IS, `seq-mask-tis`, sequence token counts) are over the CP
+        group, and `num_valid_samples` is counted by one rank of it. The Megatron step splits with
+        `megatron_grpo.megatron.split_for_context_parallel`. Padded batches only: a packed one with `context` is a
+        ValueError.
         """
         distribution = SamplingDistribution() if distribution is None else distribution
         precomputed = self._check_precomputed(logits, curr_logprobs, curr_entropy, curr_unfiltered_logprobs,
@@ -170,7 +180,8 @@ class ClippedPGLoss:
                               global_valid_seqs=global_valid_seqs, shard=shard, distribution=distribution,
                               prev_logprobs_from_current=prev_logprobs_from_current,
                               prev_approximation=prev_approximation, compare_approximations=compare_approximations,
-                              precomputed=precomputed, inplace_backward=inplace_backward, check_inputs=check_inputs)
+                              precomputed=precomputed, inplace_backward=inplace_backward, check_inputs=check_inputs,
+                              context=context)
 
     def on_hidden_states(
         self,
@@ -189,6 +200,7 @@ class ClippedPGLoss:
         chunk_rows: int | None = None,
         implementation: Implementation = "auto",
         check_inputs: bool = True,
+        context: ContextShard | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The same loss and metrics from final hidden states `[B, S, H]` and this rank's `[V_local, H]` output
         weight shard (logits `hidden @ weight.T`, under `distribution`), without materialising the logits. `hidden`'s
@@ -203,21 +215,21 @@ class ClippedPGLoss:
         output = HiddenStates(hidden, weight)
         prev = dict(prev_logprobs_from_current=prev_logprobs_from_current, prev_approximation=prev_approximation,
                     compare_approximations=compare_approximations)
-        counts = dict(global_valid_tokens=global_valid_tokens, global_valid_seqs=global_valid_seqs)
+        counts = dict(global_valid_tokens=global_valid_tokens, global_valid_seqs=global_valid_seqs, context=context)
         if not loss_fused:
             return self._evaluate(output, batch, **counts, shard=shard, distribution=distribution, **prev,
                                   chunk_rows=chunk_rows, implementation=implementation, check_inputs=check_inputs)
         inputs = validate_batch(batch, output, self._requirements(self._prev_from_current(
             prev_logprobs_from_current, prev_approximation, compare_approximations), prev_approximation,
-            compare_approximations), check_values=check_inputs)
+            compare_approximations), check_values=check_inputs, row_aligned=context is not None)
 
         def sequence_loss(sequences: Mapping[str, torch.Tensor], curr: torch.Tensor, entropy: torch.Tensor):
             return self._evaluate(None, sequences, **counts, shard=shard, distribution=distribution, **prev,
                                   precomputed=CurrentLogprobs(logprobs=curr, entropy=entropy), check_inputs=False)
 
-        return loss_fused_linear(sequence_loss, hidden, weight, trained_token_targets(inputs.input_ids, inputs.mask),
-                                 batch, shard=shard, distribution=distribution, chunk_rows=chunk_rows,
-                                 check_inputs=check_inputs, implementation=implementation)
+        return loss_fused_linear(sequence_loss, hidden, weight, inputs.targets, batch, shard=shard,
+                                 distribution=distribution, chunk_rows=chunk_rows, check_inputs=check_inputs,
+                                 implementation=implementation, shift=context is None, context=context)
 
     def _evaluate(
         self,
@@ -236,6 +248,7 @@ class ClippedPGLoss:
         chunk_rows: int | None = None,
         implementation: Implementation = "auto",
         check_inputs: bool = True,
+        context: ContextShard | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss of every entry: the current tensors of the model's `output` (`ops.current_logprobs`) or the
         `precomputed` ones, then the per-token terms, the reduction and the metrics."""
@@ -246,9 +259,9 @@ class ClippedPGLoss:
                                                   "curr_entropy": precomputed.entropy}
         inputs = validate_batch(batch, output, self._requirements(prev_from_current, prev_approximation,
                                                                   compare_approximations), current=given,
-                                check_values=check_inputs)
+                                check_values=check_inputs, row_aligned=context is not None)
         current = precomputed if precomputed is not None else current_logprobs(
-            output, trained_token_targets(inputs.input_ids, inputs.mask), shard=shard, distribution=distribution,
+            output, inputs.targets, shard=shard, distribution=distribution, shift=context is None,
             with_unfiltered=cfg.kl_in_loss, inplace_backward=inplace_backward, check_inputs=check_inputs,
             chunk_rows=chunk_rows, implementation=implementation)
         trained = inputs.mask.bool()
@@ -271,8 +284,8 @@ class ClippedPGLoss:
         zero = torch.zeros((), dtype=curr.dtype, device=curr.device)
         curr, prev = torch.where(kept, curr, zero), torch.where(kept, prev, zero)
         mask = inputs.mask * kept
-        policy = self._policy_term(curr, prev, inputs.advantages, mask, inputs.layout)
-        weights = self._importance_weights(prev, inputs, mask)
+        policy = self._policy_term(curr, prev, inputs.advantages, mask, inputs.layout, context)
+        weights = self._importance_weights(prev, inputs, mask, context)
         per_token_loss = policy.per_token_loss
         if cfg.use_importance_sampling_correction:
             per_token_loss = weights.weights * per_token_loss
@@ -285,6 +298,7 @@ class ClippedPGLoss:
             global_valid_seqs=global_valid_seqs,
             max_response_length=cfg.max_response_length,
             layout=inputs.layout,
+            context=context,
         )
         loss = aggregate(per_token_loss, mask)
         kl = kl_mask = None
@@ -299,7 +313,7 @@ class ClippedPGLoss:
             nll = self._positive_example_nll(curr, inputs.rewards, mask, global_valid_tokens, inputs.layout)
             loss = loss + cfg.positive_example_nll_weight * nll
         with torch.no_grad():
-            metrics = self._metrics(loss, curr, prev, inputs, mask, policy, weights, kl, kl_mask, entropy, nll,
+            metrics = self._metrics(loss, curr, prev, inputs, mask, policy, weights, kl, kl_mask, entropy, nll, context,
                                     prev_is_generation=prev_approximation is not None
                                     and prev_approximation.method == "generation")
             if prev_approximation is not None:
@@ -404,12 +418,12 @@ class ClippedPGLoss:
 
     def _policy_term(
         self, curr: torch.Tensor, prev: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-        layout: SequenceLayout,
+        layout: SequenceLayout, context: ContextShard | None = None,
     ) -> _PolicyTerm:
         cfg = self.config
         log_ratio = curr - prev
         if cfg.sequence_level_importance_ratio:
-            log_ratio = layout.broadcast(token_mean_per_sequence(log_ratio, mask, layout))
+            log_ratio = layout.broadcast(token_mean_per_sequence(log_ratio, mask, layout, context=context))
         ratio = torch.exp(log_ratio)
         if cfg.disable_ppo_ratio:
             return _PolicyTerm(per_token_loss=-advantages * curr, ratio=ratio, clamped_ratio=ratio)
@@ -423,7 +437,7 @@ class ClippedPGLoss:
         return _PolicyTerm(per_token_loss=clipped_loss, ratio=ratio, clamped_ratio=clamped)
 
     def _importance_weights(
-        self, prev: torch.Tensor, inputs: LossBatch, mask: torch.Tensor
+        self, prev: torch.Tensor, inputs: LossBatch, mask: torch.Tensor, context: ContextShard | None = None
     ) -> ImportanceWeights | None:
         if inputs.generation_logprobs is None:
             return None
@@ -435,6 +449,7 @@ class ClippedPGLoss:
             sequence_level=self.config.sequence_level_importance_ratio,
             sequence_weight=self.config.sequence_level_importance_weight,
             layout=inputs.layout,
+            context=context,
         )
 
     def _kl(self, curr: torch.Tensor, inputs: LossBatch) -> torch.Tensor:
@@ -477,14 +492,17 @@ class ClippedPGLoss:
         kl_mask: torch.Tensor | None,
         entropy: torch.Tensor,
         nll: torch.Tensor | None,
+        context: ContextShard | None = None,
         *,
         prev_is_generation: bool = False,
     ) -> dict[str, torch.Tensor]:
         ratio, clamped = policy.ratio.detach(), policy.clamped_ratio.detach()
+        has_tokens = sequences_with_tokens(inputs.mask, inputs.layout, context=context)
+        counted = context is None or context.counts_sequences  # one CP rank counts the sequences
         metrics = {
             "loss": loss.detach().clone(),  # Megatron divides the returned loss in place
             "num_valid_tokens": inputs.mask.sum(),
-            "num_valid_samples": sequences_with_tokens(inputs.mask, inputs.layout).sum(),
+            "num_valid_samples": has_tokens.sum() if counted else torch.zeros_like(has_tokens.sum()),
             "filtered_out_tokens": inputs.mask.sum() - mask.sum(),
             "probs_ratio": token_mean(ratio, mask),
             "probs_ratio_min": token_min(ratio, mask),
@@ -506,12 +524,12 @@ class ClippedPGLoss:
             metrics["positive_nll_loss"] = nll.detach()
         if inputs.generation_logprobs is not None and not prev_is_generation:  # else prev vs itself: left out
             metrics.update(self._mismatch_metrics(prev.detach(), inputs.generation_logprobs, mask, weights,
-                                                  inputs.layout))
+                                                  inputs.layout, context))
         return metrics
 
     def _mismatch_metrics(
         self, prev: torch.Tensor, generation: torch.Tensor, mask: torch.Tensor, weights: ImportanceWeights,
-        layout: SequenceLayout,
+        layout: SequenceLayout, context: ContextShard | None = None,
     ) -> dict[str, torch.Tensor]:
         """How far the rollout engine's logprobs are from the trainer's prev logprobs."""
         finite = mask * torch.isfinite(generation)
@@ -528,7 +546,7 @@ class ClippedPGLoss:
         if oob is None:
             return metrics
         if oob.dim() == 1:  # seq-mask-tis: one flag per sequence
-            has_tokens = sequences_with_tokens(mask, layout)
+            has_tokens = sequences_with_tokens(mask, layout, context=context)
             metrics["is_oob_ratio"] = (oob.to(torch.float32) * has_tokens).sum() / has_tokens.sum().clamp(min=1)
             metrics["is_oob_token_ratio"] = token_mean(layout.broadcast(oob.to(torch.float32)), mask)
         else:

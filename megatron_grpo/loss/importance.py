@@ -8,6 +8,7 @@ import torch
 
 from megatron_grpo.loss.config import SequenceWeight, TruncatedImportanceSamplingConfig
 from megatron_grpo.loss.reductions import token_mean_per_sequence, token_sum_per_sequence
+from megatron_grpo.ops.context_shard import ContextShard
 from megatron_grpo.ops.packing import SequenceLayout
 
 
@@ -37,6 +38,7 @@ def importance_weights(
     sequence_level: bool,
     sequence_weight: SequenceWeight,
     layout: SequenceLayout | None = None,
+    context: ContextShard | None = None,
 ) -> ImportanceWeights:
     """Weights `w = exp(prev - generation)`, truncated as `truncation.type` says; non-finite weights are 0.
 
@@ -48,15 +50,16 @@ def importance_weights(
     - `seq-mask-tis`: `w = 0` for every token of a sequence whose geometric-mean weight (non-finite token log
       weights counted as 0) lies outside `[ratio_min, ratio_max]`; kept sequences keep their token weights
       untruncated.
-    `layout`: where the sequences lie (None: one per row of `[B, S]`).
+    `layout`: where the sequences lie (None: one per row of `[B, S]`). Under context parallelism (`context`) the
+    sequence sums are over every CP rank's tokens.
     """
     layout = SequenceLayout.padded(*mask.shape, device=mask.device) if layout is None else layout
     log_weights = (prev_logprobs - generation_logprobs).detach()
     if sequence_level:
         if sequence_weight == "product":
-            per_sequence = token_sum_per_sequence(log_weights, mask, layout)
+            per_sequence = token_sum_per_sequence(log_weights, mask, layout, context=context)
         else:
-            per_sequence = token_mean_per_sequence(log_weights, mask, layout)
+            per_sequence = token_mean_per_sequence(log_weights, mask, layout, context=context)
         weights = layout.broadcast(torch.exp(per_sequence))
     else:
         weights = torch.exp(log_weights)
@@ -71,7 +74,8 @@ def importance_weights(
         out_of_bounds = (weights < truncation.ratio_min) | (weights > truncation.ratio_max)
         return ImportanceWeights(weights=weights.masked_fill(out_of_bounds, 0.0), out_of_bounds=out_of_bounds)
     if truncation.type == "seq-mask-tis":
-        geometric_mean = torch.exp(token_mean_per_sequence(finite_or_zero(log_weights), mask, layout))
+        geometric_mean = torch.exp(token_mean_per_sequence(finite_or_zero(log_weights), mask, layout,
+                                                           context=context))
         rejected = (geometric_mean < truncation.ratio_min) | (geometric_mean > truncation.ratio_max)
         return ImportanceWeights(weights=weights.masked_fill(layout.broadcast(rejected), 0.0), out_of_bounds=rejected)
     raise ValueError(f"loss_fn.truncated_importance_sampling.type: unknown type {truncation.type!r}")

@@ -1,8 +1,11 @@
 """Masked reductions over per-token tensors, and the globally normalised `loss_agg_mode`s.
 
-`mask` is the float trained-token mask (1 = trained). Values off the mask must be finite; they are ignored. The
-per-sequence reductions take the batch's `SequenceLayout` (`megatron_grpo.ops.packing`): one sequence per row of a
-padded `[B, S]` batch (the default), or the sequences of a packed `[1, T]` one; the result is `[N]` either way.
+`mask` is the float trained-token mask (1 = trained). Values off the mask must be finite; they are ignored.
+Every per-sequence reduction is one path: the batch's `SequenceLayout` (`megatron_grpo.ops.packing`; one sequence
+per row of a padded `[B, S]` batch, the default, or the sequences of a packed `[1, T]` one) gives this rank's `[N]`
+per-sequence sums from its rows, and under context parallelism (`context`, an `ops.ContextShard`: this rank holds
+part of each sequence's tokens) `ops.context_shard.sum_over_context` sums them over the CP group. The scalar
+reductions and the loss stay this rank's share.
 """
 
 from __future__ import annotations
@@ -10,27 +13,40 @@ from __future__ import annotations
 import torch
 
 from megatron_grpo.loss.config import LossAggMode
+from megatron_grpo.ops.context_shard import ContextShard, sum_over_context
 from megatron_grpo.ops.packing import SequenceLayout
 
 Count = int | float | torch.Tensor  # a global valid-token or valid-sequence count
 
 
-def token_sum_per_sequence(values: torch.Tensor, mask: torch.Tensor, layout: SequenceLayout | None = None
-                           ) -> torch.Tensor:
-    """`[N]`: the sum of each sequence's trained tokens (`layout` None: one sequence per row of `[B, S]`)."""
-    return _layout(layout, mask).sum(values * mask)
+def token_sum_per_sequence(values: torch.Tensor, mask: torch.Tensor, layout: SequenceLayout | None = None, *,
+                           context: ContextShard | None = None) -> torch.Tensor:
+    """`[N]`: the sum of each sequence's trained tokens (`layout` None: one sequence per row of `[B, S]`; over
+    every CP rank's tokens, with `context`)."""
+    return sum_over_context(_layout(layout, mask).sum(values * mask), context)
 
 
-def token_mean_per_sequence(values: torch.Tensor, mask: torch.Tensor, layout: SequenceLayout | None = None
-                            ) -> torch.Tensor:
-    """`[N]`: the mean over each sequence's trained tokens; 0 for a sequence without any."""
+def token_count_per_sequence(mask: torch.Tensor, layout: SequenceLayout | None = None, *,
+                             context: ContextShard | None = None) -> torch.Tensor:
+    """`[N]`: each sequence's trained tokens (over every CP rank's tokens, with `context`); no gradient."""
+    return sum_over_context(_layout(layout, mask).sum(mask.detach()), context)
+
+
+def token_mean_per_sequence(values: torch.Tensor, mask: torch.Tensor, layout: SequenceLayout | None = None, *,
+                            context: ContextShard | None = None) -> torch.Tensor:
+    """`[N]`: the mean over each sequence's trained tokens (over every CP rank's tokens, with `context`: the sums
+    and counts in one all-reduce); 0 for a sequence without any."""
     layout = _layout(layout, mask)
-    return layout.sum(values * mask) / layout.sum(mask).clamp(min=1)
+    sums, counts = layout.sum(values * mask), layout.sum(mask.detach())
+    if context is not None:
+        sums, counts = sum_over_context(torch.stack([sums, counts.to(sums.dtype)]), context)
+    return sums / counts.clamp(min=1)
 
 
-def sequences_with_tokens(mask: torch.Tensor, layout: SequenceLayout | None = None) -> torch.Tensor:
-    """float32 `[N]`: 1 for each sequence with a token on `mask`, else 0."""
-    return (_layout(layout, mask).sum(mask) > 0).to(torch.float32)
+def sequences_with_tokens(mask: torch.Tensor, layout: SequenceLayout | None = None, *,
+                          context: ContextShard | None = None) -> torch.Tensor:
+    """float32 `[N]`: 1 for each sequence with a token on `mask` (on any CP rank, with `context`), else 0."""
+    return (token_count_per_sequence(mask, layout, context=context) > 0).to(torch.float32)
 
 
 def token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -57,6 +73,7 @@ def aggregate_loss(
     global_valid_seqs: Count,
     max_response_length: int | None,
     layout: SequenceLayout | None = None,
+    context: ContextShard | None = None,
 ) -> torch.Tensor:
     """The microbatch's share of the optimizer step's loss.
 
@@ -67,12 +84,14 @@ def aggregate_loss(
     - `seq-mean-token-sum`: sum over sequences of the sequence's token sum / `global_valid_seqs`;
     - `seq-mean-token-sum-norm` (Dr. GRPO): as `seq-mean-token-sum`, each sum divided by `max_response_length`.
     A global count of 0 is treated as 1, so an empty step gives a loss of exactly 0. `layout`: where the
-    sequences lie (None: one per row).
+    sequences lie (None: one per row). Under context parallelism (`context`) the sums are over this rank's tokens
+    and the sequences' token counts over the CP group, so the CP ranks' shares add up to the whole sequences' loss.
     """
     if mode == "token-mean":
         return (per_token_loss * mask).sum() / _at_least_one(global_valid_tokens, per_token_loss)
     if mode == "seq-mean-token-mean":
-        per_sequence = token_mean_per_sequence(per_token_loss, mask, layout)
+        per_sequence = token_sum_per_sequence(per_token_loss, mask, layout) / token_count_per_sequence(
+            mask, layout, context=context).clamp(min=1)
     elif mode == "seq-mean-token-sum":
         per_sequence = token_sum_per_sequence(per_token_loss, mask, layout)
     elif mode == "seq-mean-token-sum-norm":

@@ -15,6 +15,11 @@ from megatron_grpo.megatron.checkpointing import (
     save_sharded,
     sharded_model_and_optimizer,
 )
+from megatron_grpo.megatron.context_parallel import (
+    context_shard,
+    gather_from_context_parallel,
+    split_for_context_parallel,
+)
 from megatron_grpo.megatron.cpu_support import apply_cpu_support
 from megatron_grpo.megatron.ddp import unwrapped, wrap_in_ddp
 from megatron_grpo.megatron.forward import model_forward
@@ -54,8 +59,10 @@ __all__ = [
     "build_optimizer",
     "clip_grad_norm",
     "compute_logprobs",
+    "context_shard",
     "destroy_parallel",
     "draws_from_last_stage",
+    "gather_from_context_parallel",
     "init_parallel",
     "is_megatron_optimizer",
     "last_error_line",
@@ -68,6 +75,7 @@ __all__ = [
     "padded_vocab_size",
     "per_rank_object",
     "save_sharded",
+    "split_for_context_parallel",
     "sharded_model_and_optimizer",
     "train_step",
     "unwrapped",

@@ -80,6 +80,7 @@ def transformer_config(params: GPTModelParams) -> TransformerConfig:
         hidden_dropout=params.hidden_dropout,
         attention_dropout=params.attention_dropout,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         pipeline_dtype=torch.float32,
         params_dtype=torch.float32,
@@ -97,7 +98,15 @@ def build_gpt_model(params: GPTModelParams, vocab_size: int, *,
 
     `share_embeddings_and_output_weights`: tie the output layer to the input embedding (Megatron's option; the
     output layer then has no weight of its own). No config key sets it yet; the tests build tied models with it.
+
+    Context parallelism (CP > 1 in parallel_state) needs Transformer Engine's attention: the local spec has none
+    (each rank would attend within its own chunks), so it is a ValueError naming `context_parallel_size`.
     """
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1 and not transformer_engine_usable():
+        raise ValueError(f"context_parallel_size: {cp} needs Transformer Engine's attention (CUDA with "
+                         "transformer_engine importable); Megatron-Core's local attention spec has no context "
+                         "parallelism")
     padded = padded_vocab_size(vocab_size, params.make_vocab_size_divisible_by,
                                parallel_state.get_tensor_model_parallel_world_size())
     model = GPTModel(

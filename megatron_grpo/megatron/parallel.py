@@ -19,18 +19,20 @@ from megatron_grpo.megatron.cpu_support import apply_cpu_support
 
 @dataclass(frozen=True)
 class ParallelParams:
-    """The model-parallel sizes (DP = world / (TP * PP)), the seed of every RNG, and the collectives' timeout.
+    """The model-parallel sizes (DP = world / (TP * PP * CP)), the seed of every RNG, and the collectives' timeout.
     Defaults are Megatron-LM's (`--seed 1234`, `--distributed-timeout-minutes 10`)."""
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1  # each sequence split over this many ranks (Megatron's zigzag of 2·CP chunks)
     seed: int = 1234
     timeout_seconds: float = 600.0  # a hung peer fails every collective after this long
 
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Where this process sits: global rank and world, and its TP/PP/DP ranks and sizes."""
+    """Where this process sits: global rank and world, and its TP/PP/DP/CP ranks and sizes (DP excludes CP: the CP
+    ranks of a DP rank share its sequences)."""
 
     rank: int
     world_size: int
@@ -41,6 +43,8 @@ class ParallelLayout:
     dp_rank: int
     dp_size: int
     device: torch.device
+    cp_rank: int = 0
+    cp_size: int = 1
 
     @property
     def tp_group(self) -> dist.ProcessGroup | None:
@@ -56,8 +60,15 @@ class ParallelLayout:
 def init_parallel(params: ParallelParams = ParallelParams()) -> ParallelLayout:
     """Initialises torch.distributed (unless a launcher already did) and Megatron's groups, then seeds all RNGs.
 
-    Rank and world come from torchrun's RANK / WORLD_SIZE / LOCAL_RANK. DP = world / (TP * PP).
+    Rank and world come from torchrun's RANK / WORLD_SIZE / LOCAL_RANK. DP = world / (TP * PP * CP). A size below 1,
+    or a world size that is not a multiple of TP × PP × CP, is a ValueError naming the key.
     """
+    sizes = {"tensor_model_parallel_size": params.tensor_model_parallel_size,
+             "pipeline_model_parallel_size": params.pipeline_model_parallel_size,
+             "context_parallel_size": params.context_parallel_size}
+    for key, size in sizes.items():
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{key}: must be an integer >= 1, got {size!r}")
     on_cpu = apply_cpu_support()
     timeout = timedelta(seconds=params.timeout_seconds)
     if not dist.is_initialized():
@@ -69,14 +80,19 @@ def init_parallel(params: ParallelParams = ParallelParams()) -> ParallelLayout:
             world_size=int(os.environ["WORLD_SIZE"]),
             timeout=timeout,
         )
-    tp, pp = params.tensor_model_parallel_size, params.pipeline_model_parallel_size
+    tp, pp, cp = (params.tensor_model_parallel_size, params.pipeline_model_parallel_size,
+                  params.context_parallel_size)
     world_size = dist.get_world_size()
-    if world_size % (tp * pp):
-        raise ValueError(f"world size {world_size} is not a multiple of tensor_model_parallel_size ({tp}) "
+    if world_size % (tp * pp * cp):
+        raise ValueError(f"context_parallel_size: world size {world_size} is not a multiple of "
+                         f"tensor_model_parallel_size ({tp}) × pipeline_model_parallel_size ({pp}) × "
+                         f"context_parallel_size ({cp})" if cp > 1 else
+                         f"world size {world_size} is not a multiple of tensor_model_parallel_size ({tp}) "
                          f"× pipeline_model_parallel_size ({pp})")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         distributed_timeout_minutes=params.timeout_seconds / 60,  # same keyword in 0.16 and 0.19
     )
     seed_all(params.seed, on_cpu)
@@ -101,6 +117,8 @@ def current_layout() -> ParallelLayout:
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(),
         device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"),
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        cp_size=parallel_state.get_context_parallel_world_size(),
     )
 
 

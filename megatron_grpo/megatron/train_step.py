@@ -12,8 +12,15 @@
 Batches follow the contract in docs/design.md: dicts of `[B, S]` tensors aligned with `input_ids` (position 0 has no
 logprob), or packed (`[1, T]` with `cu_seqlens`, `ops.packing`) where `make_forward_step` and `compute_logprobs`
 take them; `train_step` takes the rollout padded and packs each optimizer step's microbatches itself when
-`StepConfig.max_tokens_per_microbatch` is set. A batch given to these functions is this data-parallel rank's share; with DP > 1 the model is wrapped
-in Megatron's DistributedDataParallel (`ddp.wrap_in_ddp`), which reduces the gradients.
+`StepConfig.max_tokens_per_microbatch` is set. A batch given to these functions is this data-parallel rank's
+share; with DP > 1 the model is wrapped in Megatron's DistributedDataParallel (`ddp.wrap_in_ddp`), which reduces
+the gradients.
+
+With context parallelism (CP > 1 in parallel_state) every CP rank is given the same full batch; the forward step
+splits each microbatch (`context_parallel.split_for_context_parallel`: targets shifted on the full sequences, then
+Megatron's zigzag), the loss reads its share with the CP group (`ops.ContextShard`), and the per-token results
+come back whole and token-aligned (`context_parallel.gather_from_context_parallel`). The model must then be in
+Megatron's DDP, which reduces over DP × CP. Packed batches under CP are not supported (a ValueError).
 """
 
 from __future__ import annotations
@@ -36,6 +43,11 @@ from megatron_grpo.loss import (
     trained_token_mask,
 )
 from megatron_grpo.loss.proximal import VERSION_KEY, ProximalApproximation, StepVersions, check_generation_logprobs
+from megatron_grpo.megatron.context_parallel import (
+    context_shard,
+    gather_from_context_parallel,
+    split_for_context_parallel,
+)
 from megatron_grpo.megatron.ddp import is_ddp
 from megatron_grpo.megatron.forward import (
     Batch,
@@ -54,6 +66,7 @@ from megatron_grpo.megatron.optimizer import (
     optimizer_step,
     zero_optimizer_grads,
 )
+from megatron_grpo.ops.context_shard import PACKED_WITH_CONTEXT_PARALLEL
 from megatron_grpo.ops.current import HiddenStates, current_logprobs
 from megatron_grpo.ops.distribution import SamplingDistribution
 from megatron_grpo.ops.packing import CU_SEQLENS, PackedMicrobatches, SequenceLayout, next_token_targets_of
@@ -143,6 +156,14 @@ def make_forward_step(
     it. With pipeline parallelism the schedule calls `loss_func` on the last stage only. `loss_fn`'s metrics
     carry its loss as a detached `"loss"` (as ClippedPGLoss's do).
 
+    Context parallelism (CP > 1 in parallel_state): each microbatch is the full batch, the same on every CP rank;
+    the forward step splits it (`split_for_context_parallel`) and the loss takes this rank's `ContextShard`
+    (`context=`; ClippedPGLoss's), so its per-token metrics (`curr_logprobs`) are this rank's row-aligned share
+    (`gather_from_context_parallel` makes them whole). `global_valid_*` still count the whole sequences. The loss
+    of each CP rank is its share; Megatron's DDP averages over DP × CP and its schedule multiplies the loss by the
+    CP size (Megatron-Core 0.16 and 0.19, for a `loss_func` returning two values), so the scale above is unchanged.
+    Packed batches under CP are a ValueError (`split_for_context_parallel`).
+
     The fused GEMMs run in the model's compute dtype (`hidden_states.compute_dtype`: bf16 under bf16 autocast).
     `check_inputs=False`: the loss and the ops skip their checks of values that cost a host sync per microbatch
     (target ids, finite advantages); pass it only for batches checked once already (`train_step` does, with
@@ -164,10 +185,16 @@ def make_forward_step(
     if fused_loss and distribution.filtered:
         raise ValueError("fused_loss: no top-k / top-p on the loss-fused path (use fused_linear alone)")
     prev_source = prev_source_kwargs(plan, versions)
+    context = context_shard()
+    if context is not None and not _takes_keyword(loss_fn, "context"):
+        raise ValueError("loss_fn: context parallelism needs a loss that takes this rank's share of each sequence "
+                         "(a `context` keyword, as ClippedPGLoss's)")
+    split = {} if context is None else {"context": context}
 
     def loss_func(batch: Batch, model: torch.nn.Module,
                   output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        counts = dict(global_valid_tokens=global_valid_tokens, global_valid_seqs=global_valid_seqs, shard=vocab)
+        counts = dict(global_valid_tokens=global_valid_tokens, global_valid_seqs=global_valid_seqs, shard=vocab,
+                      **split)
         if fused_linear:
             hidden, weight = _in_compute_dtype(model, output_tensor)
             loss, metrics = loss_fn.on_hidden_states(hidden, weight, batch, **counts, **trained, **prev_source,
@@ -178,6 +205,8 @@ def make_forward_step(
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
         batch = next(data_iterator)
+        if context is not None:
+            batch = split_for_context_parallel(batch)
         return batch_forward(model, batch, hidden_states=fused_linear), partial(loss_func, batch, model)
 
     return forward_step
@@ -220,25 +249,38 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
     for a batch checked once already (`loss.check_batch_values`).
 
     A forward-only pass through Megatron's schedule; with pipeline parallelism the last stage broadcasts the
-    result to the other stages.
+    result to the other stages. With context parallelism every CP rank is given the full batch, computes the
+    logprobs of its share of each sequence, and returns the whole `[B, S]` (one all-gather over the CP group); a
+    packed batch or `max_tokens_per_microbatch` under CP is a ValueError.
     """
     input_ids = batch["input_ids"]
+    context = context_shard()
+    if context is not None and (max_tokens_per_microbatch is not None or CU_SEQLENS in batch):
+        key = "batch['cu_seqlens']" if CU_SEQLENS in batch else "max_tokens_per_microbatch"
+        raise ValueError(f"{key}: {PACKED_WITH_CONTEXT_PARALLEL}")
     packing = None
     if max_tokens_per_microbatch is not None and CU_SEQLENS not in batch:
         packing = _packed_microbatches(batch, max_tokens_per_microbatch)
         microbatches = packing.microbatches
     else:
         microbatches = _split(batch, micro_batch_size)
+    if context is not None:  # the split shifts every per-token tensor of a microbatch: hand it the tokens alone
+        microbatches = [{"input_ids": mb["input_ids"]} for mb in microbatches]
 
     def logprob_func(targets: torch.Tensor, output_tensor: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
         output = HiddenStates(*_in_compute_dtype(model, output_tensor)) if fused_linear else output_tensor
         return current_logprobs(output, targets, shard=vocab, distribution=distribution, with_entropy=False,
-                                check_inputs=check_inputs).logprobs
+                                check_inputs=check_inputs, shift=context is None).logprobs
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
         microbatch = next(data_iterator)
-        # No logprob crosses into a sequence: each sequence's first token (a padded row's position 0) scores nothing.
-        targets = next_token_targets_of(microbatch["input_ids"], SequenceLayout.of_batch(microbatch))
+        if context is None:
+            # No logprob crosses into a sequence: each sequence's first token (a padded row's position 0) scores
+            # nothing.
+            targets = next_token_targets_of(microbatch["input_ids"], SequenceLayout.of_batch(microbatch))
+        else:  # row-aligned: each row scores its label; the last row of a sequence has none
+            microbatch = split_for_context_parallel(microbatch)
+            targets = microbatch["labels"].masked_fill(microbatch["position_ids"] == input_ids.shape[1] - 1, -1)
         return batch_forward(model, microbatch, hidden_states=fused_linear), partial(logprob_func, targets)
 
     was_training = model.training
@@ -252,8 +294,8 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
         logprobs = packing.unpack(outputs) if outputs else torch.empty(input_ids.shape, dtype=torch.float32,
                                                                        device=input_ids.device)
     else:
-        logprobs = torch.cat(outputs) if outputs else torch.empty(input_ids.shape, dtype=torch.float32,
-                                                                  device=input_ids.device)
+        logprobs = gather_from_context_parallel(torch.cat(outputs)) if outputs else torch.empty(
+            input_ids.shape, dtype=torch.float32, device=input_ids.device)
     return from_last_stage(logprobs)
 
 
@@ -333,6 +375,9 @@ def train_step(
     if CU_SEQLENS in batch:
         raise ValueError("batch['cu_seqlens']: train_step takes the rollout padded, [B, S], and packs each optimizer "
                          "step itself with StepConfig.max_tokens_per_microbatch")
+    if packed_tokens is not None and context_shard() is not None:
+        raise ValueError(f"StepConfig.max_tokens_per_microbatch: {PACKED_WITH_CONTEXT_PARALLEL} (context_parallel_size "
+                         f"{parallel_state.get_context_parallel_world_size()}); leave it None")
     step_rows = _rows_per_optimizer_step(step, batch["input_ids"].shape[0])
     batch = dict(batch)
     passes_run: dict[str, int] = {}
@@ -384,10 +429,12 @@ def train_step(
         microbatch_metrics.extend(metrics)
 
     curr_logprobs = from_last_stage(
-        torch.cat([m["curr_logprobs"] for m in microbatch_metrics]) if microbatch_metrics
+        gather_from_context_parallel(torch.cat([m["curr_logprobs"] for m in microbatch_metrics]))
+        if microbatch_metrics
         else torch.empty(batch["input_ids"].shape, dtype=torch.float32, device=batch["input_ids"].device))
     if plan.prev_approximation in ("loglinear", "linear"):  # interpolated in the loss, microbatch by microbatch
-        prev_logprobs = from_last_stage(torch.cat([m["prev_logprobs"] for m in microbatch_metrics])
+        prev_logprobs = from_last_stage(gather_from_context_parallel(torch.cat([m["prev_logprobs"]
+                                                                                for m in microbatch_metrics]))
                                         if microbatch_metrics else torch.empty_like(curr_logprobs))
     else:
         prev_logprobs = curr_logprobs if plan.prev_from_current else batch["prev_logprobs"]
@@ -417,9 +464,10 @@ def _forward_backward(
 
     Returns the loss's metrics of each microbatch (none on pipeline stages other than the last).
     """
-    if parallel_state.get_data_parallel_world_size() > 1 and not is_ddp(model):
+    if parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1 and not is_ddp(model):
         raise ValueError("model: data parallelism needs the model wrapped in Megatron-Core's DistributedDataParallel "
-                         "(megatron_grpo.megatron.wrap_in_ddp), which reduces the gradients over the DP ranks")
+                         "(megatron_grpo.megatron.wrap_in_ddp), which reduces the gradients over the DP ranks (and "
+                         "the context-parallel ranks, with CP)")
     tokens, seqs = _global_valid_counts(microbatches)
     forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches), global_valid_tokens=tokens,
                                      global_valid_seqs=seqs, vocab=vocab, distribution=distribution,
@@ -431,11 +479,12 @@ def _forward_backward(
 
 
 def _aggregate(microbatch_metrics: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
-    """The loss's scalar metrics of one optimizer step, over its microbatches and the DP ranks, aggregated as the
-    loss says (`metric_aggregation`, e.g. ClippedPGLoss's `is_oob_ratio` is per sequence for seq-mask-tis)."""
+    """The loss's scalar metrics of one optimizer step, over its microbatches and the DP × CP ranks (each CP rank's
+    metrics are its share's), aggregated as the loss says (`metric_aggregation`, e.g. ClippedPGLoss's `is_oob_ratio`
+    is per sequence for seq-mask-tis)."""
     if not microbatch_metrics:  # a pipeline stage that is not the last
         return {}
-    group = parallel_state.get_data_parallel_group()
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     aggregation = getattr(loss_fn, "metric_aggregation", METRIC_AGGREGATION)  # a plain callable has none
     return aggregate_metrics(microbatch_metrics, group=group if group.size() > 1 else None, aggregation=aggregation)
 
@@ -467,7 +516,8 @@ def _rows_per_optimizer_step(step: StepConfig, rollout_rows: int) -> int:
 
 
 def _global_valid_counts(microbatches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Trained tokens and sequences of the whole optimizer step: all microbatches, all DP ranks."""
+    """Trained tokens and sequences of the whole optimizer step: all microbatches, all DP ranks (the full sequences,
+    the same on every CP rank)."""
     counts = torch.stack([torch.stack(count_valid(mb)) for mb in microbatches]).sum(dim=0)
     counts = _sum_over_data_parallel(counts)
     return counts[0], counts[1]

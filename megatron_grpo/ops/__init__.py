@@ -17,6 +17,8 @@ _EXPORTS = {
     "CurrentLogprobs": "megatron_grpo.ops.current",
     "HiddenStates": "megatron_grpo.ops.current",
     "VocabShard": "megatron_grpo.ops.vocab_shard",
+    "ContextShard": "megatron_grpo.ops.context_shard",
+    "sum_over_context": "megatron_grpo.ops.context_shard",
     "SamplingDistribution": "megatron_grpo.ops.distribution",
     "extension_status": "megatron_grpo.ops.backends",
     "fused_supports": "megatron_grpo.ops.backends",

@@ -53,6 +53,7 @@ def current_logprobs(
     check_inputs: bool = True,
     chunk_rows: int | None = None,
     implementation: Implementation = "auto",
+    shift: bool = True,
 ) -> CurrentLogprobs:
     """The next-token logprobs of `tokens` (`[...]` token ids, < 0 where a token is not scored) under
     `distribution`, from `output` at the position before each token (the ops' `shift=True`).
@@ -61,20 +62,21 @@ def current_logprobs(
     (without a filter they are `logprobs`, and `unfiltered_logprobs` stays None). `inplace_backward` (logits only):
     backward writes the logits' gradient into their buffer (`vocab_parallel_logprobs`); for logits the caller's alone,
     read by one op: with unfiltered logprobs as well, two ops read them and it is not used. `chunk_rows` (hidden
-    states only) as in `vocab_parallel_linear_logprobs`.
+    states only) as in `vocab_parallel_linear_logprobs`. `shift=False`: `tokens` are each row's own targets
+    (already shifted, as a context-parallel rank's labels are) and the outputs stay with the rows.
     """
     distribution = SamplingDistribution() if distribution is None else distribution
     unfiltered = with_unfiltered and distribution.filtered
     if isinstance(output, HiddenStates):
         def logprobs(of: SamplingDistribution, entropy: bool, check: bool):
             return vocab_parallel_linear_logprobs(output.hidden, output.weight, tokens, shard=shard, distribution=of,
-                                                  shift=True, with_entropy=entropy, chunk_rows=chunk_rows,
+                                                  shift=shift, with_entropy=entropy, chunk_rows=chunk_rows,
                                                   check_inputs=check, implementation=implementation)
     else:
         in_place = inplace_backward and not unfiltered
 
         def logprobs(of: SamplingDistribution, entropy: bool, check: bool):
-            return vocab_parallel_logprobs(output, tokens, shard=shard, distribution=of, shift=True,
+            return vocab_parallel_logprobs(output, tokens, shard=shard, distribution=of, shift=shift,
                                            with_entropy=entropy, inplace_backward=in_place, check_inputs=check,
                                            implementation=implementation)
 

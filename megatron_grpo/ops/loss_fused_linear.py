@@ -21,8 +21,9 @@ then goes into Megatron DDP's `main_grad` where the weight has one, with Megatro
 output layer does, as for the op. Chunks hold whole sequences, so a loss term that couples a sequence's tokens
 (GSPO's sequence ratio, sequence-mean aggregation) is exact; a sequence whose trained rows exceed the chunk budget is
 a chunk of its own. A packed batch (`[1, T]` with `cu_seqlens`, `ops.packing`) is cut the same way, each chunk a
-run of whole packed sequences (a packed sub-batch of its own). The value and metrics come from one more loss evaluation on the whole microbatch's (detached)
-logprobs. No top-k / top-p here (use the op, `vocab_parallel_linear_logprobs`). The loss is a Python callable, so
+run of whole packed sequences (a packed sub-batch of its own); under context parallelism the CP ranks cut the same
+chunks. The value and metrics come from one more loss evaluation on the whole microbatch's (detached) logprobs.
+No top-k / top-p here (use the op, `vocab_parallel_linear_logprobs`). The loss is a Python callable, so
 this is an eager autograd Function, not a traceable op.
 """
 
@@ -32,9 +33,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .backends import Implementation
 from .checks import check_linear_inputs, check_target_ids
+from .context_shard import PACKED_WITH_CONTEXT_PARALLEL, ContextShard
 from .chunks import WeightGradient, chunk_buffer, chunk_logits, chunk_rows_for, hidden_gradient
 from .distribution import SamplingDistribution
 from .dtypes import compute_dtype
@@ -65,6 +68,7 @@ class LossFusedCall:
     sequences_per_chunk: list[slice]
     token_spans: list[tuple[int, int]]  # each chunk's flat rows [start, stop) (known on the host)
     linear: LinearCall  # shard, valid columns, scale and kernels
+    shift: bool = True  # row t scores token t + 1 (token-aligned outputs); False: row t's own target (row-aligned)
 
 
 class LossFusedLinear(torch.autograd.Function):
@@ -124,10 +128,11 @@ class LossFusedLinear(torch.autograd.Function):
         logits = chunk_logits(h, weight_valid, scale, buffer)
         partials = kernels.logprob_partials(logits, row_targets, start, valid, True, None)
         stats = combine_partials(gather_partials(partials, linear.shard.group), row_targets, True)
-        # The rows' logprobs and entropies as leaves at their tokens' positions (row t scores token t + 1).
-        # Row t scores token t + 1; a sequence's last row is never a trained one (the next token starts a row or a
-        # packed sequence, and has no logprob), so every position stays inside the chunk.
-        positions = rows + 1
+        # The rows' logprobs and entropies as leaves at their tokens' positions: row t scores token t + 1, or, when the
+        # targets were shifted before (row-aligned: context parallelism), its own position. When shifting, a
+        # sequence's last row is never a trained one (the next token starts a row or a packed sequence, and has no
+        # logprob), so every position stays inside the chunk.
+        positions = rows + 1 if call.shift else rows
         sub_batch = call.layout.select(call.batch, sequences, span)
         token_shape = sub_batch["input_ids"].shape
         chunk_logprobs = logprobs.view(-1)[first:stop].view(token_shape)
@@ -184,6 +189,8 @@ def loss_fused_linear(
     chunk_rows: int | None = None,
     check_inputs: bool = True,
     implementation: Implementation = "auto",
+    shift: bool = True,
+    context: ContextShard | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`loss_fn`'s loss and metrics on the current logprobs and entropies of the trained tokens, from final hidden
     states `[B, S, H]` and this rank's `[V_local, H]` output weight shard, with the gradient computed in forward
@@ -197,6 +204,10 @@ def loss_fused_linear(
     sequences (`batch` cut by `SequenceLayout.select`) is their share of the whole (e.g. `ClippedPGLoss` with the
     global counts bound). `distribution`: its scale only (a filtered one is a ValueError).
     `chunk_rows`: trained rows per chunk (whole sequences); None picks one as the op does (`chunk_rows_for`).
+    `shift=False`: `targets` are each row's own (already shifted) targets, and the logprobs stay with the rows, as
+    for a context-parallel rank's row-aligned share. `context` (an `ContextShard`): the CP ranks cut the same
+    chunks of sequences, from each sequence's largest count of trained rows over the group (one all-reduce), so
+    that a loss summing over the group (`sum_over_context`) meets its peers chunk by chunk.
     """
     distribution = SamplingDistribution() if distribution is None else distribution
     if distribution.filtered:
@@ -206,26 +217,36 @@ def loss_fused_linear(
     if hidden.dim() != 3 or hidden.shape[:2] != targets.shape:
         raise ValueError(f"hidden must be [B, S, H] with [B, S] = the targets' shape {tuple(targets.shape)}, got "
                          f"{tuple(hidden.shape)}")
-    targets = next_token_targets(targets)
+    if shift:
+        targets = next_token_targets(targets)
     check_linear_inputs(hidden, weight, targets, chunk_rows)
     shard = (VocabShard() if shard is None else shard).resolve(weight.shape[0])
     if check_inputs:
         check_target_ids(targets, shard)
     layout = (SequenceLayout.packed(batch[CU_SEQLENS], targets.shape[1]) if CU_SEQLENS in batch
               else SequenceLayout.padded(*targets.shape, device=targets.device))
-    trained = targets >= 0  # row t (of the sequence holding token t) scores token t + 1 of the same sequence
+    if context is not None and layout.is_packed:
+        raise ValueError(f"batch['cu_seqlens']: {PACKED_WITH_CONTEXT_PARALLEL}")
+    trained = targets >= 0  # a trained row scores a token of its own sequence (shifting: token t + 1)
     # The call's host syncs: the rows per sequence (to cut chunks of whole sequences) and the trained rows' indices.
-    per_sequence = layout.sum(trained.to(torch.int64)).tolist()
+    local_counts = layout.sum(trained.to(torch.int64))
+    per_sequence = local_counts.tolist()
     trained_rows = trained.reshape(-1).nonzero().squeeze(1)
+    # The chunks are cut alike on every rank that meets the others in the loss: the CP ranks by their largest counts.
+    cut_counts = per_sequence
+    if context is not None:
+        largest = local_counts.clone()
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=context.group)
+        cut_counts = largest.tolist()
     # The shard's whole width, the same on every TP rank, so that every rank cuts the same chunks (its valid columns
     # are fewer on the rank with the padding).
-    budget = int(chunk_rows) if chunk_rows is not None else chunk_rows_for(sum(per_sequence), weight.shape[0],
+    budget = int(chunk_rows) if chunk_rows is not None else chunk_rows_for(sum(cut_counts), weight.shape[0],
                                                                             hidden.dtype)
     linear = LinearCall.of(weight, sum(per_sequence), shard, distribution, True, budget, implementation)
-    chunks = sequence_chunks(per_sequence, budget)
+    chunks = sequence_chunks(cut_counts, budget)
     call = LossFusedCall(loss_fn=loss_fn, batch=batch, layout=layout, targets=targets, trained_rows=trained_rows,
                          rows_per_sequence=per_sequence, sequences_per_chunk=chunks,
-                         token_spans=layout.token_spans(chunks), linear=linear)
+                         token_spans=layout.token_spans(chunks), linear=linear, shift=shift)
     metrics: dict[str, torch.Tensor] = {}
     loss, _, _ = LossFusedLinear.apply(hidden, weight, call, metrics)
     return loss, metrics

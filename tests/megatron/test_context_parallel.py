@@ -1,0 +1,390 @@
+"""Context parallelism through the plugin's API: CP 2 and CP 2 × TP 2 equal CP 1 through Megatron's schedule.
+
+The model is position-wise (token and position embeddings, a residual MLP, Megatron's ColumnParallelLinear output
+layer; no attention), so its forward is CP-invariant by construction: any difference between the layouts comes from
+the split, the label shift, the loss's CP reductions or the gradient scale. One world-size-4 launch runs three
+layouts from the same weights and the same global batch: TP 1 × CP 1 × DP 4 (the reference, the DP path the other
+tests check), TP 1 × CP 2 × DP 2, and TP 2 × CP 2 × DP 1; for each, a token-level aggregation, a sequence-level
+one with `seq-mask-tis`, and GSPO with its sequence-level IS weights, on the materialised, fused linear and loss-fused paths.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_on_ranks
+from _loss_inputs import batch_for_logits, loss_config
+from _tolerances import MODEL_GRAD_RTOL, MODEL_LOGPROB_ATOL
+
+VOCAB, PADDED, HIDDEN, FFN, SEQ, ROWS = 30, 32, 16, 32, 16, 8
+LAYOUTS = {"cp1": (1, 1), "cp2": (1, 2), "cp2_tp2": (2, 2)}  # name: (TP, CP) on 4 ranks; DP = 4 / (TP · CP)
+PATHS = {"materialised": (False, False), "fused_linear": (True, False), "loss_fused": (True, True)}
+LOSSES = {
+    "token_mean": dict(loss_agg_mode="token-mean", ratio_clip_c=1.3, reference_policy_kl_penalty=0.2,
+                       use_importance_sampling_correction=True,
+                       truncated_importance_sampling=dict(type="icepop", ratio_min=0.6, ratio_max=1.6),
+                       entropy_coef=0.03),
+    "seq_mean_token_mean": dict(loss_agg_mode="seq-mean-token-mean", reference_policy_kl_penalty=0.2,
+                                use_importance_sampling_correction=True, entropy_coef=0.03,
+                                truncated_importance_sampling=dict(type="seq-mask-tis", ratio_min=0.7,
+                                                                   ratio_max=1.3)),
+    "gspo": dict(loss_agg_mode="seq-mean-token-mean", sequence_level_importance_ratio=True,
+                 use_importance_sampling_correction=True,
+                 truncated_importance_sampling=dict(type="tis", ratio_max=1.5)),
+}
+# Loss and metrics: each layout computes every row's logprob with the same operations (only the GEMM's blocking
+# differs: a few ulps, 2.4e-7 at |logprob| < 4), and each microbatch (one sequence) sums at most 16 fp32 terms,
+# within 16 u = 9.5e-7 of their magnitudes; the sums over microbatches and ranks are float64.
+METRIC_RTOL = 1e-6
+
+
+def _master_weights() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    return {
+        "embedding": torch.randn(PADDED, HIDDEN, generator=gen),
+        "position": 0.5 * torch.randn(SEQ, HIDDEN, generator=gen),
+        "mlp_in.weight": 0.3 * torch.randn(FFN, HIDDEN, generator=gen),
+        "mlp_in.bias": 0.1 * torch.randn(FFN, generator=gen),
+        "mlp_out.weight": 0.3 * torch.randn(HIDDEN, FFN, generator=gen),
+        "mlp_out.bias": 0.1 * torch.randn(HIDDEN, generator=gen),
+        "output": 0.4 * torch.randn(PADDED, HIDDEN, generator=gen),
+    }
+
+
+def _reference_logits(weights: dict[str, torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
+    h = weights["embedding"][input_ids] + weights["position"][:input_ids.shape[1]]
+    inner = torch.nn.functional.gelu(h @ weights["mlp_in.weight"].T + weights["mlp_in.bias"])
+    h = h + inner @ weights["mlp_out.weight"].T + weights["mlp_out.bias"]
+    return h @ weights["output"].T
+
+
+def _global_batch() -> dict[str, torch.Tensor]:
+    """8 sequences of 16 tokens (4 chunks of 4 under CP 2): ragged trained spans, one dropped sequence, one with no
+    trained token; the prev / generation / reference logprobs near the model's own."""
+    weights = _master_weights()
+    gen = torch.Generator().manual_seed(5)
+    input_ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
+    batch = batch_for_logits(_reference_logits(weights, input_ids), VOCAB, seed=6)
+    batch["input_ids"] = input_ids
+    # batch_for_logits drew its own ids: recompute its logprob inputs for these ones, near the model's.
+    logprobs = torch.zeros(ROWS, SEQ)
+    logprobs[:, 1:] = torch.log_softmax(_reference_logits(weights, input_ids)[:, :-1, :VOCAB], -1).gather(
+        -1, input_ids[:, 1:, None]).squeeze(-1)
+    # Chunk boundaries (positions 4, 8, 12) trained: a row's target from the next chunk matters.
+    batch["token_mask"][1, 3:13] = 1
+    batch["token_mask"][2] = 0
+    batch["token_mask"][2, 13:15] = 1  # rows 12, 13: the last chunk only; one CP rank holds no trained row of it
+    untrained = batch["token_mask"] == 0
+    for key, spread in (("prev_logprobs", 0.2), ("generation_logprobs", 0.25), ("reference_policy_logprobs", 0.3)):
+        values = logprobs + spread * torch.randn(ROWS, SEQ, generator=gen)
+        batch[key] = values.masked_fill(untrained, -torch.inf if key == "prev_logprobs" else 1e6)
+    return batch
+
+
+def _build_model(tp: int, cp: int):
+    from megatron.core.enums import ModelType
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core import parallel_state
+
+    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, use_cpu_initialization=True,
+                               tensor_model_parallel_size=tp, context_parallel_size=cp)
+
+    class PositionWiseLM(MegatronModule):
+        """Embedding -> residual MLP -> ColumnParallelLinear: every position's logits depend on its token and position
+        only, computed in GPTModel's `[s, b, h]` layout and returned as `[b, s, V_local]`."""
+
+        def __init__(self) -> None:
+            super().__init__(config)
+            self.post_process = True
+            self.model_type = ModelType.encoder_or_decoder
+            self.share_embeddings_and_output_weights = False
+            self.embedding = torch.nn.Embedding(PADDED, HIDDEN)
+            self.position = torch.nn.Embedding(SEQ, HIDDEN)
+            self.mlp_in = torch.nn.Linear(HIDDEN, FFN)
+            self.mlp_out = torch.nn.Linear(FFN, HIDDEN)
+            self.output_layer = ColumnParallelLinear(HIDDEN, PADDED, config=config, init_method=torch.nn.init.zeros_,
+                                                     bias=False, gather_output=False)
+
+        def set_input_tensor(self, tensor) -> None:  # one pipeline stage: nothing comes from a previous one
+            pass
+
+        def forward(self, input_ids, position_ids, attention_mask=None):
+            h = self.embedding(input_ids) + self.position(position_ids)
+            h = h + self.mlp_out(torch.nn.functional.gelu(self.mlp_in(h)))
+            logits, _ = self.output_layer(h.transpose(0, 1).contiguous())
+            return logits.transpose(0, 1).contiguous()
+
+    model = PositionWiseLM()
+    weights = _master_weights()
+    local = PADDED // tp
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        model.embedding.weight.copy_(weights["embedding"])
+        model.position.weight.copy_(weights["position"])
+        for name in ("mlp_in", "mlp_out"):
+            getattr(model, name).weight.copy_(weights[f"{name}.weight"])
+            getattr(model, name).bias.copy_(weights[f"{name}.bias"])
+        model.output_layer.weight.copy_(weights["output"][rank * local:(rank + 1) * local])
+    return model
+
+
+def _full_gradients(model) -> dict[str, torch.Tensor]:
+    """Every parameter's reduced gradient (DDP's main_grad), the output layer's gathered over TP."""
+    from megatron.core import parallel_state
+    from megatron_grpo.megatron.ddp import gradient, unwrapped
+
+    grads = {}
+    for name, param in unwrapped(model).named_parameters():
+        grad = gradient(param).detach().clone()
+        if name.startswith("output_layer") and parallel_state.get_tensor_model_parallel_world_size() > 1:
+            shards = [torch.empty_like(grad) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
+            dist.all_gather(shards, grad, group=parallel_state.get_tensor_model_parallel_group())
+            grad = torch.cat(shards)
+        grads[name] = grad
+    return grads
+
+
+def _all_rows(local: torch.Tensor) -> torch.Tensor:
+    """This DP rank's `[B_dp, S]` rows gathered over DP into the global batch's order."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    if group.size() == 1:
+        return local
+    shares = [torch.empty_like(local) for _ in range(group.size())]
+    dist.all_gather(shares, local.contiguous(), group=group)
+    return torch.cat(shares)
+
+
+def _run_layout(tp: int, cp: int) -> dict:
+    from megatron.core import parallel_state
+    from megatron_grpo.loss import ClippedPGLoss, aggregate_metrics, count_valid
+    from megatron_grpo.megatron import (
+        ParallelParams,
+        compute_logprobs,
+        gather_from_context_parallel,
+        init_parallel,
+        make_forward_step,
+        vocab_shard_of,
+        wrap_in_ddp,
+    )
+    from megatron_grpo.megatron.ddp import zero_grads
+    from megatron_grpo.megatron.forward import run_schedule
+    from megatron_grpo.scheduler import LogprobPlan
+
+    layout = init_parallel(ParallelParams(tensor_model_parallel_size=tp, context_parallel_size=cp))
+    assert (layout.tp_size, layout.cp_size, layout.dp_size) == (tp, cp, 4 // (tp * cp))
+    model = wrap_in_ddp(_build_model(tp, cp))
+    vocab = vocab_shard_of(model, VOCAB)
+    full = _global_batch()
+    tokens, seqs = count_valid(full)
+    rows = ROWS // layout.dp_size
+    batch = {key: value[layout.dp_rank * rows:(layout.dp_rank + 1) * rows] for key, value in full.items()}
+    microbatches = [{key: value[row:row + 1] for key, value in batch.items()} for row in range(rows)]
+    plan = LogprobPlan(compute_reference_logprobs=False, compute_prev_logprobs=True, prev_from_current=False,
+                       reasons=())
+    results: dict = {"logprobs": {}}
+    for path, (fused_linear, fused_loss) in PATHS.items():
+        results["logprobs"][path] = _all_rows(compute_logprobs(model, batch, micro_batch_size=2, vocab=vocab,
+                                                               fused_linear=fused_linear))
+        for loss_name, overrides in LOSSES.items():
+            loss_fn = ClippedPGLoss(loss_config(**overrides))
+            zero_grads(model)
+            forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches),
+                                             global_valid_tokens=tokens, global_valid_seqs=seqs, vocab=vocab,
+                                             fused_linear=fused_linear, fused_loss=fused_loss)
+            outputs = run_schedule(forward_step, model, microbatches, forward_only=False)
+            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            metrics = aggregate_metrics(outputs, group=group if group.size() > 1 else None,
+                                        aggregation=loss_fn.metric_aggregation)
+            curr = _all_rows(gather_from_context_parallel(torch.cat([m["curr_logprobs"] for m in outputs])))
+            results[path, loss_name] = {"metrics": metrics, "grads": _full_gradients(model), "curr": curr}
+    parallel_state.destroy_model_parallel()
+    return results
+
+
+def _split_checks(rank: int, world_size: int) -> dict:
+    """The split's labels at the chunk boundaries, and `sum_over_context`'s gradient, at CP 2 × DP 2."""
+    from megatron.core import parallel_state
+    from megatron_grpo.megatron import ParallelParams, init_parallel, split_for_context_parallel
+    from megatron_grpo.megatron.context_parallel import context_shard
+    from megatron_grpo.ops.context_shard import sum_over_context
+
+    init_parallel(ParallelParams(context_parallel_size=2))
+    full = _global_batch()
+    local = split_for_context_parallel(full)
+    # A verl #4250-style bug: the labels rolled within this rank's chunks instead of shifted on the full sequence.
+    rolled = torch.roll(local["input_ids"], shifts=-1, dims=1)
+    # sum_over_context: rank r's share of the loss is sum_t w_rt * exp(S), S the whole sequence's sum of x.
+    cp_rank = parallel_state.get_context_parallel_rank()
+    gen = torch.Generator().manual_seed(3)
+    x_all, w_all = torch.randn(2, 2, 5, generator=gen, dtype=torch.float64).unbind(0)  # [CP rank, tokens]
+    x = x_all[cp_rank].clone().requires_grad_()
+    share = (w_all[cp_rank] * torch.exp(sum_over_context(x.sum()[None], context_shard()))).sum()
+    share.backward()
+    x_ref = x_all.clone().requires_grad_()
+    (w_all * torch.exp(x_ref.sum())).sum().backward()
+    parallel_state.destroy_model_parallel()
+    return {"local": local, "rolled": rolled, "grad": x.grad, "grad_expected": x_ref.grad[cp_rank]}
+
+
+def _refusals() -> dict[str, str]:
+    """The ValueErrors of bad CP settings: a world size TP × PP × CP does not divide, a size below 1, and the GPTModel
+    without Transformer Engine's attention (the local spec has no CP)."""
+    from megatron.core import parallel_state
+    from megatron_grpo.megatron import GPTModelParams, ParallelParams, build_gpt_model, init_parallel
+
+    messages = {}
+    for name, params in (("indivisible", ParallelParams(context_parallel_size=3)),
+                         ("zero", ParallelParams(context_parallel_size=0))):
+        with pytest.raises(ValueError) as error:
+            init_parallel(params)
+        messages[name] = str(error.value)
+    init_parallel(ParallelParams(context_parallel_size=2))
+    with pytest.raises(ValueError) as error:
+        build_gpt_model(GPTModelParams(num_layers=1, hidden_size=8, num_attention_heads=2,
+                                       max_position_embeddings=SEQ, ffn_hidden_size=16), VOCAB)
+    messages["local_spec"] = str(error.value)
+    messages.update(_packed_refusals())
+    parallel_state.destroy_model_parallel()
+    return messages
+
+
+def _packed_refusals() -> dict[str, str]:
+    """Under CP 2: a packed batch (or packing by `max_tokens_per_microbatch`) at every entry that could meet both."""
+    from megatron_grpo.loss import ClippedPGLoss
+    from megatron_grpo.megatron import (
+        StepConfig,
+        compute_logprobs,
+        model_forward,
+        split_for_context_parallel,
+        train_step,
+    )
+    from megatron_grpo.megatron.context_parallel import context_shard
+    from megatron_grpo.ops import VocabShard
+    from megatron_grpo.ops.packing import pack_rows
+    from megatron_grpo.scheduler import LogprobPlan
+
+    full = _global_batch()
+    packed = pack_rows(full, [0, 1], [SEQ, SEQ])
+    plan = LogprobPlan(compute_reference_logprobs=False, compute_prev_logprobs=False, prev_from_current=True,
+                       reasons=())
+    attempts = {
+        "packed_split": lambda: split_for_context_parallel(packed),
+        "packed_loss": lambda: ClippedPGLoss(loss_config())(
+            None, {**packed, "labels": packed["input_ids"]}, curr_logprobs=torch.zeros(1, 2 * SEQ),
+            curr_entropy=torch.zeros(1, 2 * SEQ), global_valid_tokens=1.0, global_valid_seqs=1.0,
+            prev_logprobs_from_current=True, context=context_shard()),
+        "packed_forward": lambda: model_forward(None, packed["input_ids"], cu_seqlens=packed["cu_seqlens"]),
+        "packing_logprobs": lambda: compute_logprobs(None, full, micro_batch_size=1, vocab=VocabShard(),
+                                                     max_tokens_per_microbatch=2 * SEQ),
+        "packing_train_step": lambda: train_step(
+            StepConfig(global_batch_size=ROWS, micro_batch_size=1, max_tokens_per_microbatch=2 * SEQ), None, None,
+            ClippedPGLoss(loss_config()), plan, full, vocab=VocabShard()),
+    }
+    messages = {}
+    for name, attempt in attempts.items():
+        with pytest.raises(ValueError) as error:
+            attempt()
+        messages[name] = str(error.value)
+    return messages
+
+
+def _all_checks(rank: int, world_size: int) -> dict:
+    from megatron_grpo.megatron.cpu_support import apply_cpu_support
+
+    apply_cpu_support()
+    out = {"refusals": _refusals(), "split": _split_checks(rank, world_size)}
+    out.update({name: _run_layout(tp, cp) for name, (tp, cp) in LAYOUTS.items()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_on_ranks(4, _all_checks)
+
+
+def test_bad_context_parallel_settings_are_value_errors_naming_the_key(ranks):
+    messages = ranks[0]["refusals"]
+    assert "context_parallel_size" in messages["indivisible"] and "world size 4" in messages["indivisible"]
+    assert messages["zero"].startswith("context_parallel_size: must be an integer >= 1, got 0")
+    assert messages["local_spec"].startswith("context_parallel_size: 2 needs Transformer Engine's attention")
+
+
+def test_packed_batches_under_context_parallelism_are_value_errors_naming_both(ranks):
+    """Packed (THD) batches and CP together are not supported: every entry that could meet both says so, naming
+    its key."""
+    messages = ranks[0]["refusals"]
+    both = "packed (THD) batches and context parallelism together are not supported"
+    for name in ("packed_split", "packed_loss", "packed_forward"):
+        assert messages[name].startswith(f"cu_seqlens: {both}" if name == "packed_forward"
+                                         else f"batch['cu_seqlens']: {both}"), (name, messages[name])
+    assert messages["packing_logprobs"].startswith(f"max_tokens_per_microbatch: {both}")
+    assert messages["packing_train_step"].startswith(f"StepConfig.max_tokens_per_microbatch: {both}")
+
+
+def test_split_takes_each_chunks_last_target_from_the_next_chunk(ranks):
+    """Every row's label is the next token of the full sequence (the next chunk's first one at a chunk's end), its
+    token mask is that token's, and the rows are the zigzag chunks r and 2·CP−1−r; labels rolled within the local
+    chunks (verl #4250) differ exactly at the chunk ends whose next chunk is another rank's. The end-to-end test
+    below also compares every position's logprob, these included, with CP 1."""
+    full = _global_batch()
+    for rank in range(4):
+        cp_rank = rank % 2  # Megatron's order: TP, CP, DP ... with TP 1, CP varies fastest
+        split = ranks[rank]["split"]
+        local, positions = split["local"], split["local"]["position_ids"]
+        expected_positions = torch.cat([torch.arange(4 * cp_rank, 4 * cp_rank + 4),
+                                        torch.arange(4 * (3 - cp_rank), 4 * (3 - cp_rank) + 4)])
+        assert torch.equal(positions[0], expected_positions)
+        assert torch.equal(local["input_ids"], full["input_ids"][:, expected_positions])
+        has_next = expected_positions < SEQ - 1
+        next_positions = (expected_positions + 1).clamp(max=SEQ - 1)
+        assert torch.equal(local["labels"][:, has_next], full["input_ids"][:, next_positions[has_next]])
+        assert torch.equal(local["token_mask"][:, has_next], full["token_mask"][:, next_positions[has_next]])
+        assert not local["token_mask"][:, ~has_next].any()  # the sequence's last row has no target
+        assert torch.equal(local["sample_mask"], full["sample_mask"])  # per-sequence: not split
+        # Rolling is wrong exactly where the next local row is not the next position: at the end of a chunk whose
+        # successor another rank holds (rank 0: positions 3 and 15 -> none after 15; rank 1: 11 -> 12 on rank 0).
+        jumps = (expected_positions.roll(-1) != expected_positions + 1) & has_next
+        assert jumps.any()
+        rolled_wrong = (split["rolled"] != local["labels"]).any(dim=0)
+        assert torch.equal(rolled_wrong & has_next, jumps)
+
+
+def test_sum_over_context_sends_each_rank_the_whole_gradient_for_its_own_tokens(ranks):
+    """The adjoint of the CP sum: a share that uses the whole sequence's sum gets every rank's contribution to that
+    sum's gradient, applied to its own tokens only; the result is the single-process gradient."""
+    for rank in range(4):
+        split = ranks[rank]["split"]
+        # float64, a handful of terms: rounding only.
+        torch.testing.assert_close(split["grad"], split["grad_expected"], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["cp2", "cp2_tp2"])
+def test_context_parallel_equals_cp1_through_megatrons_schedule(ranks, layout):
+    """Loss, every metric, every gradient and the curr logprobs (the chunk boundaries included) of each path and
+    loss equal the CP 1 layout's; compute_logprobs returns the full token-aligned logprobs."""
+    for rank in range(4):
+        expected, actual = ranks[rank]["cp1"], ranks[rank][layout]
+        for path in PATHS:
+            # Logprobs: the same row maths, another GEMM blocking (MODEL_LOGPROB_ATOL's reason).
+            torch.testing.assert_close(actual["logprobs"][path], expected["logprobs"][path], rtol=0,
+                                       atol=MODEL_LOGPROB_ATOL)
+            assert not expected["logprobs"][path][:, 0].any()
+            for loss_name in LOSSES:
+                got, want = actual[path, loss_name], expected[path, loss_name]
+                assert got["metrics"].keys() == want["metrics"].keys()
+                for name, value in want["metrics"].items():
+                    assert got["metrics"][name] == pytest.approx(value, rel=METRIC_RTOL, abs=METRIC_RTOL), \
+                        (path, loss_name, name)
+                torch.testing.assert_close(got["curr"], want["curr"], rtol=0, atol=MODEL_LOGPROB_ATOL)
+                for name, grad in want["grads"].items():
+                    scale = grad.abs().max().item()
+                    assert scale > 0, (path, loss_name, name)
+                    # Relative to the largest element (MODEL_GRAD_RTOL's reason).
+                    torch.testing.assert_close(got["grads"][name], grad, rtol=0, atol=MODEL_GRAD_RTOL * scale,
+                                               msg=lambda m: f"{path} {loss_name} {name}: {m}")
