@@ -35,6 +35,7 @@ from megatron_grpo.loss import ClippedPGLoss
 from megatron_grpo.megatron import (
     Optimizer,
     ParallelLayout,
+    StepConfig,
     build_gpt_model,
     build_optimizer,
     draws_from_last_stage,

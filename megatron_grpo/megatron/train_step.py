@@ -55,7 +55,6 @@ from megatron_grpo.megatron.forward import (
     batch_forward,
     from_last_stage,
     metrics_from_last_stage,
-    model_forward,
     run_schedule,
 )
 from megatron_grpo.megatron.hidden_states import compute_dtype, output_weight

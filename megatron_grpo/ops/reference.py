@@ -76,7 +76,8 @@ def _chunk_partials(
         if with_entropy:
             out[:, Partials.SUM_EXP_X] = torch.where(e == 0, torch.zeros_like(e), e * z).sum(dim=-1)
     col, owned = _local_target_column(targets, vocab_start, valid_cols)
-    target_logit = x.gather(1, col[:, None]).squeeze(1) if valid_cols else torch.zeros(rows, dtype=dtype, device=logits.device)
+    target_logit = (x.gather(1, col[:, None]).squeeze(1) if valid_cols
+                    else torch.zeros(rows, dtype=dtype, device=logits.device))
     out[:, Partials.TARGET] = torch.where(owned, target_logit, torch.full_like(target_logit, float("-inf")))
     ignored = targets < 0
     out[ignored, Partials.MAX] = 0.0

@@ -3,8 +3,8 @@ carried unchanged from the public APIs (the ops, `ClippedPGLoss`, the Megatron s
 
 Megatron pads the vocab to a multiple of `tp * make_vocab_size_divisible_by` and gives rank `r` the columns
 `[r * V_local, (r + 1) * V_local)` of the padded vocab. Ids at or beyond the true vocab size are padding: they
-never enter a softmax and are never targets. `megatron_grpo.megatron.vocab_shard_of(model, true_vocab_size)` builds one from a
-GPTModel.
+never enter a softmax and are never targets. `megatron_grpo.megatron.vocab_shard_of(model, true_vocab_size)`
+builds one from a GPTModel.
 """
 
 from __future__ import annotations
