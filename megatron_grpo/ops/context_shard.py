@@ -2,12 +2,12 @@
 reduction of per-sequence sums over the CP group.
 
 Under CP each rank of the group holds some positions of every sequence (Megatron's zigzag for `[B, S]`: rank `r`
-holds chunks `r` and `2·CP−1−r` of the `2·CP` equal chunks). The targets are shifted before the split, so the
-split batch is *row-aligned* (Megatron's `labels` convention): position `j` of a per-token tensor describes the
-target of row `j`, the token after it, and the ops run with `shift=False`. The ops and every per-token term of the loss are
+holds chunks `r` and `2·CP−1−r` of the `2·CP` equal chunks). The targets are shifted before the split, so the split
+batch is *row-aligned* (Megatron's `labels` convention): position `j` of a per-token tensor describes the target of
+row `j`, the token after it, and the ops run with `shift=False`. The ops and every per-token term of the loss are
 CP-agnostic: they read one row at a time. What couples a sequence's tokens (GSPO's sequence ratio, the
-sequence-level importance weights, `seq-mask-tis`, the per-sequence token counts of the sequence-level
-aggregations and metrics) goes through `sum_over_context`, over the `[N]` per-sequence sums that the batch's
+sequence-level importance weights, `seq-mask-tis`, the per-sequence token counts of the sequence-level aggregations
+and metrics) goes through `sum_over_context`, over the `[N]` per-sequence sums that the batch's
 `ops.packing.SequenceLayout` gives (one sequence per row of the padded `[B, S]` share).
 
 The loss stays a per-rank share: each rank sums its own tokens, divided by global counts, so the shares add up
