@@ -38,7 +38,8 @@ def first_steps(rank: int, world_size: int) -> dict:
     from megatron_grpo.megatron import destroy_parallel, init_parallel
     import importlib
 
-    train_step_module = importlib.import_module("megatron_grpo.megatron.train_step")  # the package's name is the function
+    # the package exports the function under the module's name
+    train_step_module = importlib.import_module("megatron_grpo.megatron.train_step")
 
     configs = {name: _ragged_config(name == "packed") for name in ("padded", "packed")}
     layout = init_parallel(parallel_params(configs["padded"]))
@@ -60,7 +61,8 @@ def first_steps(rank: int, world_size: int) -> dict:
             shaped[current] = {key: padded[key].clone() for key in ("input_ids", "prev_logprobs", "token_mask")}
             return prepare(padded)
 
-        return train_step(step, model, optimizer, loss_fn, plan, batch, **{**kwargs, "prepare_batch": recording_prepare})
+        return train_step(step, model, optimizer, loss_fn, plan, batch,
+                          **{**kwargs, "prepare_batch": recording_prepare})
 
     from megatron_grpo.grpo import loop
     loop.train_step = recording_train_step
