@@ -16,7 +16,7 @@ import sys
 COMMANDS = {
     "train": ("megatron_grpo.grpo.runner", "train a policy with GRPO, one rank per process under torchrun"),
     "plan": ("megatron_grpo.scheduler_cli", "print the logprob-pass plan of a config, and why"),
-    "bench": ("megatron_grpo.bench", "run a benchmark: `bench logprob`, `bench linear` or `bench scheduler`"),
+    "bench": ("megatron_grpo.bench", "run a benchmark: `bench logprob`, `linear`, `scheduler`, `packing` or `step`"),
     "report": ("megatron_grpo.grpo.report_cli", "plot runs' reward, entropy, ratio, clip fraction and step time"),
 }
 EXIT_USAGE = 2
@@ -27,7 +27,7 @@ def usage() -> str:
     lines = [f"  {name:<7} {help_}" for name, (_module, help_) in COMMANDS.items()]
     return "\n".join([
         "usage: megatron-grpo [torchrun options] train --config FILE [--resume | --fresh] [--debug] [--verbose]",
-        "       megatron-grpo [torchrun options] bench scheduler [options]",
+        "       megatron-grpo [torchrun options] bench {scheduler,packing} [options]",
         "       megatron-grpo {plan,bench,report} [options]",
         "(`python -m megatron_grpo` is the same command)",
         "",

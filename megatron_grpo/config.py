@@ -36,6 +36,7 @@ __all__ = [
     "PassMode",
     "PolicyConfig",
     "PrevMode",
+    "SequencePackingConfig",
     "TaskConfig",
     "ConfigLoader",
     "load_config",
@@ -141,6 +142,25 @@ class OptimizerConfig(StrictSection):
 
 
 @dataclass(frozen=True, init=False)
+class SequencePackingConfig(StrictSection):
+    """NeMo-RL's `policy.sequence_packing`, its keys with its meanings: each microbatch packs whole sequences end
+    to end (THD, `ops.packing`) up to a token budget instead of `train_micro_batch_size` padded rows."""
+
+    SECTION: ClassVar[str] = "policy.sequence_packing"
+
+    enabled: bool
+    train_mb_tokens: int  # tokens per packed microbatch of the training forward/backward
+    logprob_mb_tokens: int | None  # tokens per packed microbatch of the prev and reference passes; None: train's
+    algorithm: Literal["first_fit_decreasing"]  # how sequences go into microbatches (the one of NeMo-RL's we have)
+
+    def conflicts(self) -> list[str]:
+        problems = _failing(self, ("train_mb_tokens",), _positive, "must be > 0")
+        if self.logprob_mb_tokens is not None and self.logprob_mb_tokens < 1:
+            problems.append(f"{self.key('logprob_mb_tokens')}: must be null or > 0, got {self.logprob_mb_tokens!r}")
+        return problems
+
+
+@dataclass(frozen=True, init=False)
 class PolicyConfig(StrictSection):
     """The trained policy: parallel layout, batch sizes, precision, initial weights, model and optimizer."""
 
@@ -155,6 +175,7 @@ class PolicyConfig(StrictSection):
     fused_linear_logprobs: bool  # logprobs from the final hidden states, no [tokens, vocab] logits
     fused_linear_loss: bool  # with fused_linear_logprobs: the training loss's gradient in forward (3 GEMMs, not 4)
     initial_checkpoint: str | None  # a Megatron-Core dist_checkpointing model directory; None = random init
+    sequence_packing: SequencePackingConfig
     model: ModelConfig
     optimizer: OptimizerConfig
 
@@ -177,10 +198,15 @@ class TaskConfig(StrictSection):
     SECTION: ClassVar[str] = "task"
 
     name: Literal["copy", "reverse"]
-    num_digits: int
+    num_digits: int  # the digits of a prompt; with min_digits, the most
+    min_digits: int | None  # None: every prompt has num_digits; else each draws its count from min..num_digits
 
     def conflicts(self) -> list[str]:
-        return _failing(self, ("num_digits",), _positive, "must be > 0")
+        problems = _failing(self, ("num_digits",), _positive, "must be > 0")
+        if self.min_digits is not None and not 1 <= self.min_digits <= self.num_digits:
+            problems.append(f"{self.key('min_digits')}: must be null or in [1, {self.key('num_digits')} = "
+                            f"{self.num_digits}], got {self.min_digits!r}")
+        return problems
 
 
 @dataclass(frozen=True, init=False)

@@ -1,4 +1,4 @@
-"""Benchmarks: `megatron-grpo bench logprob|linear|scheduler ...`.
+"""Benchmarks: `megatron-grpo bench logprob|linear|scheduler|packing|step ...`.
 
 Each writes its report, data and plot under runs/bench unless `--out` names a place; `make bench` and
 `make bench-linear` refresh the committed results in benchmarks/results/."""
@@ -13,6 +13,8 @@ BENCHMARKS = {
     "scheduler": ("megatron_grpo.bench.scheduler", "the auto logprob plan against computing every pass (under "
                                                    "torchrun: `megatron-grpo --nproc-per-node 2 bench scheduler`)"),
     "linear": ("megatron_grpo.bench.linear", "the fused linear + logprob op against its peers, per TP, dtype, rows"),
+    "packing": ("megatron_grpo.bench.packing", "padded against packed microbatches on the ragged task (under "
+                                               "torchrun: `megatron-grpo --nproc-per-node 2 bench packing`)"),
 }
 
 

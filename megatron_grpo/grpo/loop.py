@@ -98,7 +98,7 @@ class Trainer:
             cfg=cfg,
             plan=plan,
             layout=layout,
-            task=DigitTask(cfg.task.name, cfg.task.num_digits, tokenizer),
+            task=DigitTask(cfg.task.name, cfg.task.num_digits, tokenizer, min_digits=cfg.task.min_digits),
             model=model,
             vocab=vocab_shard_of(model, tokenizer.vocab_size),
             reference_model=reference_model,
@@ -126,6 +126,10 @@ class Trainer:
         mine = range(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)  # global prompt indices
         prompts = batch.prompts[mine.start:mine.stop].repeat_interleave(grpo.num_generations_per_prompt, dim=0)
         answers = batch.answers[mine.start:mine.stop].repeat_interleave(grpo.num_generations_per_prompt, dim=0)
+        answer_lengths = batch.answer_lengths[mine.start:mine.stop].repeat_interleave(
+            grpo.num_generations_per_prompt, dim=0)
+        prompt_lengths = batch.prompt_lengths[mine.start:mine.stop].repeat_interleave(
+            grpo.num_generations_per_prompt, dim=0)
         tokenizer = self.task.tokenizer
         params = SamplingParams(
             max_new_tokens=self.cfg.generation.max_new_tokens,
@@ -136,17 +140,19 @@ class Trainer:
         self.model.eval()
         try:
             rollout = generate(
-                lambda input_ids: last_position_logits(self.model, input_ids.to(layout.device)),
+                lambda input_ids, last_positions=None: last_position_logits(
+                    self.model, input_ids.to(layout.device), last_positions),
                 prompts,
                 params,
                 true_vocab_size=tokenizer.vocab_size,
                 generators=[step_generator(self.cfg.seed, step, SAMPLING_STREAM, prompt) for prompt in mine],
                 tp_group=layout.tp_group,
                 share_draws=lambda draws: draws_from_last_stage(draws, layout.device),
+                prompt_lengths=prompt_lengths if self.task.ragged else None,
             )
         finally:
             self.model.train()
-        return rollout, answer_reward(rollout.responses, answers)
+        return rollout, answer_reward(rollout.responses, answers, answer_lengths)
 
     def _timed_rollout(self, step: int) -> tuple[Rollout, torch.Tensor, float]:
         started = time.perf_counter()

@@ -49,8 +49,9 @@ def adam_params(cfg: Config) -> AdamParams:
 
 
 def step_config(cfg: Config) -> StepConfig:
-    """The train step's settings: `policy.*` batch sizes and fused paths, the clip, and the sampling settings the
-    trained distribution follows (`generation.*`)."""
+    """The train step's settings: `policy.*` batch sizes, fused paths and sequence packing, the clip, and the
+    sampling settings the trained distribution follows (`generation.*`)."""
+    packing = cfg.policy.sequence_packing
     return StepConfig(
         global_batch_size=cfg.policy.train_global_batch_size,
         micro_batch_size=cfg.policy.train_micro_batch_size,
@@ -59,4 +60,6 @@ def step_config(cfg: Config) -> StepConfig:
                                                       cfg.generation.top_p),
         fused_linear_logprobs=cfg.policy.fused_linear_logprobs,
         fused_linear_loss=cfg.policy.fused_linear_loss,
+        max_tokens_per_microbatch=packing.train_mb_tokens if packing.enabled else None,
+        logprob_max_tokens_per_microbatch=packing.logprob_mb_tokens if packing.enabled else None,
     )

@@ -1,8 +1,8 @@
 """Sampling rollouts from a tensor- and pipeline-parallel policy.
 
 The policy is any callable mapping `input_ids [B, S]` (on the CPU) to this rank's vocab shard of the last
-position's logits `[B, V_local]` (on its own device, so the TP gather runs where the backend wants it), or to
-None on a rank that holds no logits (a pipeline stage before the last). Each decoding step gathers the shards
+position's logits `[B, V_local]` (on its own device, so the TP gather runs where the backend wants it; with
+ragged prompts, called with `last_positions=[B]`, each row's own last position's), or to None on a rank that holds no logits (a pipeline stage before the last). Each decoding step gathers the shards
 over the TP group (a `[B, V]` tensor, tiny next to the forward pass), drops Megatron's padded vocab columns, and
 samples on the CPU from the tempered, top-k/top-p filtered distribution (a `SamplingDistribution`, the one the
 training logprobs use, filtered by `megatron_grpo.ops.filtering`, the ops' own filter). `share_draws` then hands the sampling ranks'
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megatron_grpo.ops.distribution import SamplingDistribution
 from megatron_grpo.ops.filtering import kept_threshold, mask_filtered
 
-LogitsFn = Callable[[torch.Tensor], Optional[torch.Tensor]]
+LogitsFn = Callable[..., Optional[torch.Tensor]]  # (input_ids [B, S], last_positions=[B] when ragged)
 ShareDraws = Callable[[torch.Tensor], torch.Tensor]  # [2, B] float64 (tokens, logprobs): the sampling ranks' on all
 
 
@@ -39,16 +39,26 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Rollout:
-    """Prompts with their sampled responses; every tensor is `[B, S]` and aligned with `input_ids`."""
+    """Prompts with their sampled responses; every tensor is `[B, S]` and aligned with `input_ids`.
+
+    Row `i` holds its prompt, then its response right after it, then `pad_id`: with prompts of one length
+    (`prompt_lengths` None) every response starts at column `prompt_length`; with ragged prompts
+    (`prompt_lengths` `[B]`), row `i`'s at column `prompt_lengths[i]`, and `prompt_length` is the longest."""
 
     input_ids: torch.Tensor  # int64: prompt, response, then pad_id after <eos>
     token_mask: torch.Tensor  # float32: 1 on response tokens up to and including <eos>
     generation_logprobs: torch.Tensor  # float32: log p_sampling(token); 0 outside token_mask
     prompt_length: int
+    prompt_lengths: Optional[torch.Tensor] = None  # [B] int64: each row's prompt length; None: all prompt_length
 
     @property
     def responses(self) -> torch.Tensor:
-        return self.input_ids[:, self.prompt_length :]
+        """`[B, S - prompt_length]`: each row's response from its first generated token, then padding."""
+        if self.prompt_lengths is None:
+            return self.input_ids[:, self.prompt_length :]
+        width = self.input_ids.shape[1] - self.prompt_length
+        columns = self.prompt_lengths[:, None] + torch.arange(width)[None]  # in range: prompt_lengths <= prompt_length
+        return self.input_ids.gather(1, columns)
 
 
 def gather_vocab(logits_shard: torch.Tensor, true_vocab_size: int, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
@@ -79,25 +89,41 @@ def generate(
     generators: Sequence[torch.Generator],
     tp_group: Optional[dist.ProcessGroup] = None,
     share_draws: Optional[ShareDraws] = None,
+    prompt_lengths: Optional[torch.Tensor] = None,
 ) -> Rollout:
     """Samples one response per prompt row until <eos> or `max_new_tokens`, whichever comes first.
 
-    All prompts share one length. The rows split into `len(generators)` equal groups of consecutive rows; group
-    `i` draws from `generators[i]`. Every TP rank must pass the same prompts and generators in the same state;
-    the result is then identical on every rank and deterministic for a given seed. `share_draws` (needed where
-    `logits_fn` returns None on some ranks) maps this rank's draws to the sampling ranks' draws.
+    The prompts share one length, or (`prompt_lengths` `[B]`, the prompts right-padded to the longest) row `i`'s
+    prompt is its first `prompt_lengths[i]` tokens and its response is written right after them. Each decoding
+    step then reads the logits of each row's own last token (`logits_fn(input_ids, last_positions=[B])`): under
+    causal attention the padding after it changes nothing, so a ragged batch samples as its rows would alone.
+    The rows split into `len(generators)` equal groups of consecutive rows; group `i` draws from
+    `generators[i]`. Every TP rank must pass the same prompts and generators in the same state; the result is
+    then identical on every rank and deterministic for a given seed. `share_draws` (needed where `logits_fn`
+    returns None on some ranks) maps this rank's draws to the sampling ranks' draws.
     """
     batch, prompt_length = prompts.shape
     if not generators or batch % len(generators):
         raise ValueError(f"generators: {batch} prompt rows do not split into {len(generators)} equal groups")
+    ragged = prompt_lengths is not None and bool((prompt_lengths != prompt_length).any())
+    if prompt_lengths is not None and (tuple(prompt_lengths.shape) != (batch,) or int(prompt_lengths.min()) < 1
+                                       or int(prompt_lengths.max()) > prompt_length):
+        raise ValueError(f"prompt_lengths: expected [{batch}] lengths in [1, {prompt_length}], got "
+                         f"{prompt_lengths.tolist()}")
     group_rows = batch // len(generators)
-    input_ids = prompts.clone()
-    logprobs = torch.zeros(batch, prompt_length)
-    token_mask = torch.zeros(batch, prompt_length)
+    width = prompt_length + params.max_new_tokens
+    input_ids = torch.full((batch, width), params.pad_id, dtype=prompts.dtype)
+    input_ids[:, :prompt_length] = prompts
+    logprobs = torch.zeros(batch, width)
+    token_mask = torch.zeros(batch, width)
+    ends = prompt_lengths.clone() if ragged else torch.full((batch,), prompt_length, dtype=torch.int64)
+    rows = torch.arange(batch)
     finished = torch.zeros(batch, dtype=torch.bool)
+    steps = 0
     for _ in range(params.max_new_tokens):
         draws = torch.zeros(2, batch, dtype=torch.float64)  # tokens, their logprobs: exact in float64
-        logits = logits_fn(input_ids)
+        seen = input_ids[:, :prompt_length + steps].contiguous()
+        logits = logits_fn(seen, last_positions=ends - 1) if ragged else logits_fn(seen)
         if logits is not None:
             last_logits = gather_vocab(logits, true_vocab_size, tp_group).to("cpu")
             log_probs = sampling_log_probs(last_logits, params.distribution)
@@ -107,13 +133,16 @@ def generate(
         if share_draws is not None:
             draws = share_draws(draws)
         tokens, token_logprobs = draws[0].long(), draws[1].float()
-        tokens = tokens.masked_fill(finished, params.pad_id)
-        input_ids = torch.cat([input_ids, tokens.unsqueeze(1)], dim=1)
-        logprobs = torch.cat([logprobs, token_logprobs.masked_fill(finished, 0.0).unsqueeze(1)], dim=1)
-        token_mask = torch.cat([token_mask, (~finished).to(torch.float32).unsqueeze(1)], dim=1)
+        input_ids[rows, ends] = tokens.masked_fill(finished, params.pad_id)
+        logprobs[rows, ends] = token_logprobs.masked_fill(finished, 0.0)
+        token_mask[rows, ends] = (~finished).to(torch.float32)
         finished |= tokens == params.eos_id
+        ends += 1
+        steps += 1
         if bool(finished.all()):
             break
+    width = prompt_length + steps
     return Rollout(
-        input_ids=input_ids, token_mask=token_mask, generation_logprobs=logprobs, prompt_length=prompt_length
+        input_ids=input_ids[:, :width], token_mask=token_mask[:, :width], generation_logprobs=logprobs[:, :width],
+        prompt_length=prompt_length, prompt_lengths=prompt_lengths.clone() if ragged else None,
     )

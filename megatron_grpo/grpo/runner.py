@@ -245,12 +245,20 @@ def runner_config_problems(cfg: Config, *, world_size: Optional[int], cuda_avail
     if cfg.grpo.num_generations_per_prompt < 2:
         problems.append("grpo.num_generations_per_prompt: a group-relative baseline needs >= 2 samples per "
                         f"prompt, got {cfg.grpo.num_generations_per_prompt}")
-    task = DigitTask(cfg.task.name, cfg.task.num_digits, DigitTokenizer())
+    task = DigitTask(cfg.task.name, cfg.task.num_digits, DigitTokenizer(), min_digits=cfg.task.min_digits)
     longest = task.prompt_length + cfg.generation.max_new_tokens
     if cfg.policy.model.max_position_embeddings < longest:
         problems.append(f"policy.model.max_position_embeddings: a prompt ({task.prompt_length} tokens) plus "
                         f"generation.max_new_tokens ({cfg.generation.max_new_tokens}) needs {longest}, got "
                         f"{cfg.policy.model.max_position_embeddings}")
+    packing = cfg.policy.sequence_packing
+    if packing.enabled:
+        for name in ("train_mb_tokens", "logprob_mb_tokens"):
+            budget = getattr(packing, name)
+            if budget is not None and 0 < budget < longest:
+                problems.append(f"policy.sequence_packing.{name}: a microbatch must hold the longest sequence, a "
+                                f"prompt ({task.prompt_length} tokens) plus generation.max_new_tokens "
+                                f"({cfg.generation.max_new_tokens}) = {longest}, got {budget}")
     return problems
 
 

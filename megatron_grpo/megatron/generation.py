@@ -16,12 +16,17 @@ from megatron.core import parallel_state
 from megatron_grpo.megatron.forward import Batch, from_last_stage, model_forward, run_schedule
 
 
-def last_position_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor | None:
-    """This TP rank's `[B, V_local]` logits of the last position of `input_ids` `[B, S]` on the last pipeline
-    stage (no gradient), None on the other stages."""
+def last_position_logits(model: torch.nn.Module, input_ids: torch.Tensor,
+                         last_positions: torch.Tensor | None = None) -> torch.Tensor | None:
+    """This TP rank's `[B, V_local]` logits of the last position of `input_ids` `[B, S]` (or, `last_positions`
+    `[B]`, of row `b`'s position `last_positions[b]`: right-padded rows of different lengths, the padding after it
+    unseen under causal attention) on the last pipeline stage (no gradient), None on the other stages."""
 
     def last_position(output_tensor: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
-        return output_tensor[:, -1, :]
+        if last_positions is None:
+            return output_tensor[:, -1, :]
+        rows = torch.arange(output_tensor.shape[0], device=output_tensor.device)
+        return output_tensor[rows, last_positions.to(output_tensor.device)]
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
         return model_forward(model, next(data_iterator)["input_ids"]), last_position

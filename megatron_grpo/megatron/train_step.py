@@ -95,6 +95,8 @@ class StepConfig:
     max_tokens_per_microbatch: int | None = None  # pack each optimizer step's sequences (first-fit decreasing)
     #   into microbatches of at most this many tokens (`ops.packing.PackedMicrobatches`) instead of
     #   micro_batch_size rows; None: padded microbatches
+    logprob_max_tokens_per_microbatch: int | None = None  # the same for the prev and reference passes (forward
+    #   only, so they may take more); None: max_tokens_per_microbatch
 
 
 @dataclass(frozen=True)
@@ -371,6 +373,8 @@ def train_step(
     distribution = step.distribution  # train the policy the rollouts sampled from
     fused = step.fused_linear_logprobs
     packed_tokens = step.max_tokens_per_microbatch
+    logprob_tokens = (None if packed_tokens is None else
+                      step.logprob_max_tokens_per_microbatch or packed_tokens)
     if CU_SEQLENS in batch:
         raise ValueError("batch['cu_seqlens']: train_step takes the rollout padded, [B, S], and packs each optimizer "
                          "step itself with StepConfig.max_tokens_per_microbatch")
@@ -387,13 +391,13 @@ def train_step(
                                                                   micro_batch_size=micro_batch_size, vocab=vocab,
                                                                   distribution=distribution.unfiltered(),
                                                                   fused_linear=fused, check_inputs=False,
-                                                                  max_tokens_per_microbatch=packed_tokens)
+                                                                  max_tokens_per_microbatch=logprob_tokens)
         passes_run["reference"] = 1
     if plan.compute_prev_logprobs:
         with timer.section("prev_pass"):
             batch["prev_logprobs"] = compute_logprobs(model, batch, micro_batch_size=micro_batch_size, vocab=vocab,
                                                       distribution=distribution, fused_linear=fused,
-                                                      check_inputs=False, max_tokens_per_microbatch=packed_tokens)
+                                                      check_inputs=False, max_tokens_per_microbatch=logprob_tokens)
         passes_run["prev"] = 1
     if plan.prev_approximation == "generation":  # verl's bypass: the rollout's logprobs are prev from the start
         check_generation_logprobs(batch.get("generation_logprobs"), trained_token_mask(batch),

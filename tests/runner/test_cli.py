@@ -27,6 +27,7 @@ PARSERS = {
     "bench logprob": ("megatron_grpo.bench.logprob", []),
     "bench linear": ("megatron_grpo.bench.linear", []),
     "bench scheduler": ("megatron_grpo.bench.scheduler", []),
+    "bench packing": ("megatron_grpo.bench.packing", []),
     "tensorboard_log": ("megatron_grpo.grpo.tensorboard_log", []),
 }
 INTERNAL_NAMES = ("CANDIDATES", "`Step`", "run_ranks", "measure.", "issue")

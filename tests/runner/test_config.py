@@ -148,6 +148,9 @@ def test_missing_and_unknown_keys_are_all_named_at_once():
         ("generation.top_k", 2.5),
         ("grpo.seq_logprob_error_threshold", "high"),
         ("logging.progress_bar", "yes"),
+        ("policy.sequence_packing.algorithm", "modified_first_fit_decreasing"),
+        ("policy.sequence_packing.enabled", "on"),
+        ("task.min_digits", 2.5),
     ],
 )
 def test_wrong_type_or_choice_names_the_key(key, value):
@@ -170,6 +173,10 @@ def test_wrong_type_or_choice_names_the_key(key, value):
         ("policy.optimizer.adam_beta2", 1.5, "must be in [0, 1)"),
         ("generation.top_k", 0, "must be null or >= 1"),
         ("grpo.seq_logprob_error_threshold", 0.0, "must be null or > 0"),
+        ("policy.sequence_packing.train_mb_tokens", 0, "must be > 0"),
+        ("policy.sequence_packing.logprob_mb_tokens", 0, "must be null or > 0"),
+        ("task.min_digits", 0, "must be null or in [1, task.num_digits = 4]"),
+        ("task.min_digits", 5, "must be null or in [1, task.num_digits = 4]"),
     ],
 )
 def test_out_of_range_value_names_the_key(key, value, expected):

@@ -150,6 +150,45 @@ def test_a_groups_samples_do_not_depend_on_the_other_groups():
     assert torch.equal(full.generation_logprobs[3:, :alone.input_ids.shape[1]], alone.generation_logprobs)
 
 
+def _ragged_logits_fn(table: torch.Tensor):
+    """`_toy_logits_fn` read at each row's own last position when given (right-padded rows of ragged prompts)."""
+    def logits_fn(input_ids: torch.Tensor, last_positions: torch.Tensor | None = None) -> torch.Tensor:
+        if last_positions is None:
+            last_positions = torch.full((input_ids.shape[0],), input_ids.shape[1] - 1)
+        last = input_ids[torch.arange(input_ids.shape[0]), last_positions]
+        return table[last] + 0.3 * last_positions[:, None]
+
+    return logits_fn
+
+
+def test_ragged_prompts_sample_what_each_group_samples_alone():
+    """Prompts of 1, 3 and 2 tokens, right-padded to 3: each group's rows are the same tokens and logprobs as the
+    group sampled alone with its unpadded prompt; each response starts right after its own prompt."""
+    lengths = torch.tensor([1, 1, 1, 3, 3, 3, 2, 2, 2])
+    prompts = _prompts().masked_fill(torch.arange(3)[None] >= lengths[:, None], PAD)
+    ragged = generate(_ragged_logits_fn(_toy_logits_table()), prompts, _params(max_new_tokens=8),
+                      true_vocab_size=TRUE_VOCAB, generators=_generators(7), prompt_lengths=lengths)
+    assert torch.equal(ragged.prompt_lengths, lengths) and ragged.prompt_length == 3
+    for group in range(3):
+        rows = slice(3 * group, 3 * group + 3)
+        own = int(lengths[3 * group])
+        alone = generate(_ragged_logits_fn(_toy_logits_table()), prompts[rows, :own], _params(max_new_tokens=8),
+                         true_vocab_size=TRUE_VOCAB, generators=_generators(7, range(group, group + 1)))
+        width = alone.input_ids.shape[1]
+        assert torch.equal(ragged.input_ids[rows, :width], alone.input_ids)
+        assert torch.equal(ragged.generation_logprobs[rows, :width], alone.generation_logprobs)
+        assert torch.equal(ragged.token_mask[rows, :width], alone.token_mask)
+        assert ragged.token_mask[rows, width:].abs().max() == 0 if ragged.input_ids.shape[1] > width else True
+        width = ragged.responses.shape[1]
+        assert torch.equal(ragged.responses[rows], ragged.input_ids[rows, own:own + width])  # from its prompt's end
+
+
+def test_prompt_lengths_out_of_range_are_rejected_by_name():
+    with pytest.raises(ValueError, match="prompt_lengths"):
+        generate(_ragged_logits_fn(_toy_logits_table()), _prompts(), _params(), true_vocab_size=TRUE_VOCAB,
+                 generators=_generators(7), prompt_lengths=torch.tensor([1, 1, 1, 4, 4, 4, 2, 2, 2]))
+
+
 def test_rows_that_do_not_split_into_the_generators_groups_are_rejected_by_name():
     with pytest.raises(ValueError, match="generators: 9 prompt rows do not split into 2 equal groups"):
         generate(_toy_logits_fn(_toy_logits_table()), _prompts(), _params(), true_vocab_size=TRUE_VOCAB,

@@ -37,6 +37,10 @@ def _run_main(argv, capsys) -> tuple[int, str]:
         ({"policy.model.max_position_embeddings": 8}, "policy.model.max_position_embeddings"),
         ({"grpo.num_generations_per_prompt": 1, "grpo.num_prompts_per_step": 128},
          "grpo.num_generations_per_prompt"),
+        ({"policy.sequence_packing.enabled": True, "policy.sequence_packing.train_mb_tokens": 11},
+         "policy.sequence_packing.train_mb_tokens: a microbatch must hold the longest sequence"),
+        ({"policy.sequence_packing.enabled": True, "policy.sequence_packing.logprob_mb_tokens": 11},
+         "policy.sequence_packing.logprob_mb_tokens: a microbatch must hold the longest sequence"),
     ],
 )
 def test_a_bad_config_is_a_config_error_naming_the_key(tmp_path, capsys, torchrun_env, overrides, key):
@@ -123,11 +127,11 @@ def test_running_outside_torchrun_says_how_to_launch(tmp_path, capsys, monkeypat
     assert code == runner.EXIT_BAD_INPUT and "RANK" in err and "torchrun" in err
 
 
-@pytest.mark.parametrize("name", ["grpo_tiny_cpu.yaml", "grpo_gpt_gpu.yaml"])
+@pytest.mark.parametrize("name", ["grpo_tiny_cpu.yaml", "grpo_tiny_cpu_ragged.yaml", "grpo_gpt_gpu.yaml"])
 def test_the_shipped_configs_load_plan_and_pass_the_runner_checks(name):
     cfg = load_config(REPO / "configs" / name)
     plan = plan_for(cfg)
-    on_cpu = name == "grpo_tiny_cpu.yaml"
+    on_cpu = name != "grpo_gpt_gpu.yaml"
     assert runner.runner_config_problems(cfg, world_size=2 if on_cpu else 16, cuda_available=not on_cpu) == []
     assert not plan.compute_prev_logprobs and not plan.build_reference_model  # on-policy, no KL: both skipped
 

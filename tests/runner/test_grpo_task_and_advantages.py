@@ -51,6 +51,56 @@ def test_unknown_task_name_is_rejected_by_name(tokenizer):
         DigitTask("sort", num_digits=4, tokenizer=tokenizer)
 
 
+@pytest.mark.parametrize("name", ["copy", "reverse"])
+def test_a_ragged_task_draws_each_prompts_length_and_pads_after_it(tokenizer, name):
+    task = DigitTask(name, num_digits=6, tokenizer=tokenizer, min_digits=1)
+    batch = task.sample(200, torch.Generator().manual_seed(4))
+    pad = tokenizer.pad_id
+    assert task.ragged and batch.prompts.shape == (200, 9) and batch.answers.shape == (200, 7)
+    assert set((batch.prompt_lengths - 3).tolist()) == set(range(1, 7))  # every count in 1..6 drawn
+    assert torch.equal(batch.answer_lengths, batch.prompt_lengths - 2)
+    for prompt, answer, p_len, a_len in zip(batch.prompts.tolist(), batch.answers.tolist(),
+                                            batch.prompt_lengths.tolist(), batch.answer_lengths.tolist()):
+        assert prompt[p_len:] == [pad] * (9 - p_len) and answer[a_len:] == [pad] * (7 - a_len)
+        text = tokenizer.decode(prompt[:p_len]).split()
+        assert text[0] == "<bos>" and text[1] == {"copy": "C", "reverse": "R"}[name] and text[-1] == "="
+        digits = text[2:-1]
+        assert tokenizer.decode(answer[:a_len]).split() == (digits if name == "copy" else digits[::-1]) + ["<eos>"]
+
+
+def test_min_digits_equal_to_num_digits_is_the_fixed_length_task(tokenizer):
+    fixed = DigitTask("reverse", num_digits=4, tokenizer=tokenizer)
+    same = DigitTask("reverse", num_digits=4, tokenizer=tokenizer, min_digits=4)
+    first, second = (task.sample(9, torch.Generator().manual_seed(2)) for task in (fixed, same))
+    assert not same.ragged and torch.equal(first.prompts, second.prompts) and torch.equal(first.answers,
+                                                                                          second.answers)
+    assert first.prompt_lengths.tolist() == [7] * 9 and first.answer_lengths.tolist() == [5] * 9
+
+
+@pytest.mark.parametrize("min_digits", [0, 5])
+def test_min_digits_out_of_range_is_rejected_by_name(tokenizer, min_digits):
+    with pytest.raises(ValueError, match="task.min_digits"):
+        DigitTask("reverse", num_digits=4, tokenizer=tokenizer, min_digits=min_digits)
+
+
+def test_a_ragged_reward_counts_each_rows_own_answer_positions(tokenizer):
+    eos, pad = tokenizer.eos_id, tokenizer.pad_id
+    answers = torch.tensor([[3, eos, pad, pad], [3, 1, 4, eos], [5, 2, eos, pad], [7, eos, pad, pad]])
+    lengths = torch.tensor([2, 4, 3, 2])
+    responses = torch.tensor([
+        [3, eos, pad, pad, pad],  # perfect
+        [3, 1, eos, pad, pad],  # 2 of 4
+        [5, 2, eos, 9, 9],  # perfect: tokens past its answer's length are ignored
+        [7, 7, 7, 7, 7],  # never stops: 1 of 2
+    ])
+    rewards = answer_reward(responses, answers, lengths)
+    expected = [_reference_reward(r, a[:n]) for r, a, n in zip(responses.tolist(), answers.tolist(),
+                                                                lengths.tolist())]
+    assert rewards.tolist() == pytest.approx(expected, abs=0) == [1.0, 0.5, 1.0, 0.5]
+    with pytest.raises(ValueError, match="answer_lengths"):
+        answer_reward(responses, answers, lengths[:3])
+
+
 def _reference_reward(response: list[int], answer: list[int]) -> float:
     return sum(1 for i, a in enumerate(answer) if i < len(response) and response[i] == a) / len(answer)
 
