@@ -343,8 +343,10 @@ def load_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> Config:
 
 def write_resolved_config(cfg: Config, path: str | os.PathLike) -> None:
     """Writes every key of `cfg` (inherited and default values included) as YAML that `load_config` reads back into
-    an equal `Config`: the run's whole configuration, explicit, whatever files and defaults it came from."""
+    an equal `Config`: the run's whole configuration, explicit, whatever files and defaults it came from. Creates the
+    directory (`--fresh` has just moved the earlier run directory aside)."""
     text = yaml.safe_dump(cfg.to_mapping(), sort_keys=False, default_flow_style=False)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{os.fspath(path)}.tmp"
     with open(tmp, "w", encoding="utf-8") as stream:
         stream.write(RESOLVED_HEADER + text)

@@ -56,6 +56,19 @@ def test_fresh_moves_the_run_and_an_outside_checkpoint_dir_aside_under_free_name
     assert (tmp_path / f"ckpt.previous-{STAMP}" / step_dir_name(2) / "COMPLETE").is_file()
 
 
+def test_the_resolved_config_is_written_into_the_run_directory_fresh_has_just_moved_aside(tmp_path):
+    from _configs import config_with
+
+    from megatron_grpo.config import RESOLVED_CONFIG, load_config, write_resolved_config
+
+    run_dir = tmp_path / "run"
+    _old_run(run_dir, run_dir / "checkpoints", (2,))
+    carry_out(plan_start(run_dir, run_dir / "checkpoints", "fresh"), NOW)
+    cfg = config_with({"run_dir": str(run_dir)})
+    write_resolved_config(cfg, run_dir / RESOLVED_CONFIG)  # what rank 0 does next, as `train --fresh` does
+    assert load_config(run_dir / RESOLVED_CONFIG) == cfg
+
+
 def test_an_empty_run_directory_starts_from_scratch_with_nothing_to_move(tmp_path):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     plan = plan_start(tmp_path / "run", tmp_path / "run" / "checkpoints", "auto")
