@@ -60,11 +60,11 @@ class Setup:
     hidden: int = 256
     heads: int = 4
     vocab: int = 32000
-    prompts: int = 4
+    prompts: int = 2
     generations: int = 4
     prompt_tokens: tuple[int, int] = (4, 16)
     response_tokens: tuple[int, int] = (16, 256)
-    micro_batch_size: int = 4
+    micro_batch_size: int = 2
     dtype: str = "fp32"
     kl_penalty: float = 0.01
     fused_loss: bool = True
@@ -472,7 +472,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-fused-loss", dest="fused_loss", action="store_false",
                         help="configuration 3 recomputes the logits' chunks in backward instead of the loss-fused path")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam's learning rate")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration, run first")
     parser.add_argument("--sequential", action="store_true",
                         help="run the configurations one after the other, one model in memory at a time (for shapes "
