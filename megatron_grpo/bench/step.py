@@ -83,9 +83,10 @@ class Setup:
 def check_setup(setup: Setup, device: str) -> list[str]:
     """Every bad option, each naming its flag."""
     problems = []
-    for flag, value, least in (("--layers", setup.layers, 1), ("--hidden", setup.hidden, 1), ("--heads", setup.heads, 1),
-                               ("--vocab", setup.vocab, 2), ("--prompts", setup.prompts, 1),
-                               ("--generations", setup.generations, 2), ("--micro-batch-size", setup.micro_batch_size, 1)):
+    minimums = (("--layers", setup.layers, 1), ("--hidden", setup.hidden, 1), ("--heads", setup.heads, 1),
+                ("--vocab", setup.vocab, 2), ("--prompts", setup.prompts, 1), ("--generations", setup.generations, 2),
+                ("--micro-batch-size", setup.micro_batch_size, 1))
+    for flag, value, least in minimums:
         if value < least:
             problems.append(f"{flag} must be >= {least}, got {value}")
     if setup.heads >= 1 and setup.hidden % setup.heads:
@@ -267,8 +268,8 @@ def main(argv: list[str]) -> int:
         records: dict[str, list[dict]] = {name: [] for name in CONFIGURATIONS}
 
         def steps_of(run: Run, step: int) -> None:
-            records[run.name].append(one_step(run, rollout, loss_fn, reference_model if run.plan.compute_reference_logprobs
-                                              else None, layout.device))
+            reference = reference_model if run.plan.compute_reference_logprobs else None
+            records[run.name].append(one_step(run, rollout, loss_fn, reference, layout.device))
 
         if args.sequential:
             for name in CONFIGURATIONS:
