@@ -23,7 +23,7 @@ MCORE_NEW_DIR := build/megatron-core-$(MCORE_NEW)
 MEGATRON_TESTS := tests/megatron tests/runner/test_grpo_checkpoint.py tests/runner/test_notices.py
 MCORE_NEW_SLOW := tests/runner/test_grpo_layouts.py tests/megatron/test_example_training_loop.py
 
-.PHONY: install demo demo-figure test test-fast test-avx2 test-mcore-new bench bench-linear bench-packing cuda-check gpu-wheels clean
+.PHONY: install demo demo-figure test test-fast test-avx2 test-mcore-new bench bench-linear bench-packing bench-step cuda-check gpu-wheels clean
 
 $(STAMP): $(SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -80,6 +80,10 @@ bench-linear: install
 # Padded against packed microbatches on the ragged task, in one run of two interleaved variants (docs/benchmarks.md).
 bench-packing: install
 	$(BIN)/megatron-grpo --nproc-per-node $(NPROC) bench packing --config configs/grpo_tiny_cpu_ragged.yaml --out $(RESULTS)
+
+# The whole GRPO train step in four configurations, each adding one feature, in one process (docs/benchmarks.md).
+bench-step: install
+	$(BIN)/megatron-grpo --nproc-per-node 1 bench step --out $(RESULTS)
 
 # Compile-check the CUDA kernels with plain nvcc (no torch headers needed); runs nothing.
 cuda-check:

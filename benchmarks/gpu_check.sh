@@ -26,9 +26,9 @@
 # its budget, where megatron-core comes from, and what it leaves out: sequence parallelism needs TP >= 2, so two GPUs,
 # and this check runs on one; tests/megatron/test_sequence_parallel_fused.py checks it at TP 2 on the CPU (gloo).
 #
-# Budgets (seconds): machine 15, wheels 10, registers 40, build 80, tests 120, linear 40, runner 55, roofline 20,
-# bench 50: 430 s in all. A step that reaches its budget gets SIGINT (pytest then writes its summary and JUnit
-# report, and `tee -i` keeps every line), and SIGKILL 5 s later: at most 475 s for all nine steps, under 8 minutes.
+# Budgets (seconds): machine 15, wheels 9, registers 30, build 70, tests 100, linear 35, runner 50, roofline 15,
+# bench 45, step 60: 429 s in all. A step that reaches its budget gets SIGINT (pytest then writes its summary and JUnit
+# report, and `tee -i` keeps every line), and SIGKILL 5 s later: at most 479 s for all ten steps, under 8 minutes.
 # Every step runs even when an earlier one failed, and prints one status line (ok, skipped, not selected, FAILED
 # or TIMED OUT); the exit status is the first failure's.
 #
@@ -42,8 +42,8 @@
 #     runner.txt       the runner step's two torchrun jobs (4 steps, then resumed to 6)
 #     roofline.txt     each kernel's bytes per second as a fraction of a device-to-device copy's
 #     bench.tgz        the benchmark's Markdown table, JSON and plot (benchmarks/results/ format)
-# The dry run (no CUDA): the register report runs (it needs nvcc only), the build, GPU tests, runner and roofline
-# are skipped with a line saying so, the CPU op tests run instead of the GPU tests, the fused linear op's GPU tests
+# The dry run (no CUDA): the register report runs (it needs nvcc only), the build, GPU tests, runner, roofline and
+# step are skipped with a line saying so, the CPU op tests run instead of the GPU tests, the fused linear op's GPU tests
 # are collected and skip (no CUDA), and the benchmark runs in its quick CPU mode with megatron-core hidden
 # (benchmarks/hide_megatron), as on a bare GPU image.
 #
@@ -69,10 +69,10 @@ export CPU_TESTS="${CPU_TESTS:-tests/ops/test_logprob_op.py tests/ops/test_logpr
 # bf16): their own step and budget. Its small-shape cuda cases run in `tests`.
 export LINEAR_TESTS="${LINEAR_TESTS:-tests/ops/test_gpu_linear.py}" LINEAR_SELECT=fused_linear
 
-ALL_STEPS="machine wheels registers build tests linear runner roofline bench"
-# Step budgets in seconds (sum 430); GRACE: from a step's SIGINT to its SIGKILL.
-BUDGET_MACHINE=15 BUDGET_WHEELS=10 BUDGET_REGISTERS=40 BUDGET_BUILD=80 BUDGET_TESTS=120 BUDGET_LINEAR=40
-BUDGET_RUNNER=55 BUDGET_ROOFLINE=20 BUDGET_BENCH=50
+ALL_STEPS="machine wheels registers build tests linear runner roofline bench step"
+# Step budgets in seconds (sum 429); GRACE: from a step's SIGINT to its SIGKILL.
+BUDGET_MACHINE=15 BUDGET_WHEELS=9 BUDGET_REGISTERS=30 BUDGET_BUILD=70 BUDGET_TESTS=100 BUDGET_LINEAR=35
+BUDGET_RUNNER=50 BUDGET_ROOFLINE=15 BUDGET_BENCH=45 BUDGET_STEP=60
 GRACE=5
 export BUDGET_BENCH
 SKIPPED=77  # a step's exit status for "skipped"; it prints why
@@ -251,8 +251,27 @@ step_bench() {
   tar czf "$OUT/bench.tgz" -C "$dir" bench && echo "bench.tgz: $(tar tzf "$OUT/bench.tgz" | tr '\n' ' ')"
 }
 
+# The whole GRPO train step (`megatron-grpo bench step`) on one GPU at a realistic shape: vocab 128K, hidden 4096,
+# 2 layers, bf16, 16 sequences of 256-4096 tokens; its four configurations one after the other (one model in
+# memory at a time), one warm-up and two timed steps each. Its report is printed here, so it lands in gpu_check.log.
+# The dry run skips it: tests/bench/test_bench_step.py runs its CPU version at a tiny shape.
+step_step() {
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "skipped (dry run): needs a CUDA device; tests/bench/test_bench_step.py runs it on the CPU at a tiny shape"
+    return $SKIPPED
+  fi
+  if ! "$PYTHON" -c 'import megatron.core' 2>/dev/null; then
+    echo "skipped: megatron-core is not importable (make gpu-wheels, ship .whl/, run the wheels step)"
+    return $SKIPPED
+  fi
+  "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 -m megatron_grpo bench step --device cuda \
+    --dtype bf16 --vocab 128000 --hidden 4096 --heads 32 --layers 2 --prompts 4 --generations 4 \
+    --prompt-tokens 64 256 --response-tokens 192 3840 --micro-batch-size 1 --warmup 1 --steps 2 --sequential \
+    --out "$WORK/step"
+}
+
 export -f section step_machine step_wheels step_registers step_build step_tests step_linear step_runner step_roofline \
-  step_bench
+  step_bench step_step
 export SKIPPED
 
 selected() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -312,7 +331,7 @@ main() {
   {
     echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"
     echo "device: $DEVICE"
-    echo "mode: $([ "$DRY_RUN" = 1 ] && echo "dry run (build, GPU tests, runner and roofline skipped)" || echo full)"
+    echo "mode: $([ "$DRY_RUN" = 1 ] && echo "dry run (build, GPU tests, runner, roofline and step skipped)" || echo full)"
     echo "steps: $STEPS"
   } | tee -a "$OUT/summary.txt"
   for name in $ALL_STEPS; do

@@ -27,7 +27,7 @@ def usage() -> str:
     lines = [f"  {name:<7} {help_}" for name, (_module, help_) in COMMANDS.items()]
     return "\n".join([
         "usage: megatron-grpo [torchrun options] train --config FILE [--resume | --fresh] [--debug] [--verbose]",
-        "       megatron-grpo [torchrun options] bench {scheduler,packing} [options]",
+        "       megatron-grpo [torchrun options] bench {scheduler,packing,step} [options]",
         "       megatron-grpo {plan,bench,report} [options]",
         "(`python -m megatron_grpo` is the same command)",
         "",

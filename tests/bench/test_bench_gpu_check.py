@@ -1,8 +1,8 @@
 """benchmarks/gpu_check.sh fits its budget, says so in its header, and, without a GPU, dry-runs every step.
 
 Every run prints its plan (each step, whether STEPS= selects it, its budget; where megatron-core comes from); a
-full run without nvcc stops before its first step. The dry run (no CUDA: build, GPU tests, runner and roofline
-skipped with a line saying so) runs the nvcc register
+full run without nvcc stops before its first step. The dry run (no CUDA: build, GPU tests, runner, roofline and
+step skipped with a line saying so) runs the nvcc register
 report, a small subset of the CPU op tests, the fused linear op's GPU tests (collected, all skipped) and the
 quick benchmark with megatron-core hidden, and writes its logs and results under $OUT, at most 8 files (the
 device tool brings back no more).
@@ -26,7 +26,7 @@ from megatron_grpo.bench.logprob import FUSED_EXP, MEGATRON
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
-STEPS = ["machine", "wheels", "registers", "build", "tests", "linear", "runner", "roofline", "bench"]
+STEPS = ["machine", "wheels", "registers", "build", "tests", "linear", "runner", "roofline", "bench", "step"]
 
 
 def budgets() -> dict[str, int]:
@@ -45,7 +45,7 @@ def test_step_budgets_sum_to_under_480_s_and_the_header_says_so():
     assert stated, "the header states each step's budget and their sum"
     listed = dict(re.findall(r"(\w+) (\d+)", stated.group(1).replace("#", " ")))
     assert {name: int(value) for name, value in listed.items()} == budgets() and int(stated.group(2)) == total
-    assert f"at most {total + len(STEPS) * grace} s for all nine steps" in " ".join(header.replace("#", "").split())
+    assert f"at most {total + len(STEPS) * grace} s for all ten steps" in " ".join(header.replace("#", "").split())
 
 
 def test_the_header_lists_every_output_file_and_at_most_8():
@@ -148,10 +148,12 @@ def test_dry_run_goes_through_every_step_within_budget(tmp_path):
     status = dict(re.findall(r"^(\w+)\s+(ok|skipped|FAILED.*?|TIMED OUT.*?)\s+\d+ s$", summary, flags=re.M))
     assert list(status) == STEPS, summary
     expected = {"machine": "ok", "build": "skipped", "tests": "ok", "linear": "ok", "runner": "skipped",
-                "roofline": "skipped", "bench": "ok", "registers": "ok" if shutil.which("nvcc") else "skipped"}
+                "roofline": "skipped", "bench": "ok", "step": "skipped",
+                "registers": "ok" if shutil.which("nvcc") else "skipped"}
     assert {step: status[step] for step in expected} == expected, summary
     log = (out / "gpu_check.log").read_text()
     assert "skipped (dry run): no CUDA build" in log and "skipped (dry run): needs a CUDA device" in log
+    assert "skipped (dry run): needs a CUDA device; tests/bench/test_bench_step.py runs it" in log
     linear = log.split("linear (budget")[1].split("runner (budget")[0]
     skipped = re.search(r"(\d+) skipped", linear)
     assert skipped and int(skipped.group(1)) >= 4, linear  # collected, and every one skipped without CUDA
