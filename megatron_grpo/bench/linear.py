@@ -720,7 +720,8 @@ def main(argv: list[str]) -> int:
     command = "megatron-grpo bench linear" + ("" if not argv else " " + " ".join(argv))
     text = report(results, torch.device(args.device), repeats, args.warmup, command)
     stem = f"linear_{args.device}{'_quick' if args.quick else ''}"
-    path = write_results(args.out, stem, text, {"results": results}, lambda png: plot(results, png))
+    path = write_results(args.out, stem, text, {"results": results}, lambda png: plot(results, png),
+                         alt="forward+backward time")
     print(text)
     print(f"wrote {path}")
     return 0

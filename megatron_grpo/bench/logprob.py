@@ -303,7 +303,7 @@ def main(argv: list[str]) -> int:
     text = report(results, device, bandwidth, repeats, args.quick, missing, command)
     stem = f"logprob_{args.device}{'_quick' if args.quick else ''}"
     write_results(args.out, stem, text, {"missing_peers": missing, "results": results},
-                  lambda path: plot(results, path))
+                  lambda path: plot(results, path), alt="forward+backward time")
     print(text)
     print(f"wrote {args.out / (stem + '.md')}")
     return 0

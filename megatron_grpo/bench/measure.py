@@ -126,12 +126,14 @@ OUT_HELP = ("directory for the report (.md), data (.json) and plot (.png) (defau
             "`make bench-linear` write the committed benchmarks/results)")
 
 
-def write_results(out: Path, stem: str, markdown: str, payload: dict, plot: Callable[[Path], None]) -> Path:
-    """Writes `<stem>.md` (linking the plot), `<stem>.json` and `<stem>.png` under `out`; returns the .md path."""
+def write_results(out: Path, stem: str, markdown: str, payload: dict, plot: Callable[[Path], None], *,
+                  alt: str) -> Path:
+    """Writes `<stem>.md` (linking the plot, `alt` its alt text: what the plot shows), `<stem>.json` and
+    `<stem>.png` under `out`; returns the .md path."""
     import json
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.md").write_text(markdown + f"\n![forward+backward time]({stem}.png)\n")
+    (out / f"{stem}.md").write_text(markdown + f"\n![{alt}]({stem}.png)\n")
     (out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
     plot(out / f"{stem}.png")
     return out / f"{stem}.md"

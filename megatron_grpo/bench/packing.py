@@ -237,7 +237,7 @@ def write_report(summary: dict, out: Path, config: Path, argv: list[str]) -> Pat
         fig.savefig(path, dpi=120)
         plt.close(fig)
 
-    return write_results(out, STEM, "\n".join(lines) + "\n", summary, plot)
+    return write_results(out, STEM, "\n".join(lines) + "\n", summary, plot, alt="reward curves")
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
@@ -245,7 +245,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                                      description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--config", type=Path, default=Path("configs/grpo_tiny_cpu_ragged.yaml"),
                         help="the run config both variants train with (its TP and PP must fit the ranks launched)")
-    parser.add_argument("--steps", type=int, default=200, help="timed steps per variant")
+    parser.add_argument("--steps", type=int, default=250, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant, run first")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     parser.add_argument("--verbose", action="store_true", help="show Megatron-Core's notices, filtered by default")

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.bench.measure import DEFAULT_OUT, PeakMemory, machine_description
+from megatron_grpo.bench.measure import DEFAULT_OUT, PeakMemory, machine_description, write_results
 from megatron_grpo.config import Config, ConfigError, PrevMode, load_config
 from megatron_grpo.helptext import DefaultsHelpFormatter
 from megatron_grpo.grpo.plan_inputs import plan_for
@@ -224,12 +224,8 @@ def write_prev_modes_report(summary: dict, out: Path, config: Path, argv: list[s
         fig.savefig(path, dpi=120)
         plt.close(fig)
 
-    out.mkdir(parents=True, exist_ok=True)
-    text = "\n".join(lines) + f"\n\n![reward curves]({stem}.png)\n"
-    (out / f"{stem}.md").write_text(text)
-    (out / f"{stem}.json").write_text(json.dumps(summary, indent=1))
-    plot(out / f"{stem}.png")
-    print(text + f"wrote {out / (stem + '.md')}")
+    path = write_results(out, stem, "\n".join(lines) + "\n", summary, plot, alt="reward curves")
+    print(path.read_text() + f"wrote {path}")
 
 
 def summarise(records: dict[str, list[dict]], plans: dict[str, LogprobPlan], cfg: Config, *, world_size: int,

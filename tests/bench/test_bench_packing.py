@@ -78,6 +78,7 @@ def test_the_cli_runs_both_variants_and_reports_every_column(tmp_path):
             for line in report.splitlines() if line.startswith("| pad") or line.startswith("| pack")}
     assert set(rows) == {"padded", "packed", "padded / packed"}
     assert all(cell for cell in rows["padded"] + rows["packed"])  # every column filled
+    assert "![reward curves](packing_cpu.png)" in report
     assert all(cell.endswith("x") for cell in rows["padded / packed"][:4])
     summary = json.loads((out / "packing_cpu.json").read_text())
     padded, packed = summary["variants"]["padded"], summary["variants"]["packed"]
