@@ -437,7 +437,8 @@ def write_report(summary: dict, out: Path, argv: list[str]) -> Path:
         fig.savefig(path, dpi=120)
         plt.close(fig)
 
-    return write_results(out, f"step_{setup['device']}", "\n".join(lines) + "\n", summary, plot)
+    return write_results(out, f"step_{setup['device']}", "\n".join(lines) + "\n", summary, plot,
+                         alt="step time by phase, peak memory and the learning check")
 
 
 def setup_of(args: argparse.Namespace) -> Setup:

@@ -23,6 +23,7 @@ import os
 import re
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Optional
@@ -267,6 +268,9 @@ def is_peer_failure(err: BaseException) -> bool:
     return isinstance(err, dist.DistError) or any(message in str(err) for message in PEER_FAILURE_MESSAGES)
 
 
+SILENT_RANK_EXIT_DELAY_S = 5.0  # how long a rank that leaves a config error to rank 0 waits before exiting
+
+
 def _fail(message: str, code: int, debug: bool, *, show: bool = True) -> int:
     """Prints `message` (and with `debug` the traceback being handled) and returns the exit code."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # said once: torchrun's SIGTERM needs no second sentence
@@ -274,6 +278,10 @@ def _fail(message: str, code: int, debug: bool, *, show: bool = True) -> int:
         if debug:
             traceback.print_exc()
         print(message, file=sys.stderr, flush=True)
+    elif code == EXIT_CONFIG and "TORCHELASTIC_RUN_ID" in os.environ:
+        # Every rank found this config error; rank 0 says it. Torchrun stops every rank once one exits: a silent rank that exits first could stop
+        # the one that reports before it has (on a loaded machine), so it leaves the reporting rank time to.
+        time.sleep(SILENT_RANK_EXIT_DELAY_S)
     return code
 
 
