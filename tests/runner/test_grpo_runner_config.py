@@ -133,7 +133,9 @@ def test_the_shipped_configs_load_plan_and_pass_the_runner_checks(name):
     plan = plan_for(cfg)
     on_cpu = name != "grpo_gpt_gpu.yaml"
     assert runner.runner_config_problems(cfg, world_size=2 if on_cpu else 16, cuda_available=not on_cpu) == []
-    assert not plan.compute_prev_logprobs and not plan.build_reference_model  # on-policy, no KL: both skipped
+    assert not plan.build_reference_model  # no KL: no reference pass, no reference model
+    # on-policy: prev skipped; the ragged config takes two optimizer steps per rollout, so the second needs prev
+    assert plan.compute_prev_logprobs == (name == "grpo_tiny_cpu_ragged.yaml")
 
 
 def test_fp16_is_not_a_precision(tmp_path, capsys, torchrun_env):
