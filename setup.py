@@ -48,9 +48,26 @@ def kernel_extensions() -> list:
             sources=sources,
             include_dirs=[str(ROOT / "csrc")],
             extra_compile_args=extra,
-            extra_link_args=["-fopenmp"],
+            extra_link_args=["-fopenmp", *torch_cxx_runtime()],
         )
     ]
+
+
+def torch_cxx_runtime() -> list[str]:
+    """The C++ runtime that torch loaded into this process (libstdc++.so.6, from /proc/self/maps), linked by path so
+    that the extension shares it. Some compilers link libstdc++ statically (the CUDA image's /opt/gcc/bin/g++ did:
+    the extension then had no libstdc++ dependency); the extension then has a second C++ runtime, and an error that
+    torch throws through its frames (every TORCH_CHECK) crashed the process or lost its message. Linked first, the
+    shared runtime resolves every C++ symbol and the static one is not pulled in. Empty where there is no such file
+    (not Linux, or another C++ runtime)."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return []
+    for line in maps.read_text().splitlines():
+        path = line.split()[-1]
+        if Path(path).name.startswith("libstdc++.so"):
+            return [path]
+    return []
 
 
 CPU_KERNELS = "csrc/logprob_cpu_kernels.cpp"

@@ -185,10 +185,11 @@ def _probe(key: str, call: Callable[[], None]) -> None:
         raise _PROBED[key]
 
 
-def _tiny(dtype: torch.dtype):
-    hidden = torch.randn(8, 16, dtype=dtype, requires_grad=True)
-    weight = torch.randn(32, 16, dtype=dtype, requires_grad=True)
-    targets = torch.tensor([3, -1, 5, 0, 31, 7, -1, 2])
+def _tiny(like: torch.Tensor):
+    """A tiny case in `like`'s dtype and on its device: a probe on the wrong device would skip a GPU-only peer."""
+    hidden = torch.randn(8, 16, dtype=like.dtype, device=like.device, requires_grad=True)
+    weight = torch.randn(32, 16, dtype=like.dtype, device=like.device, requires_grad=True)
+    targets = torch.tensor([3, -1, 5, 0, 31, 7, -1, 2], device=like.device)
     return hidden, weight, targets
 
 
@@ -200,10 +201,10 @@ def _build_cce(case: Case, inputs: CaseInputs, impl: str) -> Step:
         return linear_cross_entropy(hidden, weight, targets, ignore_index=-1, reduction="none", impl=impl)
 
     def probe():
-        h, w, t = _tiny(inputs.hidden.dtype)
+        h, w, t = _tiny(inputs.hidden)
         loss(h, w, t).sum().backward()
 
-    _probe(f"cce-{impl}-{inputs.hidden.dtype}", probe)
+    _probe(f"cce-{impl}-{inputs.hidden.dtype}-{inputs.hidden.device}", probe)
     return Step(lambda hidden, weight: -loss(hidden, weight, inputs.targets), inputs.upstream)
 
 
@@ -223,10 +224,10 @@ def build_liger(case: Case, inputs: CaseInputs) -> Step:
         return liger_fused_linear_cross_entropy(hidden, weight, targets, ignore_index=-1, reduction="none")
 
     def probe():
-        h, w, t = _tiny(inputs.hidden.dtype)
+        h, w, t = _tiny(inputs.hidden)
         loss(h, w, t).sum().backward()
 
-    _probe(f"liger-{inputs.hidden.dtype}", probe)
+    _probe(f"liger-{inputs.hidden.dtype}-{inputs.hidden.device}", probe)
     return Step(lambda hidden, weight: -loss(hidden, weight, inputs.targets), inputs.upstream)
 
 

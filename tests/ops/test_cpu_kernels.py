@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import subprocess
 import sys
 
@@ -172,3 +173,13 @@ def test_a_capability_capped_by_the_environment_names_the_variable(monkeypatch):
     assert reason.startswith("ATEN_CPU_CAPABILITY=default caps torch's CPU capability at 'DEFAULT'"), reason
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
     assert cpu_kernel_status()[1].startswith("this CPU lacks AVX2 (torch reports 'DEFAULT')")
+
+
+@pytest.mark.skipif(sys.platform != "linux" or shutil.which("readelf") is None, reason="reads the ELF with readelf")
+def test_the_extension_shares_torchs_cpp_runtime():
+    """setup.py links the libstdc++ that torch loaded: with a static copy of its own, an error torch threw through the
+    extension's frames crashed the process (seen on an H200 image, whose g++ linked libstdc++ statically)."""
+    import megatron_grpo._C as extension
+
+    needed = subprocess.run(["readelf", "-d", extension.__file__], capture_output=True, text=True, check=True).stdout
+    assert "[libstdc++.so.6]" in needed, needed

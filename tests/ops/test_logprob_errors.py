@@ -112,5 +112,7 @@ def test_kernel_op_refuses_a_bad_logit_scale(device):
     import megatron_grpo._C  # noqa: F401  (registers torch.ops.megatron_grpo)
 
     logits, targets = logits_and_targets(device)
-    with pytest.raises(RuntimeError, match="logit_scale must be a finite number > 0"):
+    # "got 0" too: an extension with a C++ runtime of its own lost the number from this message, or crashed here
+    # (an H200 image whose g++ linked libstdc++ statically: setup.py's torch_cxx_runtime)
+    with pytest.raises(RuntimeError, match="logit_scale must be a finite number > 0, got 0"):
         torch.ops.megatron_grpo.logprob_partials(logits, targets, 0, logits.shape[1], False, None, 0.0)
