@@ -45,23 +45,29 @@ demo-figure: install
 	$(BIN)/megatron-grpo report runs/grpo_tiny_cpu runs/grpo_tiny_cpu_stale runs/grpo_tiny_cpu_ppo \
 	  --out docs/demo_on_and_off_policy.png
 
+# The tests run in $(NPROC) pytest-xdist workers, a test file to a worker (its module fixtures then run once). Many
+# tests wait on rank processes they start, so two workers keep two cores busier than one; PYTEST_WORKERS=0 runs the
+# suite in one process.
+PYTEST_WORKERS ?= $(NPROC)
+PYTEST := $(BIN)/python -m pytest -q $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(PYTEST) tests
 
 # The edit loop: everything but the end-to-end multi-process runs (marked `slow`).
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 # The suite with torch's CPU kernels and ours capped at AVX2, as an AVX2-only machine runs it (on an AVX2 machine, the
 # same as `make test`). Each kernel build is also checked against the float64 anchor within `make test` itself.
 test-avx2: install
-	ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q tests
+	ATEN_CPU_CAPABILITY=avx2 $(PYTEST) tests
 
 test-mcore-new: install
 	test -d $(MCORE_NEW_DIR)/megatron || $(BIN)/pip install -q --ignore-requires-python --no-deps \
 	  --target $(MCORE_NEW_DIR) megatron-core==$(MCORE_NEW) triton==$(TRITON)
-	PYTHONPATH=$(MCORE_NEW_DIR) $(BIN)/python -m pytest -q -m "not slow" $(MEGATRON_TESTS)
-	PYTHONPATH=$(MCORE_NEW_DIR) $(BIN)/python -m pytest -q $(MCORE_NEW_SLOW)
+	PYTHONPATH=$(MCORE_NEW_DIR) $(PYTEST) -m "not slow" $(MEGATRON_TESTS)
+	PYTHONPATH=$(MCORE_NEW_DIR) $(PYTEST) -m slow $(MCORE_NEW_SLOW)
 
 # The benchmarks write under runs/bench unless told otherwise; these targets refresh the committed results.
 RESULTS := benchmarks/results

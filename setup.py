@@ -116,7 +116,7 @@ setup(
     cmdclass={"build_ext": build_ext_class()},
     install_requires=["torch>=2.4", "megatron-core>=0.16", "pyyaml", "numpy", "psutil", "tqdm", "tensorboard"],
     extras_require={
-        "test": ["pytest>=8"],
+        "test": ["pytest>=8", "pytest-xdist>=3"],
         "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": ["megatron-grpo=megatron_grpo.__main__:console_main"]},
