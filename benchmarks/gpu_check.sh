@@ -157,16 +157,20 @@ assert fused_supports(torch.device("cuda")), "megatron_grpo._C was built without
 # pytest's exit status: 1 tests failed or a file could not be collected (the other files still run), 2
 # interrupted (the step's budget: the summary and pytest.xml are still written), 3 internal error, 4 usage, 5 none
 # collected. Its whole output is in gpu_check.log; the errors and the summary are repeated at the end of the step.
+# Where pytest-xdist is importable the tests run in one worker process (`-n 1`): a test that crashes the process
+# (the first H200 run lost every test after a SIGSEGV) then fails alone, and xdist starts a new worker for the rest.
 step_tests() {
-  local log="$WORK/pytest.log" rc
+  local log="$WORK/pytest.log" rc worker=""
+  if "$PYTHON" -c 'import xdist' 2>/dev/null; then worker="-n 1"; fi
   if [ "$DRY_RUN" = 1 ]; then
-    echo "dry run: the CPU op tests instead of the GPU tests"
-    # shellcheck disable=SC2086  # CPU_TESTS is a list of paths
-    "$PYTHON" -m pytest -q -ra -p no:cacheprovider --continue-on-collection-errors $CPU_TESTS 2>&1 | tee -i "$log"
+    echo "dry run: the CPU op tests instead of the GPU tests${worker:+ (pytest-xdist: $worker)}"
+    # shellcheck disable=SC2086  # CPU_TESTS is a list of paths; worker is empty or two words
+    "$PYTHON" -m pytest -q -ra -p no:cacheprovider --continue-on-collection-errors $worker $CPU_TESTS 2>&1 \
+      | tee -i "$log"
   else
-    # shellcheck disable=SC2086  # GPU_TESTS is a list of paths
-    "$PYTHON" -m pytest -q -ra -p no:cacheprovider --continue-on-collection-errors -m gpu -k "not $LINEAR_SELECT" \
-      --junitxml="$OUT/pytest.xml" $GPU_TESTS 2>&1 | tee -i "$log"
+    # shellcheck disable=SC2086  # GPU_TESTS is a list of paths; worker is empty or two words
+    "$PYTHON" -m pytest -q -ra -p no:cacheprovider --continue-on-collection-errors $worker -m gpu \
+      -k "not $LINEAR_SELECT" --junitxml="$OUT/pytest.xml" $GPU_TESTS 2>&1 | tee -i "$log"
   fi
   rc=${PIPESTATUS[0]}
   case $rc in

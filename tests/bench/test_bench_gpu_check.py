@@ -153,6 +153,8 @@ def test_dry_run_goes_through_every_step_within_budget(tmp_path):
     assert {step: status[step] for step in expected} == expected, summary
     log = (out / "gpu_check.log").read_text()
     assert "skipped (dry run): no CUDA build" in log and "skipped (dry run): needs a CUDA device" in log
+    # pytest-xdist (a test dependency) is importable: the tests step runs in one worker, which a crash cannot end
+    assert "the CPU op tests instead of the GPU tests (pytest-xdist: -n 1)" in log
     assert "skipped (dry run): needs a CUDA device; tests/bench/test_bench_step.py runs it" in log
     linear = log.split("linear (budget")[1].split("runner (budget")[0]
     skipped = re.search(r"(\d+) skipped", linear)
