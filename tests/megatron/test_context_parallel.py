@@ -39,9 +39,9 @@ LOSSES = {
 }
 # Loss and metrics: each layout computes every row's logprob with the same operations (only the GEMM's blocking
 # differs: a few ulps, 2.4e-7 at |logprob| < 4), and each microbatch (one sequence padded, two packed) sums at most
-# 32 fp32 terms, which torch adds pairwise (within log2(32) u = 3e-7 of their magnitudes); the sums over microbatches
-# and ranks are float64.
-METRIC_RTOL = 1e-6
+# 32 fp32 terms, within 32 u = 1.9e-6 of their magnitudes in any order of summation; the sums over microbatches and
+# ranks are float64.
+METRIC_RTOL = 2e-6
 
 
 def _master_weights() -> dict[str, torch.Tensor]:
