@@ -14,7 +14,6 @@ from collections.abc import Mapping
 
 import torch
 
-from megatron_grpo.ops.context_shard import PACKED_WITH_CONTEXT_PARALLEL
 from megatron_grpo.ops.current import HiddenStates
 from megatron_grpo.ops.packing import SequenceLayout
 
@@ -67,9 +66,9 @@ def validate_batch(
     `check_values=False` skips the checks that read values (finite advantages and rewards: host syncs), for a caller
     that checked them once already; keys, shapes and dtypes are always checked.
 
-    `row_aligned`: a context-parallel rank's share of a padded batch, its targets shifted before the split
-    (Megatron's `labels` convention): `batch['labels']` `[B, S]` int64 holds each row's target, and every per-token
-    tensor describes that target (see `trained_token_mask`). A packed batch cannot be one (a ValueError)."""
+    `row_aligned`: a context-parallel rank's share of a padded or packed batch, its targets shifted before the split
+    (Megatron's `labels` convention): `batch['labels']` (`input_ids`' shape, int64) holds each row's target, and
+    every per-token tensor describes that target (see `trained_token_mask`)."""
     mask, layout = _mask_and_layout(batch, row_aligned)
     batch_size, seq_len = mask.shape
     if output is not None:
@@ -165,8 +164,6 @@ def _mask_and_layout(batch: Mapping[str, torch.Tensor], row_aligned: bool = Fals
                      ) -> tuple[torch.Tensor, SequenceLayout]:
     input_ids = _tensor(batch, "input_ids")
     layout = SequenceLayout.of_batch(batch)
-    if row_aligned and layout.is_packed:
-        raise ValueError(f"batch['cu_seqlens']: {PACKED_WITH_CONTEXT_PARALLEL}")
     if input_ids.dtype != torch.int64:
         raise ValueError(f"batch['input_ids']: expected dtype torch.int64, got {input_ids.dtype}")
     token_mask = _tensor(batch, "token_mask")

@@ -170,8 +170,8 @@ class ClippedPGLoss:
         per-token tensors belong to the labels' rows). The loss is this rank's share, normalised by the same global
         counts; sequence sums (GSPO, sequence-level IS, `seq-mask-tis`, sequence token counts) are over the CP
         group, and `num_valid_samples` is counted by one rank of it. The Megatron step splits with
-        `megatron_grpo.megatron.split_for_context_parallel`. Padded batches only: a packed one with `context` is a
-        ValueError.
+        `megatron_grpo.megatron.split_for_context_parallel`, padded or packed (a packed share carries its own
+        `cu_seqlens`, each sequence `1 / CP` of its tokens).
         """
         distribution = SamplingDistribution() if distribution is None else distribution
         precomputed = self._check_precomputed(logits, curr_logprobs, curr_entropy, curr_unfiltered_logprobs,

@@ -16,7 +16,6 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_grpo.megatron.hidden_states import without_output_layer
-from megatron_grpo.ops.context_shard import PACKED_WITH_CONTEXT_PARALLEL
 from megatron_grpo.ops.packing import CU_SEQLENS, POSITION_IDS, SequenceLayout
 
 Batch = Mapping[str, torch.Tensor]
@@ -27,7 +26,7 @@ def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, *, hidden_sta
                   cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """GPTModel forward over positions 0..S-1 with an explicit causal mask (True = masked out), or over a packed
     row `[1, T]` of sequences cut by `cu_seqlens` (int32 `[N + 1]`, `ops.packing`), each attending only to itself,
-    or over a context-parallel rank's share of `[B, S]` rows.
+    or over a context-parallel rank's share of `[B, S]` rows or of a packed row.
 
     Passing the mask keeps it on the batch's device: Megatron's default causal mask is built on "cuda".
     Packed: with Transformer Engine's attention, Megatron's `PackedSeqParams(qkv_format="thd")` and no mask;
@@ -36,21 +35,27 @@ def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, *, hidden_sta
     batch's own, `ops.packing.pack_rows`: 0 on padding).
     `position_ids` without `cu_seqlens`: a context-parallel rank's share
     (`context_parallel.split_for_context_parallel`), its tokens' global positions, and no mask (Transformer
-    Engine's attention applies the causal mask across the CP ranks). Packed batches under context parallelism are
-    a ValueError (not supported).
+    Engine's attention applies the causal mask across the CP ranks). A context-parallel rank's share of a packed
+    batch (CP > 1 with `cu_seqlens`, the share's own, and its `position_ids`, each token's position in its sequence,
+    required): no mask either (a model without attention, in the tests; the local spec has no CP), and with TE's
+    attention the THD `PackedSeqParams` of the whole sequences (`_context_parallel_thd_params`).
     `hidden_states`: the last stage returns the `[b, s, h]` final hidden states (after the final norm) instead
     of the logits, their gradient all-reduced over TP as the output layer's input is
     (`hidden_states.without_output_layer`).
     """
     seq_len = input_ids.shape[1]
     extra = {}
-    if cu_seqlens is None and position_ids is not None:  # a context-parallel share
+    context_parallel = parallel_state.get_context_parallel_world_size() > 1
+    if context_parallel and cu_seqlens is not None and position_ids is None:
+        raise ValueError("position_ids: a context-parallel rank's share of a packed batch needs its tokens' "
+                         "positions (split_for_context_parallel's)")
+    if position_ids is not None and (cu_seqlens is None or context_parallel):  # a context-parallel share
+        if cu_seqlens is not None and _uses_transformer_engine_attention(model):
+            extra["packed_seq_params"] = _context_parallel_thd_params(cu_seqlens)
         with without_output_layer(model) if hidden_states else nullcontext():
-            return model(input_ids, position_ids, attention_mask=None)
+            return model(input_ids, position_ids, attention_mask=None, **extra)
     causal_mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=input_ids.device).triu(diagonal=1)
     if cu_seqlens is not None:
-        if parallel_state.get_context_parallel_world_size() > 1:
-            raise ValueError(f"cu_seqlens: {PACKED_WITH_CONTEXT_PARALLEL}")
         layout = SequenceLayout.packed(cu_seqlens, seq_len) if input_ids.shape[0] == 1 else None
         if layout is None:
             raise ValueError(f"batch['input_ids']: a packed batch (with cu_seqlens) is [1, T], got "
@@ -75,7 +80,7 @@ def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, *, hidden_sta
 
 def batch_forward(model: torch.nn.Module, batch: Batch, *, hidden_states: bool = False) -> torch.Tensor:
     """`model_forward` of a batch: padded, packed (`batch['cu_seqlens']`, with its `position_ids`), or a
-    context-parallel rank's share (CP > 1: `split_for_context_parallel`'s, with its global `position_ids`)."""
+    context-parallel rank's share of either (CP > 1: `split_for_context_parallel`'s, with its `position_ids`)."""
     packed = CU_SEQLENS in batch
     positions = packed or parallel_state.get_context_parallel_world_size() > 1
     return model_forward(model, batch["input_ids"], hidden_states=hidden_states, cu_seqlens=batch.get(CU_SEQLENS),
@@ -95,6 +100,15 @@ def _thd_params(cu_seqlens: torch.Tensor, max_seqlen: int):
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            cu_seqlens_q_padded=cu_seqlens, cu_seqlens_kv_padded=cu_seqlens,
                            max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+
+
+def _context_parallel_thd_params(local_cu_seqlens: torch.Tensor):
+    """`PackedSeqParams` for a context-parallel rank's share of a packed batch, as Megatron's
+    `get_thd_batch_on_this_cp_rank` builds them: the whole (padded) sequences' `cu_seqlens`, `CP ×` the share's,
+    and TE's attention works out each rank's chunks itself. Not run without Transformer Engine (no CPU test)."""
+    size = parallel_state.get_context_parallel_world_size()
+    cu_seqlens = local_cu_seqlens * size
+    return _thd_params(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
 
 
 def _check_positions_restart(model: torch.nn.Module) -> None:

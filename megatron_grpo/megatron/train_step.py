@@ -20,7 +20,8 @@ With context parallelism (CP > 1 in parallel_state) every CP rank is given the s
 splits each microbatch (`context_parallel.split_for_context_parallel`: targets shifted on the full sequences, then
 Megatron's zigzag), the loss reads its share with the CP group (`ops.ContextShard`), and the per-token results
 come back whole and token-aligned (`context_parallel.gather_from_context_parallel`). The model must then be in
-Megatron's DDP, which reduces over DP × CP. Packed batches under CP are not supported (a ValueError).
+Megatron's DDP, which reduces over DP × CP. Packed microbatches are split sequence by sequence (each sequence's
+length a multiple of 2·CP: packing pads each sequence to one under CP).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from megatron_grpo.loss import (
 )
 from megatron_grpo.loss.proximal import VERSION_KEY, ProximalApproximation, StepVersions, check_generation_logprobs
 from megatron_grpo.megatron.context_parallel import (
+    context_parallel_size,
     context_shard,
     gather_from_context_parallel,
     split_for_context_parallel,
@@ -65,10 +67,15 @@ from megatron_grpo.megatron.optimizer import (
     optimizer_step,
     zero_optimizer_grads,
 )
-from megatron_grpo.ops.context_shard import PACKED_WITH_CONTEXT_PARALLEL
 from megatron_grpo.ops.current import HiddenStates, current_logprobs
 from megatron_grpo.ops.distribution import SamplingDistribution
-from megatron_grpo.ops.packing import CU_SEQLENS, PackedMicrobatches, SequenceLayout, next_token_targets_of
+from megatron_grpo.ops.packing import (
+    CU_SEQLENS,
+    POSITION_IDS,
+    PackedMicrobatches,
+    SequenceLayout,
+    next_token_targets_of,
+)
 from megatron_grpo.ops.vocab_shard import VocabShard
 from megatron_grpo.scheduler import LogprobPlan
 from megatron_grpo.timing import StepTimer
@@ -76,6 +83,7 @@ from megatron_grpo.timing import StepTimer
 log = logging.getLogger(__name__)
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+_HAS_TARGET = "has_target"  # compute_logprobs under CP: True on every row with a target, shifted with the tokens
 
 
 @dataclass(frozen=True)
@@ -163,7 +171,8 @@ def make_forward_step(
     (`gather_from_context_parallel` makes them whole). `global_valid_*` still count the whole sequences. The loss
     of each CP rank is its share; Megatron's DDP averages over DP × CP and its schedule multiplies the loss by the
     CP size (Megatron-Core 0.16 and 0.19, for a `loss_func` returning two values), so the scale above is unchanged.
-    Packed batches under CP are a ValueError (`split_for_context_parallel`).
+    A packed microbatch is split sequence by sequence (each sequence's length a multiple of 2·CP); its per-token
+    metrics are then this rank's share of the packed row (`gather_from_context_parallel(..., cu_seqlens)`).
 
     The fused GEMMs run in the model's compute dtype (`hidden_states.compute_dtype`: bf16 under bf16 autocast).
     `check_inputs=False`: the loss and the ops skip their checks of values that cost a host sync per microbatch
@@ -251,22 +260,22 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
 
     A forward-only pass through Megatron's schedule; with pipeline parallelism the last stage broadcasts the
     result to the other stages. With context parallelism every CP rank is given the full batch, computes the
-    logprobs of its share of each sequence, and returns the whole `[B, S]` (one all-gather over the CP group); a
-    packed batch or `max_tokens_per_microbatch` under CP is a ValueError.
+    logprobs of its share of each sequence, and returns the whole `[B, S]` (one all-gather over the CP group per
+    padded pass, or per packed microbatch). A packed batch's sequences must each be a multiple of 2·CP long;
+    `max_tokens_per_microbatch` pads them so.
     """
     input_ids = batch["input_ids"]
     context = context_shard()
-    if context is not None and (max_tokens_per_microbatch is not None or CU_SEQLENS in batch):
-        key = "batch['cu_seqlens']" if CU_SEQLENS in batch else "max_tokens_per_microbatch"
-        raise ValueError(f"{key}: {PACKED_WITH_CONTEXT_PARALLEL}")
     packing = None
     if max_tokens_per_microbatch is not None and CU_SEQLENS not in batch:
         packing = _packed_microbatches(batch, max_tokens_per_microbatch)
         microbatches = packing.microbatches
     else:
         microbatches = _split(batch, micro_batch_size)
-    if context is not None:  # the split shifts every per-token tensor of a microbatch: hand it the tokens alone
-        microbatches = [{"input_ids": mb["input_ids"]} for mb in microbatches]
+    if context is not None:  # the split shifts every per-token tensor of a microbatch: hand it the tokens alone,
+        # and a mark shifted with them that is False on each sequence's last row (it has no target)
+        microbatches = [{**{key: mb[key] for key in ("input_ids", CU_SEQLENS, POSITION_IDS) if key in mb},
+                         _HAS_TARGET: torch.ones_like(mb["input_ids"], dtype=torch.bool)} for mb in microbatches]
 
     def logprob_func(targets: torch.Tensor, output_tensor: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
         output = HiddenStates(*_in_compute_dtype(model, output_tensor)) if fused_linear else output_tensor
@@ -281,7 +290,7 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
             targets = next_token_targets_of(microbatch["input_ids"], SequenceLayout.of_batch(microbatch))
         else:  # row-aligned: each row scores its label; the last row of a sequence has none
             microbatch = split_for_context_parallel(microbatch)
-            targets = microbatch["labels"].masked_fill(microbatch["position_ids"] == input_ids.shape[1] - 1, -1)
+            targets = microbatch["labels"].masked_fill(~microbatch[_HAS_TARGET], -1)
         return batch_forward(model, microbatch, hidden_states=fused_linear), partial(logprob_func, targets)
 
     was_training = model.training
@@ -291,20 +300,32 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
             outputs = run_schedule(forward_step, model, microbatches, forward_only=True)
     finally:
         model.train(was_training)
-    if packing is not None:
-        logprobs = packing.unpack(outputs) if outputs else torch.empty(input_ids.shape, dtype=torch.float32,
-                                                                       device=input_ids.device)
+    if not outputs:  # a pipeline stage that is not the last
+        logprobs = torch.empty(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     else:
-        logprobs = gather_from_context_parallel(torch.cat(outputs)) if outputs else torch.empty(
-            input_ids.shape, dtype=torch.float32, device=input_ids.device)
+        logprobs = _whole_per_token(outputs, microbatches, packing)
     return from_last_stage(logprobs)
+
+
+def _whole_per_token(per_microbatch: list[torch.Tensor], microbatches: list[Batch],
+                     packing: PackedMicrobatches | None) -> torch.Tensor:
+    """One per-token result of every microbatch (under CP this rank's row-aligned share) as the batch's whole
+    token-aligned tensor: the CP shares gathered (padded at once, packed microbatch by microbatch), the packed
+    microbatches unpacked to the rows when the pass packed them."""
+    if CU_SEQLENS not in microbatches[0]:
+        return gather_from_context_parallel(torch.cat(per_microbatch))
+    whole = [gather_from_context_parallel(values, mb[CU_SEQLENS]) for values, mb in zip(per_microbatch,
+                                                                                       microbatches, strict=True)]
+    return packing.unpack(whole) if packing is not None else torch.cat(whole)
 
 
 def _packed_microbatches(batch: Batch, max_tokens: int) -> PackedMicrobatches:
     """`batch`'s rows packed into microbatches of at most `max_tokens` tokens; under pipeline parallelism all of
-    one length, as the stages exchange activations of one shape."""
+    one length, as the stages exchange activations of one shape; under context parallelism each sequence padded to
+    a multiple of 2·CP (the split's chunks, as Megatron's `cu_seqlens_padded`)."""
     same_length = parallel_state.get_pipeline_model_parallel_world_size() > 1
-    return PackedMicrobatches(batch, max_tokens, same_length=same_length)
+    size = context_parallel_size()
+    return PackedMicrobatches(batch, max_tokens, pad_multiple=2 * size if size > 1 else 1, same_length=same_length)
 
 
 def _in_compute_dtype(model: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -378,9 +399,6 @@ def train_step(
     if CU_SEQLENS in batch:
         raise ValueError("batch['cu_seqlens']: train_step takes the rollout padded, [B, S], and packs each optimizer "
                          "step itself with StepConfig.max_tokens_per_microbatch")
-    if packed_tokens is not None and context_shard() is not None:
-        raise ValueError(f"StepConfig.max_tokens_per_microbatch: {PACKED_WITH_CONTEXT_PARALLEL} (context_parallel_size "
-                         f"{parallel_state.get_context_parallel_world_size()}); leave it None")
     step_rows = _rows_per_optimizer_step(step, batch["input_ids"].shape[0])
     batch = dict(batch)
     passes_run: dict[str, int] = {}
@@ -410,7 +428,7 @@ def train_step(
         if vocab.true_vocab_size is not None:  # the shaped advantages are new values
             check_batch_values(batch, vocab.true_vocab_size)
 
-    step_metrics, microbatch_metrics = [], []
+    step_metrics, step_logprobs = [], []
     rows = batch["input_ids"].shape[0]
     for start in range(0, rows, step_rows):
         step_batch = {key: value[start:start + step_rows] for key, value in batch.items()}
@@ -426,19 +444,16 @@ def train_step(
             grad_norm = optimizer_step(model, optimizer, clip)
         step_metrics.append({**metrics_from_last_stage(_aggregate(metrics, loss_fn)), "grad_norm": grad_norm,
                              "grad_norm_after_clip": grad_norm_after_clipping(grad_norm, clip), "lr": lr})
-        if packing is not None and metrics:  # the per-token metrics back to the rollout's rows
-            metrics = [dict(metrics[0], **{key: packing.unpack([m[key] for m in metrics])
-                                           for key in ("curr_logprobs", "prev_logprobs") if key in metrics[0]})]
-        microbatch_metrics.extend(metrics)
+        if metrics:  # the per-token metrics whole (CP), back at the rollout's rows (packing)
+            step_logprobs.append({key: _whole_per_token([m[key] for m in metrics], microbatches, packing)
+                                  for key in ("curr_logprobs", "prev_logprobs") if key in metrics[0]})
 
     curr_logprobs = from_last_stage(
-        gather_from_context_parallel(torch.cat([m["curr_logprobs"] for m in microbatch_metrics]))
-        if microbatch_metrics
+        torch.cat([m["curr_logprobs"] for m in step_logprobs]) if step_logprobs
         else torch.empty(batch["input_ids"].shape, dtype=torch.float32, device=batch["input_ids"].device))
     if plan.prev_approximation in ("loglinear", "linear"):  # interpolated in the loss, microbatch by microbatch
-        prev_logprobs = from_last_stage(gather_from_context_parallel(torch.cat([m["prev_logprobs"]
-                                                                                for m in microbatch_metrics]))
-                                        if microbatch_metrics else torch.empty_like(curr_logprobs))
+        prev_logprobs = from_last_stage(torch.cat([m["prev_logprobs"] for m in step_logprobs]) if step_logprobs
+                                        else torch.empty_like(curr_logprobs))
     else:
         prev_logprobs = curr_logprobs if plan.prev_from_current else batch["prev_logprobs"]
     return TrainStepResult(

@@ -1,14 +1,15 @@
 """`ContextShard`: this rank's share of every sequence's tokens under context parallelism (CP), and the one
 reduction of per-sequence sums over the CP group.
 
-Under CP each rank of the group holds some positions of every sequence (Megatron's zigzag for `[B, S]`: rank `r`
-holds chunks `r` and `2·CP−1−r` of the `2·CP` equal chunks). The targets are shifted before the split, so the split
-batch is *row-aligned* (Megatron's `labels` convention): position `j` of a per-token tensor describes the target of
-row `j`, the token after it, and the ops run with `shift=False`. The ops and every per-token term of the loss are
-CP-agnostic: they read one row at a time. What couples a sequence's tokens (GSPO's sequence ratio, the
-sequence-level importance weights, `seq-mask-tis`, the per-sequence token counts of the sequence-level aggregations
-and metrics) goes through `sum_over_context`, over the `[N]` per-sequence sums that the batch's
-`ops.packing.SequenceLayout` gives (one sequence per row of the padded `[B, S]` share).
+Under CP each rank of the group holds some positions of every sequence (Megatron's zigzag: rank `r` holds chunks
+`r` and `2·CP−1−r` of the `2·CP` equal chunks of each padded row, or of each packed sequence). The targets are
+shifted before the split, so the split batch is *row-aligned* (Megatron's `labels` convention): position `j` of a
+per-token tensor describes the target of row `j`, the token after it, and the ops run with `shift=False`. The ops
+and every per-token term of the loss are CP-agnostic: they read one row at a time. What couples a sequence's tokens
+(GSPO's sequence ratio, the sequence-level importance weights, `seq-mask-tis`, the per-sequence token counts of the
+sequence-level aggregations and metrics) goes through `sum_over_context`, over the `[N]` per-sequence sums that the
+batch's `ops.packing.SequenceLayout` gives (one sequence per row of a padded `[B, S]` share; a packed share is a
+packed batch of the same `N` sequences, each `1 / CP` as long, with its own `cu_seqlens`).
 
 The loss stays a per-rank share: each rank sums its own tokens, divided by global counts, so the shares add up
 over the CP ranks (Megatron's DDP then averages over DP × CP, and its schedule multiplies the loss by the CP size).
@@ -23,11 +24,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-# The one wording of what is not supported yet: Megatron's THD split under CP (each packed sequence's own 2·CP
-# chunks, `cu_seqlens` per rank) is not wired; every path that could meet both refuses with it.
-PACKED_WITH_CONTEXT_PARALLEL = ("packed (THD) batches and context parallelism together are not supported; under "
-                                "context parallelism batches are padded [B, S]")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from .backends import Implementation
 from .checks import check_linear_inputs, check_target_ids
-from .context_shard import PACKED_WITH_CONTEXT_PARALLEL, ContextShard
+from .context_shard import ContextShard
 from .chunks import WeightGradient, chunk_buffer, chunk_logits, chunk_rows_for, hidden_gradient
 from .distribution import SamplingDistribution
 from .dtypes import compute_dtype
@@ -205,9 +205,10 @@ def loss_fused_linear(
     global counts bound). `distribution`: its scale only (a filtered one is a ValueError).
     `chunk_rows`: trained rows per chunk (whole sequences); None picks one as the op does (`chunk_rows_for`).
     `shift=False`: `targets` are each row's own (already shifted) targets, and the logprobs stay with the rows, as
-    for a context-parallel rank's row-aligned share. `context` (an `ContextShard`): the CP ranks cut the same
-    chunks of sequences, from each sequence's largest count of trained rows over the group (one all-reduce), so
-    that a loss summing over the group (`sum_over_context`) meets its peers chunk by chunk.
+    for a context-parallel rank's row-aligned share (padded, or packed with the share's own `cu_seqlens`).
+    `context` (an `ContextShard`): the CP ranks cut the same chunks of sequences, from each sequence's largest count
+    of trained rows over the group (one all-reduce), so that a loss summing over the group (`sum_over_context`)
+    meets its peers chunk by chunk.
     """
     distribution = SamplingDistribution() if distribution is None else distribution
     if distribution.filtered:
@@ -225,8 +226,6 @@ def loss_fused_linear(
         check_target_ids(targets, shard)
     layout = (SequenceLayout.packed(batch[CU_SEQLENS], targets.shape[1]) if CU_SEQLENS in batch
               else SequenceLayout.padded(*targets.shape, device=targets.device))
-    if context is not None and layout.is_packed:
-        raise ValueError(f"batch['cu_seqlens']: {PACKED_WITH_CONTEXT_PARALLEL}")
     trained = targets >= 0  # a trained row scores a token of its own sequence (shifting: token t + 1)
     # The call's host syncs: the rows per sequence (to cut chunks of whole sequences) and the trained rows' indices.
     local_counts = layout.sum(trained.to(torch.int64))

@@ -5,7 +5,9 @@ layer; no attention), so its forward is CP-invariant by construction: any differ
 the split, the label shift, the loss's CP reductions or the gradient scale. One world-size-4 launch runs three
 layouts from the same weights and the same global batch: TP 1 × CP 1 × DP 4 (the reference, the DP path the other
 tests check), TP 1 × CP 2 × DP 2, and TP 2 × CP 2 × DP 1; for each, a token-level aggregation, a sequence-level
-one with `seq-mask-tis`, and GSPO with its sequence-level IS weights, on the materialised, fused linear and loss-fused paths.
+one with `seq-mask-tis`, and GSPO with its sequence-level IS weights, on the materialised, fused linear and loss-fused
+paths; each with padded microbatches and with the same sequences packed (THD, each sequence padded to a multiple of
+2·CP = 4, Megatron's per-sequence split), and packed through `train_step`'s packing.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from _tolerances import MODEL_GRAD_RTOL, MODEL_LOGPROB_ATOL
 
 VOCAB, PADDED, HIDDEN, FFN, SEQ, ROWS = 30, 32, 16, 32, 16, 8
 LAYOUTS = {"cp1": (1, 1), "cp2": (1, 2), "cp2_tp2": (2, 2)}  # name: (TP, CP) on 4 ranks; DP = 4 / (TP · CP)
+PACKED_TOKENS = 2 * SEQ  # packed microbatches of at most two sequences
 PATHS = {"materialised": (False, False), "fused_linear": (True, False), "loss_fused": (True, True)}
 LOSSES = {
     "token_mean": dict(loss_agg_mode="token-mean", ratio_clip_c=1.3, reference_policy_kl_penalty=0.2,
@@ -35,9 +38,10 @@ LOSSES = {
                  truncated_importance_sampling=dict(type="tis", ratio_max=1.5)),
 }
 # Loss and metrics: each layout computes every row's logprob with the same operations (only the GEMM's blocking
-# differs: a few ulps, 2.4e-7 at |logprob| < 4), and each microbatch (one sequence) sums at most 16 fp32 terms,
-# within 16 u = 9.5e-7 of their magnitudes; the sums over microbatches and ranks are float64.
-METRIC_RTOL = 1e-6
+# differs: a few ulps, 2.4e-7 at |logprob| < 4), and each microbatch (one sequence padded, two packed) sums at most
+# 32 fp32 terms, within 32 u = 1.9e-6 of their magnitudes in any order of summation; the sums over microbatches and
+# ranks are float64.
+METRIC_RTOL = 2e-6
 
 
 def _master_weights() -> dict[str, torch.Tensor]:
@@ -160,7 +164,19 @@ def _all_rows(local: torch.Tensor) -> torch.Tensor:
     return torch.cat(shares)
 
 
-def _run_layout(tp: int, cp: int) -> dict:
+def _microbatches(batch: dict[str, torch.Tensor], packed: bool):
+    """This DP rank's microbatches: one row each, or its rows packed by two (each padded to a multiple of 2·CP = 4
+    at every layout, CP 1 included), with the packing to unpack their per-token results."""
+    from megatron_grpo.ops.packing import PackedMicrobatches
+
+    if not packed:
+        return [{key: value[row:row + 1] for key, value in batch.items()}
+                for row in range(batch["input_ids"].shape[0])], None
+    packing = PackedMicrobatches(batch, PACKED_TOKENS, pad_multiple=4)
+    return packing.microbatches, packing
+
+
+def _run_layout(tp: int, cp: int, packed: bool) -> dict:
     from megatron.core import parallel_state
     from megatron_grpo.loss import ClippedPGLoss, aggregate_metrics, count_valid
     from megatron_grpo.megatron import (
@@ -184,13 +200,15 @@ def _run_layout(tp: int, cp: int) -> dict:
     tokens, seqs = count_valid(full)
     rows = ROWS // layout.dp_size
     batch = {key: value[layout.dp_rank * rows:(layout.dp_rank + 1) * rows] for key, value in full.items()}
-    microbatches = [{key: value[row:row + 1] for key, value in batch.items()} for row in range(rows)]
+    microbatches, packing = _microbatches(batch, packed)
     plan = LogprobPlan(compute_reference_logprobs=False, compute_prev_logprobs=True, prev_from_current=False,
                        reasons=())
     results: dict = {"logprobs": {}}
     for path, (fused_linear, fused_loss) in PATHS.items():
-        results["logprobs"][path] = _all_rows(compute_logprobs(model, batch, micro_batch_size=2, vocab=vocab,
-                                                               fused_linear=fused_linear))
+        # Packed: compute_logprobs packs the rows itself (each sequence padded to a multiple of 2·CP under CP).
+        results["logprobs"][path] = _all_rows(compute_logprobs(
+            model, batch, micro_batch_size=2, vocab=vocab, fused_linear=fused_linear,
+            max_tokens_per_microbatch=PACKED_TOKENS if packed else None))
         for loss_name, overrides in LOSSES.items():
             loss_fn = ClippedPGLoss(loss_config(**overrides))
             zero_grads(model)
@@ -201,22 +219,61 @@ def _run_layout(tp: int, cp: int) -> dict:
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)
             metrics = aggregate_metrics(outputs, group=group if group.size() > 1 else None,
                                         aggregation=loss_fn.metric_aggregation)
-            curr = _all_rows(gather_from_context_parallel(torch.cat([m["curr_logprobs"] for m in outputs])))
-            results[path, loss_name] = {"metrics": metrics, "grads": _full_gradients(model), "curr": curr}
+            if packing is None:
+                curr = gather_from_context_parallel(torch.cat([m["curr_logprobs"] for m in outputs]))
+            else:
+                curr = packing.unpack([gather_from_context_parallel(m["curr_logprobs"], mb["cu_seqlens"])
+                                       for m, mb in zip(outputs, microbatches)])
+            results[path, loss_name] = {"metrics": metrics, "grads": _full_gradients(model),
+                                        "curr": _all_rows(curr)}
+    if packed:
+        results["train_step"] = _packed_train_step(model, batch, vocab)
     parallel_state.destroy_model_parallel()
     return results
 
 
+def _packed_train_step(model, batch: dict[str, torch.Tensor], vocab) -> dict:
+    """One `train_step` packing the rows itself (`max_tokens_per_microbatch`; under CP each sequence padded to a
+    multiple of 2·CP), with a prev pass: its metrics and the whole curr and prev logprobs. The learning rate is 0, so
+    every layout steps from the same weights."""
+    from megatron_grpo.loss import ClippedPGLoss
+    from megatron_grpo.megatron import StepConfig, train_step
+    from megatron_grpo.scheduler import LogprobPlan
+
+    plan = LogprobPlan(compute_reference_logprobs=False, compute_prev_logprobs=True, prev_from_current=False,
+                       reasons=())
+    step = StepConfig(global_batch_size=ROWS, micro_batch_size=1, clip_grad=0.0,
+                      max_tokens_per_microbatch=PACKED_TOKENS)
+    result = train_step(step, model, torch.optim.SGD(model.parameters(), lr=0.0),
+                        ClippedPGLoss(loss_config(**LOSSES["seq_mean_token_mean"])), plan, batch, vocab=vocab)
+    return {"metrics": result.step_metrics[0], "curr": _all_rows(result.curr_logprobs),
+            "prev": _all_rows(result.prev_logprobs)}
+
+
+PACKED_SPLIT_ROWS, PACKED_SPLIT_LENGTHS = [0, 1, 2], [8, 12, 16]  # cu_seqlens [0, 8, 20, 36]: chunks of 2, 3, 4
+
+
 def _split_checks(rank: int, world_size: int) -> dict:
-    """The split's labels at the chunk boundaries, and `sum_over_context`'s gradient, at CP 2 × DP 2."""
+    """The split's labels at the chunk boundaries (padded and packed), the packed inverse, and `sum_over_context`'s
+    gradient, at CP 2 × DP 2."""
     from megatron.core import parallel_state
-    from megatron_grpo.megatron import ParallelParams, init_parallel, split_for_context_parallel
+    from megatron_grpo.megatron import (
+        ParallelParams,
+        gather_from_context_parallel,
+        init_parallel,
+        split_for_context_parallel,
+    )
     from megatron_grpo.megatron.context_parallel import context_shard
     from megatron_grpo.ops.context_shard import sum_over_context
+    from megatron_grpo.ops.packing import pack_rows
 
     init_parallel(ParallelParams(context_parallel_size=2))
     full = _global_batch()
     local = split_for_context_parallel(full)
+    packed = pack_rows(full, PACKED_SPLIT_ROWS, PACKED_SPLIT_LENGTHS)
+    local_packed = split_for_context_parallel(packed)
+    # The inverse of the packed split: the row-aligned labels come back as the tokens, 0 at each sequence's start.
+    labels_back = gather_from_context_parallel(local_packed["labels"].to(torch.float32), packed["cu_seqlens"])
     # A verl #4250-style bug: the labels rolled within this rank's chunks instead of shifted on the full sequence.
     rolled = torch.roll(local["input_ids"], shifts=-1, dims=1)
     # sum_over_context: rank r's share of the loss is sum_t w_rt * exp(S), S the whole sequence's sum of x.
@@ -229,7 +286,8 @@ def _split_checks(rank: int, world_size: int) -> dict:
     x_ref = x_all.clone().requires_grad_()
     (w_all * torch.exp(x_ref.sum())).sum().backward()
     parallel_state.destroy_model_parallel()
-    return {"local": local, "rolled": rolled, "grad": x.grad, "grad_expected": x_ref.grad[cp_rank]}
+    return {"local": local, "rolled": rolled, "grad": x.grad, "grad_expected": x_ref.grad[cp_rank],
+            "packed": packed, "local_packed": local_packed, "labels_back": labels_back}
 
 
 def _refusals() -> dict[str, str]:
@@ -255,36 +313,16 @@ def _refusals() -> dict[str, str]:
 
 
 def _packed_refusals() -> dict[str, str]:
-    """Under CP 2: a packed batch (or packing by `max_tokens_per_microbatch`) at every entry that could meet both."""
-    from megatron_grpo.loss import ClippedPGLoss
-    from megatron_grpo.megatron import (
-        StepConfig,
-        compute_logprobs,
-        model_forward,
-        split_for_context_parallel,
-        train_step,
-    )
-    from megatron_grpo.megatron.context_parallel import context_shard
-    from megatron_grpo.ops import VocabShard
+    """Under CP 2: a packed sequence whose length is not a multiple of 2·CP = 4, and a packed share's forward without
+    its positions."""
+    from megatron_grpo.megatron import model_forward, split_for_context_parallel
     from megatron_grpo.ops.packing import pack_rows
-    from megatron_grpo.scheduler import LogprobPlan
 
     full = _global_batch()
-    packed = pack_rows(full, [0, 1], [SEQ, SEQ])
-    plan = LogprobPlan(compute_reference_logprobs=False, compute_prev_logprobs=False, prev_from_current=True,
-                       reasons=())
+    ragged = pack_rows(full, [0, 1], [SEQ, 6])
     attempts = {
-        "packed_split": lambda: split_for_context_parallel(packed),
-        "packed_loss": lambda: ClippedPGLoss(loss_config())(
-            None, {**packed, "labels": packed["input_ids"]}, curr_logprobs=torch.zeros(1, 2 * SEQ),
-            curr_entropy=torch.zeros(1, 2 * SEQ), global_valid_tokens=1.0, global_valid_seqs=1.0,
-            prev_logprobs_from_current=True, context=context_shard()),
-        "packed_forward": lambda: model_forward(None, packed["input_ids"], cu_seqlens=packed["cu_seqlens"]),
-        "packing_logprobs": lambda: compute_logprobs(None, full, micro_batch_size=1, vocab=VocabShard(),
-                                                     max_tokens_per_microbatch=2 * SEQ),
-        "packing_train_step": lambda: train_step(
-            StepConfig(global_batch_size=ROWS, micro_batch_size=1, max_tokens_per_microbatch=2 * SEQ), None, None,
-            ClippedPGLoss(loss_config()), plan, full, vocab=VocabShard()),
+        "ragged_split": lambda: split_for_context_parallel(ragged),
+        "share_without_positions": lambda: model_forward(None, ragged["input_ids"], cu_seqlens=ragged["cu_seqlens"]),
     }
     messages = {}
     for name, attempt in attempts.items():
@@ -299,7 +337,8 @@ def _all_checks(rank: int, world_size: int) -> dict:
 
     apply_cpu_support()
     out = {"refusals": _refusals(), "split": _split_checks(rank, world_size)}
-    out.update({name: _run_layout(tp, cp) for name, (tp, cp) in LAYOUTS.items()})
+    out.update({(name, packed): _run_layout(tp, cp, packed) for name, (tp, cp) in LAYOUTS.items()
+                for packed in (False, True)})
     return out
 
 
@@ -315,16 +354,31 @@ def test_bad_context_parallel_settings_are_value_errors_naming_the_key(ranks):
     assert messages["local_spec"].startswith("context_parallel_size: 2 needs Transformer Engine's attention")
 
 
-def test_packed_batches_under_context_parallelism_are_value_errors_naming_both(ranks):
-    """Packed (THD) batches and CP together are not supported: every entry that could meet both says so, naming
-    its key."""
+def test_packed_sequences_not_a_multiple_of_2cp_are_value_errors_naming_cu_seqlens(ranks):
+    """Under CP 2 each packed sequence splits into 4 equal chunks: a sequence of 6 tokens is a ValueError naming
+    `batch['cu_seqlens']` that says how to pad; a packed share's forward without its positions names
+    `position_ids`."""
     messages = ranks[0]["refusals"]
-    both = "packed (THD) batches and context parallelism together are not supported"
-    for name in ("packed_split", "packed_loss", "packed_forward"):
-        assert messages[name].startswith(f"cu_seqlens: {both}" if name == "packed_forward"
-                                         else f"batch['cu_seqlens']: {both}"), (name, messages[name])
-    assert messages["packing_logprobs"].startswith(f"max_tokens_per_microbatch: {both}")
-    assert messages["packing_train_step"].startswith(f"StepConfig.max_tokens_per_microbatch: {both}")
+    message = messages["ragged_split"]
+    assert message.startswith("batch['cu_seqlens']: context parallelism (2 ranks)"), message
+    assert "multiple of 4" in message and "[16, 6]" in message and "cu_seqlens_padded" in message, message
+    assert messages["share_without_positions"].startswith("position_ids: ")
+
+
+def test_partition_without_transformer_engine_matches_hand_written_indices():
+    """The no-TE stand-in of TE's `thd_get_partitioned_indices` at CP 2: each sequence in 4 chunks, rank 0 keeping
+    chunks 0 and 3, rank 1 chunks 1 and 2, sequence after sequence."""
+    from megatron_grpo.megatron.context_parallel import _thd_partition_without_te
+
+    cases = {  # cu_seqlens: (rank 0's positions, rank 1's)
+        (0, 4, 12): ([0, 3, 4, 5, 10, 11], [1, 2, 6, 7, 8, 9]),
+        (0, 8, 12, 16): ([0, 1, 6, 7, 8, 11, 12, 15], [2, 3, 4, 5, 9, 10, 13, 14]),
+    }
+    for cu, expected in cases.items():
+        cu_seqlens = torch.tensor(cu, dtype=torch.int32)
+        for rank in range(2):
+            got = _thd_partition_without_te(cu_seqlens, cu[-1], 2, rank)
+            assert got.tolist() == expected[rank], (cu, rank, got.tolist())
 
 
 def test_split_takes_each_chunks_last_target_from_the_next_chunk(ranks):
@@ -355,6 +409,53 @@ def test_split_takes_each_chunks_last_target_from_the_next_chunk(ranks):
         assert torch.equal(rolled_wrong & has_next, jumps)
 
 
+def _packed_split_positions(cp_rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packed positions CP rank `cp_rank` of 2 holds (chunks r and 3 − r of each sequence of PACKED_SPLIT_LENGTHS,
+    in sequence order), each one's position in its sequence, and its sequence's length."""
+    positions, within, lengths = [], [], []
+    start = 0
+    for length in PACKED_SPLIT_LENGTHS:
+        chunk = length // 4
+        for index in (cp_rank, 3 - cp_rank):
+            offsets = list(range(index * chunk, (index + 1) * chunk))
+            positions += [start + offset for offset in offsets]
+            within += offsets
+            lengths += [length] * chunk
+        start += length
+    return torch.tensor(positions), torch.tensor(within), torch.tensor(lengths)
+
+
+def test_packed_split_takes_targets_from_the_same_sequence(ranks):
+    """Packed under CP 2: each rank holds chunks r and 3 − r of every sequence, `cu_seqlens // 2` and the positions
+    within each sequence; every row's label is the next token of its own sequence (a chunk's last row takes it from
+    the next chunk of the same sequence), and a sequence's last row has none (label 0, token mask 0), never the
+    next sequence's first token; per-sequence tensors are not split; gathering the labels back gives the tokens, 0
+    at each sequence's first."""
+    for rank in range(4):
+        split = ranks[rank]["split"]
+        packed, local = split["packed"], split["local_packed"]
+        positions, within, lengths = _packed_split_positions(rank % 2)
+        assert torch.equal(local["cu_seqlens"], torch.tensor([0, 4, 10, 18], dtype=torch.int32))
+        assert torch.equal(local["input_ids"][0], packed["input_ids"][0, positions])
+        assert torch.equal(local["position_ids"][0], within)
+        has_next = within < lengths - 1
+        assert torch.equal(local["labels"][0, has_next], packed["input_ids"][0, positions[has_next] + 1])
+        assert torch.equal(local["token_mask"][0, has_next], packed["token_mask"][0, positions[has_next] + 1])
+        assert not local["labels"][0, ~has_next].any() and not local["token_mask"][0, ~has_next].any()
+        if rank % 2 == 0:  # CP rank 0 holds every sequence's last chunk: a shift across the packed row would give
+            # its last rows the next sequence's first token (nonzero for at least one boundary: the check bites)
+            inner_ends = positions[~has_next & (positions < packed["input_ids"].shape[1] - 1)]
+            assert len(inner_ends) == 2 and packed["input_ids"][0, inner_ends + 1].any()
+        # A chunk's last row whose next position is the other chunk of the same sequence (on the other rank).
+        crosses = has_next & (positions.roll(-1) != positions + 1)
+        assert crosses.any()
+        assert torch.equal(local["sample_mask"], packed["sample_mask"])
+        starts = torch.zeros(packed["input_ids"].shape[1], dtype=torch.bool)
+        starts[packed["cu_seqlens"][:-1].long()] = True
+        expected = packed["input_ids"][0].masked_fill(starts, 0).to(torch.float32)
+        assert torch.equal(split["labels_back"][0], expected)
+
+
 def test_sum_over_context_sends_each_rank_the_whole_gradient_for_its_own_tokens(ranks):
     """The adjoint of the CP sum: a share that uses the whole sequence's sum gets every rank's contribution to that
     sum's gradient, applied to its own tokens only; the result is the single-process gradient."""
@@ -364,12 +465,13 @@ def test_sum_over_context_sends_each_rank_the_whole_gradient_for_its_own_tokens(
         torch.testing.assert_close(split["grad"], split["grad_expected"], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("layout", ["cp2", "cp2_tp2"])
-def test_context_parallel_equals_cp1_through_megatrons_schedule(ranks, layout):
+def test_context_parallel_equals_cp1_through_megatrons_schedule(ranks, layout, packed):
     """Loss, every metric, every gradient and the curr logprobs (the chunk boundaries included) of each path and
-    loss equal the CP 1 layout's; compute_logprobs returns the full token-aligned logprobs."""
+    loss equal the CP 1 layout's, padded or packed alike; compute_logprobs returns the full token-aligned logprobs."""
     for rank in range(4):
-        expected, actual = ranks[rank]["cp1"], ranks[rank][layout]
+        expected, actual = ranks[rank]["cp1", packed], ranks[rank][layout, packed]
         for path in PATHS:
             # Logprobs: the same row maths, another GEMM blocking (MODEL_LOGPROB_ATOL's reason).
             torch.testing.assert_close(actual["logprobs"][path], expected["logprobs"][path], rtol=0,
@@ -388,3 +490,21 @@ def test_context_parallel_equals_cp1_through_megatrons_schedule(ranks, layout):
                     # Relative to the largest element (MODEL_GRAD_RTOL's reason).
                     torch.testing.assert_close(got["grads"][name], grad, rtol=0, atol=MODEL_GRAD_RTOL * scale,
                                                msg=lambda m: f"{path} {loss_name} {name}: {m}")
+
+
+@pytest.mark.parametrize("layout", ["cp2", "cp2_tp2"])
+def test_train_step_packing_under_context_parallelism_equals_cp1(ranks, layout):
+    """`train_step` with `max_tokens_per_microbatch` under CP (each sequence padded to a multiple of 2·CP): its prev
+    pass, its loss metrics and gradient norm, and the whole curr and prev logprobs equal CP 1's packing."""
+    for rank in range(4):
+        expected, actual = ranks[rank]["cp1", True]["train_step"], ranks[rank][layout, True]["train_step"]
+        assert actual["metrics"].keys() == expected["metrics"].keys()
+        for name, value in expected["metrics"].items():
+            # The gradient norms: the gradients' tolerance (MODEL_GRAD_RTOL's reason); the loss's metrics: METRIC_RTOL.
+            rtol = MODEL_GRAD_RTOL if name.startswith("grad_norm") else METRIC_RTOL
+            assert actual["metrics"][name] == pytest.approx(value, rel=rtol, abs=rtol), name
+        assert expected["metrics"]["grad_norm"] > 0
+        for key in ("curr", "prev"):
+            assert expected[key].abs().sum() > 0
+            # The same row maths, another GEMM blocking (MODEL_LOGPROB_ATOL's reason).
+            torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=MODEL_LOGPROB_ATOL)
