@@ -21,10 +21,20 @@ def device(request) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip, with the reason, every `gpu`-marked test where there is no CUDA device."""
+    """Run the files with end-to-end (`slow`) tests first, and skip, with the reason, every `gpu`-marked test where
+    there is no CUDA device."""
+    _slow_files_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason=CUDA_MISSING)
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def _slow_files_first(items: list[pytest.Item]) -> None:
+    """The files holding `slow` tests (minutes of jobs each) before the others, each file's tests together and in
+    their order. `make test` hands files to its pytest-xdist workers in this order as they free up: the long files
+    start first and the short ones fill in after, instead of a long file starting last and running alone."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: the collection order otherwise
