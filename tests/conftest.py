@@ -8,10 +8,18 @@ declaration in pyproject.toml says.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 CUDA_MISSING = "needs a CUDA device: torch.cuda.is_available() is False"
+
+# Under pytest-xdist (`make test`), the workers share the cores: each takes its share of torch's threads, so that
+# two workers' OpenMP threads do not outnumber the cores and spin against each other (the rank processes that
+# tests start take one thread each, tests/_dist.py).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
