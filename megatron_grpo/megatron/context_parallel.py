@@ -97,8 +97,7 @@ def _split_packed(batch: Batch) -> dict[str, torch.Tensor]:
     input_ids = batch["input_ids"]
     positions = batch.get(POSITION_IDS)
     if positions is None:  # restarting at 0 in every sequence, as model_forward numbers a packed batch
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None] - \
-            batch[CU_SEQLENS][:-1].to(torch.int64)[layout.sequence_ids]
+        positions = layout.positions
     per_token = {key: _next_row_in_sequence(value, layout) for key, value in batch.items()
                  if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == input_ids.shape
                  and key not in ("input_ids", POSITION_IDS)}

@@ -61,8 +61,7 @@ def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, *, hidden_sta
             raise ValueError(f"batch['input_ids']: a packed batch (with cu_seqlens) is [1, T], got "
                              f"{list(input_ids.shape)}")
         if position_ids is None:
-            position_ids = torch.arange(seq_len, device=input_ids.device)[None] - \
-                cu_seqlens[:-1].to(torch.int64)[layout.sequence_ids]
+            position_ids = layout.positions
     else:
         position_ids = torch.arange(seq_len, device=input_ids.device).expand_as(input_ids)
     if cu_seqlens is not None:

@@ -101,6 +101,15 @@ class SequenceLayout:
         return ids.repeat_interleave(lengths, output_size=cols)[None]
 
     @cached_property
+    def positions(self) -> torch.Tensor:
+        """int64 `token_shape`: each token's position in its own sequence (restarting at 0 in every sequence)."""
+        rows, cols = self.token_shape
+        positions = torch.arange(cols, device=self.device).expand(rows, cols)
+        if not self.is_packed:
+            return positions
+        return positions - self.cu_seqlens[:-1].to(torch.int64)[self.sequence_ids]
+
+    @cached_property
     def sequence_starts(self) -> torch.Tensor:
         """bool `token_shape`: True at each sequence's first token (it has no logprob)."""
         starts = torch.zeros(self.token_shape, dtype=torch.bool, device=self.device)
