@@ -20,10 +20,10 @@ NVCC ?= nvcc
 MCORE_NEW ?= 0.19.2
 TRITON ?= 3.9.0
 MCORE_NEW_DIR := build/megatron-core-$(MCORE_NEW)
-MEGATRON_TESTS := tests/megatron tests/runner/test_grpo_checkpoint.py tests/runner/test_notices.py
+MEGATRON_TESTS := tests/megatron tests/runner/test_grpo_checkpoint.py
 MCORE_NEW_SLOW := tests/runner/test_grpo_layouts.py tests/megatron/test_example_training_loop.py
 
-.PHONY: install demo demo-figure test test-fast test-avx2 test-mcore-new bench bench-linear bench-packing bench-step cuda-check gpu-wheels clean
+.PHONY: install demo demo-figure lint test test-fast test-avx2 test-mcore-new bench bench-linear bench-packing bench-step cuda-check gpu-wheels clean
 
 $(STAMP): $(SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,11 +51,15 @@ demo-figure: install
 PYTEST_WORKERS ?= $(NPROC)
 PYTEST := $(BIN)/python -m pytest -q $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
-test: install
+# ruff: pycodestyle, pyflakes, import order and bugbear at 120 columns (pyproject.toml's [tool.ruff]).
+lint: install
+	$(BIN)/ruff check .
+
+test: install lint
 	$(PYTEST) tests
 
 # The edit loop: everything but the end-to-end multi-process runs (marked `slow`).
-test-fast: install
+test-fast: install lint
 	$(PYTEST) -m "not slow" tests
 
 # The suite with torch's CPU kernels and ours capped at AVX2, as an AVX2-only machine runs it (on an AVX2 machine, the

@@ -116,8 +116,8 @@ setup(
     cmdclass={"build_ext": build_ext_class()},
     install_requires=["torch>=2.4", "megatron-core>=0.16", "pyyaml", "numpy", "psutil", "tqdm", "tensorboard"],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist>=3"],
+        "test": ["pytest>=8", "pytest-xdist>=3", "ruff==0.17.6"],  # ruff pinned: its verdict must not move under CI
         "bench": ["matplotlib"],
     },
-    entry_points={"console_scripts": ["megatron-grpo=megatron_grpo.__main__:console_main"]},
+    entry_points={"console_scripts": ["megatron-grpo=megatron_grpo.runner.cli:console_main"]},
 )

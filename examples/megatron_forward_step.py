@@ -26,13 +26,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling example: setup, model and rollout
 import megatron_training_loop as setup  # noqa: E402  (filters Megatron's known notices before importing it)
-
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
 from megatron_grpo.loss import ClippedPGLoss, aggregate_metrics, count_valid  # noqa: E402
-from megatron_grpo.megatron import (clip_grad_norm, compute_logprobs, make_forward_step, vocab_shard_of,  # noqa: E402
-                                    wrap_in_ddp)
+from megatron_grpo.megatron import clip_grad_norm, compute_logprobs, make_forward_step, vocab_shard_of, wrap_in_ddp  # noqa: E402
 from megatron_grpo.megatron.cpu_support import AdamOverMainGrad  # noqa: E402
 
 parse_args = setup.parse_args  # the same arguments

@@ -26,7 +26,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.notices import quiet_megatron_notices
+from megatron_grpo.megatron.notices import quiet_megatron_notices
 
 # Before megatron.core is imported: its known import-time notices (Transformer Engine and Apex missing on the CPU,
 # ...) are filtered by their exact text; --verbose shows them.
@@ -38,8 +38,15 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  #
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from megatron_grpo.loss import ClippedPGLoss, ClippedPGLossConfig  # noqa: E402
-from megatron_grpo.megatron import (StepConfig, apply_cpu_support, compute_logprobs, padded_vocab_size,  # noqa: E402
-                                    train_step, vocab_shard_of, wrap_in_ddp)
+from megatron_grpo.megatron import (  # noqa: E402
+    StepConfig,
+    apply_cpu_support,
+    compute_logprobs,
+    padded_vocab_size,
+    train_step,
+    vocab_shard_of,
+    wrap_in_ddp,
+)
 from megatron_grpo.megatron.cpu_support import AdamOverMainGrad  # noqa: E402
 from megatron_grpo.scheduler import LogprobPlan, PlanInputs, PlanKeys, plan_logprob_passes  # noqa: E402
 

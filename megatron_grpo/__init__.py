@@ -1,6 +1,8 @@
 """megatron-grpo: a Megatron-Core plugin for the GRPO/PPO policy-gradient step.
 
-The public names are imported lazily, so `import megatron_grpo` stays cheap and never imports megatron.core.
+The face of the plugin: the two logprob ops and the two values they carry, the loss and the logprob-pass planner.
+The Megatron layer is `megatron_grpo.megatron`; the GRPO runner (`megatron_grpo.runner`) sits on top and is not
+exported here. The names are imported lazily, so `import megatron_grpo` stays cheap and never imports megatron.core.
 """
 
 from __future__ import annotations
@@ -10,8 +12,7 @@ from megatron_grpo._lazy import lazy_exports
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "ConfigError": "megatron_grpo.config",
-    "load_config": "megatron_grpo.config",
+    "ConfigError": "megatron_grpo.strict_config",
     "vocab_parallel_logprobs": "megatron_grpo.ops",
     "vocab_parallel_linear_logprobs": "megatron_grpo.ops",
     "VocabShard": "megatron_grpo.ops",
@@ -19,6 +20,7 @@ _EXPORTS = {
     "ClippedPGLoss": "megatron_grpo.loss",
     "ClippedPGLossConfig": "megatron_grpo.loss",
     "LogprobPlan": "megatron_grpo.scheduler",
+    "PlanInputs": "megatron_grpo.scheduler",
     "plan_logprob_passes": "megatron_grpo.scheduler",
 }
 

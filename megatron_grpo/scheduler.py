@@ -112,8 +112,8 @@ class PlanInputs:
     """The settings the rules read, under names that say what they mean, whatever config layout they came from.
 
     A Megatron script builds it with `PlanInputs.for_loss(loss_config, rollout_batch=..., global_batch=...,
-    dropout=...)`, which reads the loss's own keys; the runner adapts its config (`grpo/plan_inputs.py`), and
-    `plan --nemo-rl-config` a NeMo-RL one (`nemo_rl_config.py`). The defaults are an on-policy loop with nothing
+    dropout=...)`, which reads the loss's own keys; the runner adapts its config (`runner/plan_inputs.py`), and
+    `plan --nemo-rl-config` a NeMo-RL one (`runner/nemo_rl_config.py`). The defaults are an on-policy loop with nothing
     overridden.
     """
 

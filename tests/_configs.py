@@ -7,7 +7,7 @@ import pathlib
 
 import yaml
 
-from megatron_grpo.config import Config, load_config
+from megatron_grpo.runner.config import Config, load_config
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 TINY = CONFIGS / "grpo_tiny_cpu.yaml"

@@ -2,8 +2,8 @@
 
 A test that takes `device` runs once on "cpu" and once on "cuda"; the cuda case is marked `gpu` (so
 `pytest -m gpu`, and benchmarks/gpu_check.sh, run it on a GPU machine). Every `gpu`-marked test, here or in
-tests/ops/test_gpu_*.py, is skipped with the reason `CUDA_MISSING` where torch.cuda.is_available() is false, as the marker's
-declaration in pyproject.toml says.
+tests/ops/test_gpu_*.py, is skipped with the reason `CUDA_MISSING` where torch.cuda.is_available() is false, as the
+marker's declaration in pyproject.toml says.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ so the clone is the code under test) and every shell command of README.md and do
 same list `test_readme_commands.py` parses) is accounted for, in the clone, as cheaply as its outputs allow:
 - `plan` and `report` run as written;
 - `train` runs once for real, the demo config cut to 2 steps on one rank (its copy lies outside the clone, its
-  run directory is the demo's), and every documented `train` command then runs the launcher's checks of its config and run
-  directory (`runner.preflight`, which creates the directories), `--fresh` moving the earlier run aside;
+  run directory is the demo's), and every documented `train` command then runs the launcher's checks of its config
+  and run directory (`train_cli.preflight`, which creates the directories), `--fresh` moving the earlier run aside;
 - the benchmarks are too slow to run here: their default output directory must be one git ignores;
 - `make` targets run the commands above (or refresh committed results on purpose: `make bench`, `make
   demo-figure`), and the scripts of `examples/` are checked by their own test to write nothing.
@@ -102,13 +102,13 @@ def _python(clone: Path, *args: str, stdin: str | None = None) -> subprocess.Com
 PREFLIGHT = """
 import shlex, sys
 from torch.distributed.run import get_args_parser
-from megatron_grpo.grpo import runner
-from megatron_grpo.grpo.run_start import carry_out
-from megatron_grpo.launcher import _world_size
+from megatron_grpo.runner import train_cli
+from megatron_grpo.train_cli.run_start import carry_out
+from megatron_grpo.runner.launcher import _world_size
 for line in sys.stdin.read().splitlines():
     parsed = get_args_parser().parse_args(shlex.split(line))
-    args = runner.parse_args(parsed.training_script_args)
-    cfg, plan, start = runner.preflight(args, world_size=_world_size(parsed))
+    args = train_cli.parse_args(parsed.training_script_args)
+    cfg, plan, start = train_cli.preflight(args, world_size=_world_size(parsed))
     for note in carry_out(start):
         print(note)
 """

@@ -58,7 +58,7 @@ def _program_and_args(command: str) -> tuple[str, list[str]]:
 
 def _parse_subcommand(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs `python -m megatron_grpo <argv>` until its subcommand's arguments have parsed, and no further."""
-    from megatron_grpo.__main__ import COMMANDS as SUBCOMMANDS
+    from megatron_grpo.runner.cli import COMMANDS as SUBCOMMANDS
 
     assert argv and argv[0] in SUBCOMMANDS, f"unknown subcommand in {argv}"
     original = argparse.ArgumentParser.parse_args

@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
         return 2
     import torch  # every benchmark imports it
 
-    from megatron_grpo.notices import quiet_megatron_notices
+    from megatron_grpo.megatron.notices import quiet_megatron_notices
 
     # in this process (and the ranks torchrun starts for `bench scheduler`); benchmarks' own child ranks do the same
     quiet_megatron_notices(verbose="--verbose" in argv, cuda_available=torch.cuda.is_available())

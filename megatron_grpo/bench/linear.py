@@ -31,12 +31,19 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.helptext import DefaultsHelpFormatter
+from megatron_grpo.bench.measure import (
+    DEFAULT_OUT,
+    OUT_HELP,
+    PeakMemory,
+    grouped_bar_plot,
+    machine_description,
+    median_seconds,
+    run_ranks,
+    write_results,
+)
 from megatron_grpo.ops import VocabShard, vocab_parallel_linear_logprobs, vocab_parallel_logprobs
-from megatron_grpo.ops.chunks import chunk_rows_for
-
-from .measure import (DEFAULT_OUT, OUT_HELP, PeakMemory, grouped_bar_plot, machine_description, median_seconds,
-                      run_ranks, write_results)
+from megatron_grpo.ops.core.chunking import chunk_rows_for
+from megatron_grpo.runner.helptext import DefaultsHelpFormatter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SEQUENCE_ROWS = 1024  # rows per "sequence": its prompt rows come first, then its response rows
@@ -573,7 +580,8 @@ def report(results: list[dict], device: torch.device, repeats: int, warmup: int,
         "- TP > 1: every candidate's hidden gradient is this rank's partial sum over its vocab shard (Megatron's "
         "output layer all-reduces it afterwards, for all of them alike, so no candidate's time includes it).",
         f"- targets: fused extra peak <= {100 * TARGET_PEAK_FRACTION:.0f}% of the materialised "
-        f"path's (under Megatron's DDP: `{FUSED_MAIN_GRAD}`); materialised/fused time >= {TARGET_SPEED_ALL_ROWS}x at 100% response rows, >= "
+        f"path's (under Megatron's DDP: `{FUSED_MAIN_GRAD}`); materialised/fused time >= "
+        f"{TARGET_SPEED_ALL_ROWS}x at 100% response rows, >= "
         f"{TARGET_SPEED_QUARTER_ROWS}x at 25%; materialised loss step / loss-fused >= {TARGET_LOSS_FUSED}x at "
         "100% response rows.",
         "",

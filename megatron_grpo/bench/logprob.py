@@ -1,7 +1,7 @@
 """Kernel benchmark: `megatron-grpo bench logprob [--quick] [--device cpu|cuda] [--out DIR]`.
 
 In one run, for each setup (TP size, dtype, T x V_local per rank), it times forward and forward+backward of the
-fused op (default and in-place backward modes), the plain-torch reference, naive torch (TP=1), and the optional
+fused op (default and in-place backward modes), the plain-torch kernels, naive torch (TP=1), and the optional
 peers, Megatron-Core's `vocab_parallel_cross_entropy` and TE's `parallel_cross_entropy`, where they import (a
 missing peer is reported as missing). Every method gets a fresh clone of the same logits in the layout it
 documents, made outside the timed region. On CPU it also times the in-place exp mode
@@ -24,12 +24,20 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.helptext import DefaultsHelpFormatter
+from megatron_grpo.bench.measure import (
+    DEFAULT_OUT,
+    OUT_HELP,
+    copy_bandwidth_bytes_per_s,
+    grouped_bar_plot,
+    machine_description,
+    median_seconds,
+    peak_extra_bytes,
+    run_ranks,
+    write_results,
+)
 from megatron_grpo.ops import VocabShard, vocab_parallel_logprobs
-from megatron_grpo.ops.backends import cpu_kernel_isa
-
-from .measure import (DEFAULT_OUT, OUT_HELP, copy_bandwidth_bytes_per_s, grouped_bar_plot, machine_description,
-                      median_seconds, peak_extra_bytes, run_ranks, write_results)
+from megatron_grpo.ops.core.backends import cpu_kernel_isa
+from megatron_grpo.runner.helptext import DefaultsHelpFormatter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -87,9 +95,9 @@ def fused_exp(x, targets, group):
                                    inplace_backward="exp")
 
 
-def reference(x, targets, group):
+def torch_kernels(x, targets, group):
     return vocab_parallel_logprobs(x, targets, shard=VocabShard(group=group), check_inputs=False,
-                                   implementation="reference")
+                                   implementation="torch")
 
 
 def naive_torch(x, targets, group):
@@ -133,7 +141,7 @@ def methods_for(setup: Setup, device: torch.device) -> tuple[dict[str, Method], 
     methods = {
         "fused": Method(fused),
         "fused (inplace_backward)": Method(fused_inplace),
-        "reference": Method(reference),
+        "torch kernels": Method(torch_kernels),
     }
     if device.type == "cpu":  # the exp mode has CPU kernels only
         methods[FUSED_EXP] = Method(fused_exp)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.notices import quiet_megatron_notices
+from megatron_grpo.megatron.notices import quiet_megatron_notices
 
 
 def synchronize(device: torch.device) -> None:
@@ -97,9 +97,9 @@ def copy_bandwidth_bytes_per_s(device: torch.device, nbytes: int, repeats: int) 
 
 
 def cpu_kernel_isa() -> str:
-    """The instruction set the CPU kernels run with: `megatron_grpo.ops.backends.cpu_kernel_isa()` where this
+    """The instruction set the CPU kernels run with: `megatron_grpo.ops.core.backends.cpu_kernel_isa()` where this
     build has it, else torch's CPU capability (what the kernels' x86-64-v3 check reads)."""
-    from megatron_grpo.ops import backends
+    from megatron_grpo.ops.core import backends
 
     isa = getattr(backends, "cpu_kernel_isa", None)
     if callable(isa):
@@ -220,17 +220,17 @@ def collect(queue, procs, timeout_s: float, poll_s: float = 1.0):
         exit_codes = [p.exitcode for p in procs]
         try:
             status, payload, missing = queue.get(timeout=poll_s)
-        except queue_module.Empty:
+        except queue_module.Empty as empty:
             dead = [(i, code) for i, code in enumerate(exit_codes) if code not in (None, 0)]
             if dead:
                 _stop(procs)
                 raise RuntimeError("benchmark rank(s) died before reporting: " + ", ".join(
-                    f"rank {i} exit code {code}" for i, code in dead))
+                    f"rank {i} exit code {code}" for i, code in dead)) from empty
             if all(code == 0 for code in exit_codes):
-                raise RuntimeError("benchmark ranks exited without reporting results")
+                raise RuntimeError("benchmark ranks exited without reporting results") from empty
             if time.monotonic() > deadline:
                 _stop(procs)
-                raise TimeoutError(f"benchmark ranks gave no result within {timeout_s:.0f} s")
+                raise TimeoutError(f"benchmark ranks gave no result within {timeout_s:.0f} s") from empty
             continue
         if status == "error":
             _stop(procs)

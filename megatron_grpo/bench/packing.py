@@ -30,8 +30,8 @@ import torch
 
 from megatron_grpo.bench.measure import DEFAULT_OUT, OUT_HELP, PeakMemory, machine_description, write_results
 from megatron_grpo.bench.scheduler import LEARNED, WINDOW, first_learned_step
-from megatron_grpo.config import Config, ConfigError, load_config
-from megatron_grpo.helptext import DefaultsHelpFormatter
+from megatron_grpo.runner.config import Config, ConfigError, load_config
+from megatron_grpo.runner.helptext import DefaultsHelpFormatter
 
 EXIT_BAD_INPUT = 2
 VARIANTS = ("padded", "packed")
@@ -51,8 +51,8 @@ def variants_of(cfg: Config) -> dict[str, Config]:
 
 def tokens_per_pass(batch: dict[str, torch.Tensor], packed: bool) -> int:
     """Tokens one forward pass over `batch` (padded `[B, S]`) runs through the model: all B × S padded; packed,
-    each row up to its last trained token (`ops.packing.row_lengths`, what `PackedMicrobatches` packs)."""
-    from megatron_grpo.ops.packing import row_lengths
+    each row up to its last trained token (`loss.packing.row_lengths`, what `PackedMicrobatches` packs)."""
+    from megatron_grpo.loss.packing import row_lengths
 
     return sum(row_lengths(batch)) if packed else batch["input_ids"].numel()
 
@@ -62,7 +62,7 @@ def measured_training(device: torch.device, packed: bool) -> Iterator[dict]:
     """While open, the runner's train step (the logprob passes and the optimizer steps, `grpo.loop.train_step`)
     reports into the yielded dict: `peak_extra_mib` (memory above the level when it began) and
     `tokens_through_model` (tokens per pass × the passes run)."""
-    from megatron_grpo.grpo import loop
+    from megatron_grpo.runner import loop
 
     seen: dict = {}
     train_step = loop.train_step
@@ -89,7 +89,7 @@ def main(argv: list[str]) -> int:
         if args.steps < 1 or args.warmup < 0:
             raise ConfigError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
         configs = variants_of(cfg)
-        from megatron_grpo.grpo.plan_inputs import plan_for
+        from megatron_grpo.runner.plan_inputs import plan_for
 
         plans = {name: plan_for(variant) for name, variant in configs.items()}
     except ConfigError as err:
@@ -105,9 +105,9 @@ def main(argv: list[str]) -> int:
 
     import torch.distributed as dist
 
-    from megatron_grpo.grpo.loop import Trainer  # imports megatron.core: only once the input is known to be good
-    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import destroy_parallel, init_parallel
+    from megatron_grpo.runner.loop import Trainer  # imports megatron.core: only once the input is known to be good
+    from megatron_grpo.runner.plugin_params import parallel_params
 
     layout = init_parallel(parallel_params(cfg))
     try:

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.bench.measure import DEFAULT_OUT, PeakMemory, machine_description, write_results
-from megatron_grpo.config import Config, ConfigError, PrevMode, load_config
-from megatron_grpo.helptext import DefaultsHelpFormatter
-from megatron_grpo.grpo.plan_inputs import plan_for
+from megatron_grpo.runner.config import Config, ConfigError, PrevMode, load_config
+from megatron_grpo.runner.helptext import DefaultsHelpFormatter
+from megatron_grpo.runner.plan_inputs import plan_for
 from megatron_grpo.scheduler import LogprobPlan
 
 EXIT_BAD_INPUT = 2
@@ -61,9 +61,9 @@ def main(argv: list[str]) -> int:
               "--config X.yaml`, N = TP × DP", file=sys.stderr)
         return EXIT_BAD_INPUT
 
-    from megatron_grpo.grpo.loop import Trainer  # imports megatron.core: only once the input is known to be good
-    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import destroy_parallel, init_parallel
+    from megatron_grpo.runner.loop import Trainer  # imports megatron.core: only once the input is known to be good
+    from megatron_grpo.runner.plugin_params import parallel_params
 
     layout = init_parallel(parallel_params(cfg))
     try:

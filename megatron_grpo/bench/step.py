@@ -41,9 +41,15 @@ from pathlib import Path
 
 import torch
 
-from megatron_grpo.bench.measure import DEFAULT_OUT, OUT_HELP, PeakMemory, machine_description, synchronize, \
-    write_results
-from megatron_grpo.helptext import DefaultsHelpFormatter
+from megatron_grpo.bench.measure import (
+    DEFAULT_OUT,
+    OUT_HELP,
+    PeakMemory,
+    machine_description,
+    synchronize,
+    write_results,
+)
+from megatron_grpo.runner.helptext import DefaultsHelpFormatter
 
 EXIT_BAD_INPUT = 2
 CONFIGURATIONS = ("everything", "plan", "fused", "packed")
@@ -112,7 +118,7 @@ def synthetic_rollout(setup: Setup, seed: int) -> dict[str, torch.Tensor]:
     """A padded rollout `[rows, width]`: per row a prompt and a response of random tokens, their lengths uniform in
     the given ranges; the response tokens trained; uniform random rewards; GRPO's group-relative advantages
     (normalised by the group's std, NeMo-RL's default)."""
-    from megatron_grpo.grpo.advantages import group_relative_advantages
+    from megatron_grpo.runner.advantages import group_relative_advantages
 
     generator = torch.Generator().manual_seed(seed)
 
@@ -133,8 +139,8 @@ def synthetic_rollout(setup: Setup, seed: int) -> dict[str, torch.Tensor]:
 
 def tokens_per_pass(batch: dict[str, torch.Tensor], packed: bool) -> int:
     """Tokens one pass over the rollout runs through the model: padded, every row at the rollout's width; packed,
-    each row up to its last trained token (what `ops.packing.PackedMicrobatches` packs)."""
-    from megatron_grpo.ops.packing import row_lengths
+    each row up to its last trained token (what `loss.packing.PackedMicrobatches` packs)."""
+    from megatron_grpo.loss.packing import row_lengths
 
     return sum(row_lengths(batch)) if packed else batch["input_ids"].numel()
 
@@ -197,8 +203,13 @@ def build_model(setup: Setup) -> torch.nn.Module:
 
 
 def build_run(name: str, plan, step, setup: Setup) -> Run:
-    from megatron_grpo.megatron import AdamParams, build_optimizer, uses_distributed_optimizer, vocab_shard_of, \
-        wrap_in_ddp
+    from megatron_grpo.megatron import (
+        AdamParams,
+        build_optimizer,
+        uses_distributed_optimizer,
+        vocab_shard_of,
+        wrap_in_ddp,
+    )
 
     model = wrap_in_ddp(build_model(setup), use_distributed_optimizer=uses_distributed_optimizer())
     optimizer = build_optimizer(model, AdamParams(lr=setup.lr))
@@ -326,7 +337,7 @@ def summarise(records: dict[str, list[dict]], warmup: int, setup: Setup, plans: 
     def relative(value: float, reference: float) -> float:
         return abs(value - reference) / max(abs(reference), 1e-30)
 
-    for name, c in configurations.items():
+    for c in configurations.values():
         c["vs_everything"] = {"step_time": ratio(base["step_s"], c["step_s"]),
                               "peak_memory": ratio(base["peak_extra_mib"], c["peak_extra_mib"]),
                               "tokens": ratio(base["tokens_through_model"], c["tokens_through_model"])}

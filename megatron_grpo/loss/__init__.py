@@ -13,6 +13,7 @@ _EXPORTS = {
     "trained_token_mask": "megatron_grpo.loss.batch",
     "trained_token_targets": "megatron_grpo.loss.batch",
     "ClippedPGLoss": "megatron_grpo.loss.clipped_pg",
+    "loss_fused_linear": "megatron_grpo.loss.fused_head",
     "ClippedPGLossConfig": "megatron_grpo.loss.config",
     "TruncatedImportanceSamplingConfig": "megatron_grpo.loss.config",
     "METRIC_AGGREGATION": "megatron_grpo.loss.metrics",

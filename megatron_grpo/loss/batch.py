@@ -1,7 +1,7 @@
 """The loss's batch contract (docs/design.md, data contracts): validation, the trained-token mask, valid counts.
 
 A batch is padded (`[B, S]` per-token tensors, one sequence per row) or packed (`[1, T]` with `cu_seqlens`, see
-`megatron_grpo.ops.packing`); `LossBatch.layout` says which, and the sequence-level code reads it alone.
+`megatron_grpo.loss.packing`); `LossBatch.layout` says which, and the sequence-level code reads it alone.
 
 Every problem is a `ValueError` that names the offending batch key. Per-token float inputs come back as float32
 with zeros off the trained-token mask, so garbage in padding (e.g. -inf logprobs) can never reach a NaN.
@@ -14,8 +14,8 @@ from collections.abc import Mapping
 
 import torch
 
+from megatron_grpo.loss.packing import SequenceLayout
 from megatron_grpo.ops.current import HiddenStates
-from megatron_grpo.ops.packing import SequenceLayout
 
 OPTIONAL_LOGPROB_KEYS = ("generation_logprobs", "prev_logprobs", "reference_policy_logprobs")
 

@@ -30,9 +30,11 @@ import torch
 
 from megatron_grpo.loss.batch import BatchRequirements, LossBatch, validate_batch
 from megatron_grpo.loss.config import ClippedPGLossConfig
+from megatron_grpo.loss.fused_head import loss_fused_linear
 from megatron_grpo.loss.importance import ImportanceWeights, finite_or_zero, importance_weights
 from megatron_grpo.loss.kl import kl_estimate
 from megatron_grpo.loss.metrics import METRIC_AGGREGATION, Aggregation
+from megatron_grpo.loss.packing import SequenceLayout
 from megatron_grpo.loss.proximal import (
     VERSION_KEY,
     ProximalApproximation,
@@ -51,13 +53,11 @@ from megatron_grpo.loss.reductions import (
     token_mean_per_sequence,
     token_min,
 )
-from megatron_grpo.ops.backends import Implementation
 from megatron_grpo.ops.context_shard import ContextShard
+from megatron_grpo.ops.core.backends import Implementation
+from megatron_grpo.ops.core.dtypes import in_compute_dtype
 from megatron_grpo.ops.current import CurrentLogprobs, HiddenStates, ModelOutput, current_logprobs
 from megatron_grpo.ops.distribution import SamplingDistribution
-from megatron_grpo.ops.dtypes import in_compute_dtype
-from megatron_grpo.ops.loss_fused_linear import loss_fused_linear
-from megatron_grpo.ops.packing import SequenceLayout
 from megatron_grpo.ops.vocab_shard import VocabShard
 
 
@@ -76,7 +76,7 @@ class ClippedPGLoss:
     runs the same per-token code.
 
     The batch is padded (`[B, S]` per-token tensors) or packed (`[1, T]` with `cu_seqlens`, `[N]` per-sequence
-    tensors; `ops.packing`): every term and metric is the same on the same sequences either way, per-token metrics
+    tensors; `loss.packing`): every term and metric is the same on the same sequences either way, per-token metrics
     (`curr_logprobs`, `prev_logprobs`) come back in the batch's own layout.
 
     `loss` is this microbatch's share of the step's globally normalised loss. `metrics` maps the names in
@@ -206,7 +206,7 @@ class ClippedPGLoss:
         weight shard (logits `hidden @ weight.T`, under `distribution`), without materialising the logits. `hidden`'s
         gradient is this rank's partial sum over its vocab shard (the caller reduces it over TP).
 
-        `loss_fused=True`: the loss-fused linear path (`megatron_grpo.ops.loss_fused_linear`), the loss's gradient
+        `loss_fused=True`: the loss-fused linear path (`megatron_grpo.loss.fused_head`), the loss's gradient
         computed chunk by chunk in forward, 3 GEMMs instead of 4, exact for every setting of this loss because it is
         sequence-additive; no top-k / top-p. `loss_fused=False`: the current logprobs from
         `vocab_parallel_linear_logprobs` (backward recomputes each chunk's logits; any distribution). The other

@@ -7,9 +7,9 @@ import dataclasses
 import torch
 
 from megatron_grpo.loss.config import SequenceWeight, TruncatedImportanceSamplingConfig
+from megatron_grpo.loss.packing import SequenceLayout
 from megatron_grpo.loss.reductions import token_mean_per_sequence, token_sum_per_sequence
 from megatron_grpo.ops.context_shard import ContextShard
-from megatron_grpo.ops.packing import SequenceLayout
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ import math
 import torch
 
 from megatron_grpo.loss.config import APPROXIMATIONS, ApproximationMethod
-from megatron_grpo.ops.packing import SequenceLayout
+from megatron_grpo.loss.packing import SequenceLayout
 
 VERSION_KEY = "rollout_weight_version"  # the batch's per-sample [B] weight version of the generating policy
 ERROR_KINDS = ("abs_error", "rel_error", "is_weight_abs_error", "ratio_abs_error")

@@ -1,7 +1,7 @@
 """Masked reductions over per-token tensors, and the globally normalised `loss_agg_mode`s.
 
 `mask` is the float trained-token mask (1 = trained). Values off the mask must be finite; they are ignored.
-Every per-sequence reduction is one path: the batch's `SequenceLayout` (`megatron_grpo.ops.packing`; one sequence
+Every per-sequence reduction is one path: the batch's `SequenceLayout` (`megatron_grpo.loss.packing`; one sequence
 per row of a padded `[B, S]` batch, the default, or the sequences of a packed `[1, T]` one) gives this rank's `[N]`
 per-sequence sums from its rows, and under context parallelism (`context`, an `ops.ContextShard`: this rank holds
 part of each sequence's tokens) `ops.context_shard.sum_over_context` sums them over the CP group. The scalar
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from megatron_grpo.loss.config import LossAggMode
+from megatron_grpo.loss.packing import SequenceLayout
 from megatron_grpo.ops.context_shard import ContextShard, sum_over_context
-from megatron_grpo.ops.packing import SequenceLayout
 
 Count = int | float | torch.Tensor  # a global valid-token or valid-sequence count
 

@@ -2,7 +2,7 @@
 and loaded with `megatron.core.dist_checkpointing`.
 
 What is saved, when, and how a step directory is published and verified is the runner's business
-(`megatron_grpo.grpo.checkpoint`); this module only speaks Megatron's format:
+(`megatron_grpo.runner.checkpoint`); this module only speaks Megatron's format:
 
 - `sharded_model_and_optimizer`: the model's `sharded_state_dict()`, and the optimizer's: Megatron's own
   (CUDA) shards itself; a plain `torch.optim` optimizer's state (the CPU) has each per-parameter tensor sharded

@@ -25,10 +25,10 @@ from megatron.core import parallel_state
 from megatron.core import utils as megatron_utils
 from megatron.core.utils import get_batch_on_this_cp_rank
 
+from megatron_grpo.loss.packing import CU_SEQLENS, POSITION_IDS, SequenceLayout
 from megatron_grpo.megatron.model import transformer_engine_usable
 from megatron_grpo.ops.context_shard import ContextShard
-from megatron_grpo.ops.packing import CU_SEQLENS, POSITION_IDS, SequenceLayout
-from megatron_grpo.ops.shift import aligned_with_tokens
+from megatron_grpo.ops.core.rows import aligned_with_tokens
 
 Batch = Mapping[str, torch.Tensor]
 

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_grpo.loss.packing import CU_SEQLENS, POSITION_IDS, SequenceLayout
 from megatron_grpo.megatron.hidden_states import without_output_layer
-from megatron_grpo.ops.packing import CU_SEQLENS, POSITION_IDS, SequenceLayout
 
 Batch = Mapping[str, torch.Tensor]
 ForwardStep = Callable[[Iterator[Batch], torch.nn.Module], tuple[torch.Tensor, Callable]]
@@ -25,14 +25,14 @@ ForwardStep = Callable[[Iterator[Batch], torch.nn.Module], tuple[torch.Tensor, C
 def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, *, hidden_states: bool = False,
                   cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """GPTModel forward over positions 0..S-1 with an explicit causal mask (True = masked out), or over a packed
-    row `[1, T]` of sequences cut by `cu_seqlens` (int32 `[N + 1]`, `ops.packing`), each attending only to itself,
+    row `[1, T]` of sequences cut by `cu_seqlens` (int32 `[N + 1]`, `loss.packing`), each attending only to itself,
     or over a context-parallel rank's share of `[B, S]` rows or of a packed row.
 
     Passing the mask keeps it on the batch's device: Megatron's default causal mask is built on "cuda".
     Packed: with Transformer Engine's attention, Megatron's `PackedSeqParams(qkv_format="thd")` and no mask;
     otherwise (the local spec, which takes no `packed_seq_params`) a block-diagonal causal mask, `[1, 1, T, T]`.
     Either way the positions restart at 0 in every sequence, unless `position_ids` `[1, T]` are given (a packed
-    batch's own, `ops.packing.pack_rows`: 0 on padding).
+    batch's own, `loss.packing.pack_rows`: 0 on padding).
     `position_ids` without `cu_seqlens`: a context-parallel rank's share
     (`context_parallel.split_for_context_parallel`), its tokens' global positions, and no mask (Transformer
     Engine's attention applies the causal mask across the CP ranks). A context-parallel rank's share of a packed

@@ -10,7 +10,7 @@
   pass was skipped) and the passes it ran, the same on every rank. The sync and async loops both call it.
 
 Batches follow the contract in docs/design.md: dicts of `[B, S]` tensors aligned with `input_ids` (position 0 has no
-logprob), or packed (`[1, T]` with `cu_seqlens`, `ops.packing`) where `make_forward_step` and `compute_logprobs`
+logprob), or packed (`[1, T]` with `cu_seqlens`, `loss.packing`) where `make_forward_step` and `compute_logprobs`
 take them; `train_step` takes the rollout padded and packs each optimizer step's microbatches itself when
 `StepConfig.max_tokens_per_microbatch` is set. A batch given to these functions is this data-parallel rank's
 share; with DP > 1 the model is wrapped in Megatron's DistributedDataParallel (`ddp.wrap_in_ddp`), which reduces
@@ -43,6 +43,13 @@ from megatron_grpo.loss import (
     count_valid,
     trained_token_mask,
 )
+from megatron_grpo.loss.packing import (
+    CU_SEQLENS,
+    POSITION_IDS,
+    PackedMicrobatches,
+    SequenceLayout,
+    next_token_targets_of,
+)
 from megatron_grpo.loss.proximal import VERSION_KEY, ProximalApproximation, StepVersions, check_generation_logprobs
 from megatron_grpo.megatron.context_parallel import (
     context_parallel_size,
@@ -69,13 +76,6 @@ from megatron_grpo.megatron.optimizer import (
 )
 from megatron_grpo.ops.current import HiddenStates, current_logprobs
 from megatron_grpo.ops.distribution import SamplingDistribution
-from megatron_grpo.ops.packing import (
-    CU_SEQLENS,
-    POSITION_IDS,
-    PackedMicrobatches,
-    SequenceLayout,
-    next_token_targets_of,
-)
 from megatron_grpo.ops.vocab_shard import VocabShard
 from megatron_grpo.scheduler import LogprobPlan
 from megatron_grpo.timing import StepTimer
@@ -90,7 +90,7 @@ _HAS_TARGET = "has_target"  # compute_logprobs under CP: True on every row with 
 class StepConfig:
     """What `train_step` needs to know of the run, and nothing else: a Megatron training script builds one
     directly (`StepConfig(global_batch_size=..., micro_batch_size=...)`); the runner adapts its config
-    (`megatron_grpo.grpo.plugin_params`). The defaults train from logits, on the unfiltered distribution at
+    (`megatron_grpo.runner.plugin_params`). The defaults train from logits, on the unfiltered distribution at
     temperature 1, with Megatron's gradient clip of 1.0."""
 
     global_batch_size: int  # sequences per optimizer step, over all DP ranks
@@ -101,7 +101,7 @@ class StepConfig:
     fused_linear_logprobs: bool = False  # logprobs from final hidden states (`vocab_parallel_linear_logprobs`)
     fused_linear_loss: bool = False  # the training loss's gradient in forward (`ClippedPGLoss.on_hidden_states`)
     max_tokens_per_microbatch: int | None = None  # pack each optimizer step's sequences (first-fit decreasing)
-    #   into microbatches of at most this many tokens (`ops.packing.PackedMicrobatches`) instead of
+    #   into microbatches of at most this many tokens (`loss.packing.PackedMicrobatches`) instead of
     #   micro_batch_size rows; None: padded microbatches
     logprob_max_tokens_per_microbatch: int | None = None  # the same for the prev and reference passes (forward
     #   only, so they may take more); None: max_tokens_per_microbatch
@@ -246,9 +246,9 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
     """float32 `[B, S]` logprobs of `batch["input_ids"]` under `distribution` (`SamplingDistribution`; None:
     softmax(logits); -inf outside a top-k / top-p kept set) of `model`, in eval mode; position 0 is 0.
 
-    A packed batch (`batch['cu_seqlens']`, `ops.packing`) is one microbatch and gives `[1, T]` logprobs, 0 at
+    A packed batch (`batch['cu_seqlens']`, `loss.packing`) is one microbatch and gives `[1, T]` logprobs, 0 at
     each sequence's first token. `max_tokens_per_microbatch`: the padded batch's rows are packed into microbatches
-    of at most that many tokens (`ops.packing.PackedMicrobatches`), and the logprobs come back `[B, S]` (0 past
+    of at most that many tokens (`loss.packing.PackedMicrobatches`), and the logprobs come back `[B, S]` (0 past
     each row's last trained token).
 
     `fused_linear`: from the final hidden states and the output weight (`vocab_parallel_linear_logprobs`),

@@ -1,6 +1,8 @@
-"""Vocab-parallel logprob ops: kernels (fused or reference), the TP combine, and the autograd APIs (from logits,
-and from hidden states and the output weight), with the two values every call carries: the `VocabShard` and the
-`SamplingDistribution`.
+"""Vocab-parallel logprob ops, from logits (`vocab_parallel`) and from hidden states and the output weight
+(`linear_logprobs`), with the values every call carries (`VocabShard`, `SamplingDistribution`, `ContextShard`) and
+the one owner of the current policy's logprobs (`current`). `core/` holds what both ops are built from: the kernel
+choice and the plain-torch kernels, the partials and their TP combine, the top-k / top-p threshold, the chunking
+policy and the chunk GEMMs, the per-row glue and the checks.
 
 Names load lazily, so that `megatron_grpo.ops.distribution` (a config reader's) imports no torch.
 """
@@ -12,7 +14,6 @@ from megatron_grpo._lazy import lazy_exports
 _EXPORTS = {
     "vocab_parallel_logprobs": "megatron_grpo.ops.vocab_parallel",
     "vocab_parallel_linear_logprobs": "megatron_grpo.ops.linear_logprobs",
-    "loss_fused_linear": "megatron_grpo.ops.loss_fused_linear",
     "current_logprobs": "megatron_grpo.ops.current",
     "CurrentLogprobs": "megatron_grpo.ops.current",
     "HiddenStates": "megatron_grpo.ops.current",
@@ -20,8 +21,8 @@ _EXPORTS = {
     "ContextShard": "megatron_grpo.ops.context_shard",
     "sum_over_context": "megatron_grpo.ops.context_shard",
     "SamplingDistribution": "megatron_grpo.ops.distribution",
-    "extension_status": "megatron_grpo.ops.backends",
-    "fused_supports": "megatron_grpo.ops.backends",
+    "extension_status": "megatron_grpo.ops.core.backends",
+    "fused_supports": "megatron_grpo.ops.core.backends",
 }
 
 __all__ = sorted(_EXPORTS)

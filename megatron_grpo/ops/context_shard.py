@@ -8,7 +8,7 @@ per-token tensor describes the target of row `j`, the token after it, and the op
 and every per-token term of the loss are CP-agnostic: they read one row at a time. What couples a sequence's tokens
 (GSPO's sequence ratio, the sequence-level importance weights, `seq-mask-tis`, the per-sequence token counts of the
 sequence-level aggregations and metrics) goes through `sum_over_context`, over the `[N]` per-sequence sums that the
-batch's `ops.packing.SequenceLayout` gives (one sequence per row of a padded `[B, S]` share; a packed share is a
+batch's `loss.packing.SequenceLayout` gives (one sequence per row of a padded `[B, S]` share; a packed share is a
 packed batch of the same `N` sequences, each `1 / CP` as long, with its own `cu_seqlens`).
 
 The loss stays a per-rank share: each rank sums its own tokens, divided by global counts, so the shares add up

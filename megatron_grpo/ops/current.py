@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import Implementation
-from .distribution import SamplingDistribution
-from .linear_logprobs import vocab_parallel_linear_logprobs
-from .vocab_parallel import vocab_parallel_logprobs
-from .vocab_shard import VocabShard
+from megatron_grpo.ops.core.backends import Implementation
+from megatron_grpo.ops.distribution import SamplingDistribution
+from megatron_grpo.ops.linear_logprobs import vocab_parallel_linear_logprobs
+from megatron_grpo.ops.vocab_parallel import vocab_parallel_logprobs
+from megatron_grpo.ops.vocab_shard import VocabShard
 
 
 @dataclass(frozen=True)

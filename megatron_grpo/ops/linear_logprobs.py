@@ -32,17 +32,23 @@ from typing import Optional
 
 import torch
 
-from .backends import Implementation, Kernels, select_kernels
-from .checks import check_linear_inputs, check_target_ids
-from .chunks import WeightGradient, chunk_buffer, chunk_logits, chunk_rows_for, hidden_gradient
-from .distribution import SamplingDistribution
-from .dtypes import compute_dtype
-from .filtering import kept_threshold
-from .main_grad import added_to_main_grad, main_grad_of
-from .partials import Partials, combine_partials, gather_partials
-from .rows import per_token, upstream_gradients
-from .shift import check_shiftable, next_token_targets
-from .vocab_shard import VocabShard
+from megatron_grpo.ops.core.backends import Implementation, Kernels, select_kernels
+from megatron_grpo.ops.core.checks import check_linear_inputs, check_target_ids
+from megatron_grpo.ops.core.chunking import chunk_rows_for
+from megatron_grpo.ops.core.dtypes import compute_dtype
+from megatron_grpo.ops.core.filtering import kept_threshold
+from megatron_grpo.ops.core.gemm import (
+    WeightGradient,
+    added_to_main_grad,
+    chunk_buffer,
+    chunk_logits,
+    hidden_gradient,
+    main_grad_of,
+)
+from megatron_grpo.ops.core.partials import Partials, combine_partials, gather_partials
+from megatron_grpo.ops.core.rows import check_shiftable, next_token_targets, per_token, upstream_gradients
+from megatron_grpo.ops.distribution import SamplingDistribution
+from megatron_grpo.ops.vocab_shard import VocabShard
 
 
 @dataclass(frozen=True)
@@ -295,7 +301,7 @@ def vocab_parallel_linear_logprobs(
     no collective in backward. Forward runs one all-gather of `[trained rows, 3|4]` fp32 partials (plus the
     filter's small collectives per chunk with top-k / top-p). Under Megatron's DDP (the weight has `main_grad`
     and `grad_added_to_main_grad`), dW is summed straight into `main_grad` and autograd gets Megatron's dummy
-    gradient (`megatron_grpo.ops.main_grad`).
+    gradient (`megatron_grpo.ops.core.gemm`).
 
     Args:
         hidden: `[..., H]` final hidden states (after the final norm), replicated over the TP group.
@@ -308,14 +314,14 @@ def vocab_parallel_linear_logprobs(
             means an unsharded, unpadded vocab.
         distribution: softmax(logit_scale * logits) filtered by top-k / top-p (`SamplingDistribution`), as in
             `vocab_parallel_logprobs`; the scale enters the chunk GEMMs. None: softmax(hidden @ weight.T).
-        shift: next-token mode, as in `vocab_parallel_logprobs` (`megatron_grpo.ops.shift`).
+        shift: next-token mode, as in `vocab_parallel_logprobs` (`megatron_grpo.ops.core.rows`).
         with_entropy: also return the exact entropy of each row's distribution.
         chunk_rows: trained rows per chunk; None picks one (`chunk_rows_for`): at least 8 chunks of at least 256
             rows, each at most 256 MiB of logits.
         check_inputs: check target ids against the vocab (a host sync); pass False in hot loops. Gathering
             the trained rows is a host sync of its own whenever some rows are ignored (always with `shift`, whose
             last position has no target) or, with `check_inputs=False`, may be.
-        implementation: "auto" (fused kernels where available), "fused" or "reference".
+        implementation: "auto" (fused kernels where available), "fused" or "torch" (the plain-torch kernels).
 
     Returns:
         float32 logprobs `[...]` (float64 for float64 inputs), or `(logprobs, entropy)` with `with_entropy`.

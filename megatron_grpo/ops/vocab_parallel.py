@@ -23,15 +23,14 @@ from typing import Literal, Optional
 
 import torch
 
-from .backends import Implementation, Kernels, select_kernels
-from .checks import check_inplace_backward, check_logits_inputs, check_target_ids
-from .distribution import SamplingDistribution
-from .dtypes import compute_dtype
-from .filtering import kept_threshold
-from .partials import Partials, RowStats, combine_partials, gather_partials
-from .rows import per_token, upstream_gradients
-from .shift import check_shiftable, next_token_targets
-from .vocab_shard import VocabShard
+from megatron_grpo.ops.core.backends import Implementation, Kernels, select_kernels
+from megatron_grpo.ops.core.checks import check_inplace_backward, check_logits_inputs, check_target_ids
+from megatron_grpo.ops.core.dtypes import compute_dtype
+from megatron_grpo.ops.core.filtering import kept_threshold
+from megatron_grpo.ops.core.partials import Partials, RowStats, combine_partials, gather_partials
+from megatron_grpo.ops.core.rows import check_shiftable, next_token_targets, per_token, upstream_gradients
+from megatron_grpo.ops.distribution import SamplingDistribution
+from megatron_grpo.ops.vocab_shard import VocabShard
 
 
 @dataclass(frozen=True)
@@ -273,12 +272,12 @@ def vocab_parallel_logprobs(
     softmax(logits).
 
     With a filtered distribution (top-k / top-p), under the filtered distribution the sampler draws from: the
-    softmax over the kept tokens only (see `megatron_grpo.ops.filtering` for the exact rule, ties and collectives).
+    softmax over the kept tokens only (see `megatron_grpo.ops.core.filtering` for the exact rule, ties and collectives).
     A target outside the kept set has logprob -inf and no gradient; the entropy is that of the filtered
     distribution; filtered logits get a gradient of exactly 0.
 
     Args:
-        logits: `[..., V_local]` float32/bfloat16/float16 (float64 on the reference path): this rank's shard.
+        logits: `[..., V_local]` float32/bfloat16/float16 (float64 on the torch kernels): this rank's shard.
         targets: `[...]` integer global token ids; `< 0` means ignore (logprob, entropy and gradient are 0).
         shard: where the logits' columns sit in the vocab, its padding and the TP group (`VocabShard`); None
             means an unsharded, unpadded vocab.
@@ -286,7 +285,7 @@ def vocab_parallel_logprobs(
             `SamplingDistribution.of_sampling(temperature, top_k, top_p)`, the sampler's settings): the scale is
             applied inside the kernels (no scaled copy of the logits), and top-k / top-p select on the scaled
             distribution, as the sampler does. None: softmax(logits).
-        shift: next-token mode (see `megatron_grpo.ops.shift`): `targets` are the sequence's tokens, the logits
+        shift: next-token mode (see `megatron_grpo.ops.core.rows`): `targets` are the sequence's tokens, the logits
             at `t` score `targets[..., t + 1]`, and the outputs are aligned with `targets` (position 0 is 0).
         with_entropy: also return the exact entropy of each row's distribution.
         inplace_backward: False, True or "exp". True: backward writes the gradient into the logits' buffer
@@ -299,7 +298,7 @@ def vocab_parallel_logprobs(
             fails loudly at unpack (autograd's version counter). Both modes run eagerly (see the module
             docstring); False is the traceable custom op.
         check_inputs: check target ids against the vocab (a host sync); pass False in hot loops.
-        implementation: "auto" (fused kernels where available), "fused" or "reference".
+        implementation: "auto" (fused kernels where available), "fused" or "torch" (the plain-torch kernels).
 
     Returns:
         float32 logprobs `[...]` (float64 for float64 logits), or `(logprobs, entropy)` with `with_entropy`.

@@ -11,8 +11,19 @@ import pytest
 import torch
 
 import megatron_grpo.bench.linear as linear
-from megatron_grpo.bench.linear import (CANDIDATES, MATERIALISED, MEGATRON, Candidate, Case, Step, benchmark_case,
-                                        fused_accuracy, main, make_inputs, report)
+from megatron_grpo.bench.linear import (
+    CANDIDATES,
+    MATERIALISED,
+    MEGATRON,
+    Candidate,
+    Case,
+    Step,
+    benchmark_case,
+    fused_accuracy,
+    main,
+    make_inputs,
+    report,
+)
 
 CASES = [(tp, dtype, response) for tp in (1, 2) for dtype in ("fp32", "bf16") for response in (100, 25)]
 ROW = re.compile(r"^\| (?P<name>[\w+-]+) \| (?P<rest>.*)\|$")

@@ -17,7 +17,6 @@ from megatron_grpo.bench.logprob import MEGATRON, report
 from megatron_grpo.bench.measure import collect
 
 
-
 def _rows(method: str, ms: float) -> dict:
     return {"setup": {"tp": 1, "dtype": "fp32", "tokens": 4, "v_local": 8}, "method": method, "forward_ms": ms,
             "forward_backward_ms": 2 * ms, "peak_extra_mib": 0.0, "gradient_mib": 0.0}
@@ -26,9 +25,9 @@ def _rows(method: str, ms: float) -> dict:
 def test_report_copes_with_absent_methods():
     import torch
 
-    text = report([_rows("naive torch", 2.0), _rows("reference", 4.0)], torch.device("cpu"), 1e9, 3, True,
+    text = report([_rows("naive torch", 2.0), _rows("torch kernels", 4.0)], torch.device("cpu"), 1e9, 3, True,
                   missing={MEGATRON: "ModuleNotFoundError: No module named 'megatron'"})
-    assert "| reference | 4.0 | 8.0 | - | 0.50x |" in text  # no Megatron column value, naive present
+    assert "| torch kernels | 4.0 | 8.0 | - | 0.50x |" in text  # no Megatron column value, naive present
     assert "Fused forward" not in text  # the bandwidth line needs the fused method
     assert f"- not measured: {MEGATRON}: ModuleNotFoundError" in text
 

@@ -13,8 +13,8 @@ import yaml
 from _configs import CONFIGS, set_key
 
 from megatron_grpo.bench.packing import main, summarise, tokens_per_pass, variants_of
-from megatron_grpo.config import load_config
-from megatron_grpo.config_files import read_yaml_with_defaults
+from megatron_grpo.runner.config import load_config
+from megatron_grpo.runner.config_files import read_yaml_with_defaults
 
 RAGGED = CONFIGS / "grpo_tiny_cpu_ragged.yaml"
 

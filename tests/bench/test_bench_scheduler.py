@@ -15,8 +15,8 @@ from megatron_grpo.bench.scheduler import (
     with_all_passes_computed,
     with_prev_modes,
 )
-from megatron_grpo.config import ConfigError, load_config
-from megatron_grpo.grpo.plan_inputs import plan_for
+from megatron_grpo.runner.config import ConfigError, load_config
+from megatron_grpo.runner.plan_inputs import plan_for
 
 
 def test_baseline_computes_both_passes_and_changes_nothing_else():

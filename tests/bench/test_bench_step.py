@@ -10,8 +10,17 @@ import sys
 import pytest
 import torch
 
-from megatron_grpo.bench.step import CONFIGURATIONS, PHASES, Setup, main, plans_and_steps, summarise, \
-    synthetic_rollout, tokens_per_pass, weighted_logprob
+from megatron_grpo.bench.step import (
+    CONFIGURATIONS,
+    PHASES,
+    Setup,
+    main,
+    plans_and_steps,
+    summarise,
+    synthetic_rollout,
+    tokens_per_pass,
+    weighted_logprob,
+)
 
 TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "300", "--prompts", "2", "--generations", "2",
         "--prompt-tokens", "2", "4", "--response-tokens", "3", "12", "--micro-batch-size", "2"]

@@ -15,7 +15,7 @@ from _collective_devices import checked_collectives  # noqa: E402
 
 
 def main() -> int:
-    from megatron_grpo.__main__ import main as megatron_grpo_main
+    from megatron_grpo.runner.cli import main as megatron_grpo_main
 
     out = Path(os.environ["COLLECTIVE_LOG_DIR"]) / f"rank{os.environ['RANK']}.json"
     with checked_collectives() as log:

@@ -22,7 +22,7 @@ import psutil
 import yaml
 from _configs import set_key
 
-from megatron_grpo.config_files import read_yaml_with_defaults
+from megatron_grpo.runner.config_files import read_yaml_with_defaults
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_CONFIG = REPO / "configs" / "grpo_tiny_cpu.yaml"

@@ -28,7 +28,7 @@ from grpo_workers.launch import run, torchrun_command, write_config  # noqa: E40
 from test_grpo_learning import LAYOUTS  # noqa: E402
 from test_grpo_offpolicy_learning import STALE, TP1_NO_CHECKPOINTS, TWO_STEPS_PER_ROLLOUT  # noqa: E402
 
-from megatron_grpo.grpo.reporting import read_metrics  # noqa: E402
+from megatron_grpo.runner.reporting import read_metrics  # noqa: E402
 
 LEVELS = (0.5, 0.6, 0.7, 0.8, 0.9)
 WINDOW = 10

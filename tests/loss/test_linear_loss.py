@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from _dist import counted_collectives, run_on_ranks
 from _loss_inputs import batch_for_logits, loss_config
+
 from megatron_grpo.loss import ClippedPGLoss, count_valid
 from megatron_grpo.ops import SamplingDistribution, VocabShard
-from megatron_grpo.ops.loss_fused_linear import sequence_chunks
+from megatron_grpo.ops.core.chunking import sequence_chunks
 
 BATCH, SEQ, HIDDEN, VOCAB, PADDED, SCALE = 5, 9, 12, 29, 32, 1.25
 SETTINGS = {
@@ -143,7 +143,8 @@ def test_bad_hidden_shape_is_named():
     hidden, weight, batch = make_problem(seed=1, dtype=torch.float32)
     tokens, seqs = count_valid(batch)
     for loss_fused in (True, False):
-        with pytest.raises(ValueError, match=r"hidden: expected shape \[5, 9, H\] to match input_ids, got \[5, 8, 12\]"):
+        with pytest.raises(ValueError,
+                           match=r"hidden: expected shape \[5, 9, H\] to match input_ids, got \[5, 8, 12\]"):
             ClippedPGLoss(loss_config()).on_hidden_states(hidden[:, :-1], weight, batch, global_valid_tokens=tokens,
                                                           global_valid_seqs=seqs, loss_fused=loss_fused)
 

@@ -9,9 +9,9 @@ import pytest
 from _loss_inputs import exemplar_loss_section, loss_config
 
 import megatron_grpo
-from megatron_grpo.config import ConfigError
-from megatron_grpo.strict_config import build_section
 from megatron_grpo.loss import ClippedPGLossConfig, TruncatedImportanceSamplingConfig
+from megatron_grpo.runner.config import ConfigError
+from megatron_grpo.strict_config import build_section
 
 CONSTRUCTORS = {
     "kwargs": lambda data: ClippedPGLossConfig(**data),

@@ -177,7 +177,7 @@ def test_aggregate_metrics_needs_the_token_count_for_token_means():
 
 
 def test_aggregate_metrics_needs_the_sequence_count_for_sequence_means():
-    from megatron_grpo.loss import Aggregation, METRIC_AGGREGATION
+    from megatron_grpo.loss import METRIC_AGGREGATION, Aggregation
 
     per_sequence = {**METRIC_AGGREGATION, "is_oob_ratio": Aggregation.SEQUENCE_MEAN}
     with pytest.raises(ValueError, match="'num_valid_samples' is missing"):

@@ -12,9 +12,9 @@ import pytest
 import torch
 from _loss_inputs import loss_config, random_inputs
 
-from megatron_grpo.config import ConfigError
 from megatron_grpo.loss import ClippedPGLoss, aggregate_metrics, count_valid
 from megatron_grpo.ops import SamplingDistribution, VocabShard
+from megatron_grpo.runner.config import ConfigError
 
 IS_ON = dict(use_importance_sampling_correction=True)
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from grpo_workers.launch import run, torchrun_command, write_config
-from megatron_grpo.grpo.reporting import read_metrics
+
+from megatron_grpo.runner.reporting import read_metrics
 
 
 @pytest.mark.slow

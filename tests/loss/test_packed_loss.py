@@ -11,9 +11,9 @@ import torch
 from _loss_inputs import loss_config, random_inputs
 
 from megatron_grpo.loss import ClippedPGLoss, count_valid
+from megatron_grpo.loss.packing import PackedMicrobatches
 from megatron_grpo.loss.proximal import ProximalApproximation, StepVersions
 from megatron_grpo.ops import VocabShard
-from megatron_grpo.ops.packing import PackedMicrobatches
 
 TOL = dict(rtol=1e-12, atol=1e-12)  # same sums in another order: float64 ulps × a few tens of terms
 # Metrics of the batch's own float32 inputs alone (prev against generation): the loss keeps those inputs float32

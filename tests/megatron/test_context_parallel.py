@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from _dist import run_on_ranks
 from _loss_inputs import batch_for_logits, loss_config
 from _tolerances import MODEL_GRAD_RTOL, MODEL_LOGPROB_ATOL
@@ -88,11 +87,11 @@ def _global_batch() -> dict[str, torch.Tensor]:
 
 
 def _build_model(tp: int, cp: int):
+    from megatron.core import parallel_state
     from megatron.core.enums import ModelType
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import MegatronModule
-    from megatron.core import parallel_state
 
     config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, use_cpu_initialization=True,
                                tensor_model_parallel_size=tp, context_parallel_size=cp)
@@ -139,6 +138,7 @@ def _build_model(tp: int, cp: int):
 def _full_gradients(model) -> dict[str, torch.Tensor]:
     """Every parameter's reduced gradient (DDP's main_grad), the output layer's gathered over TP."""
     from megatron.core import parallel_state
+
     from megatron_grpo.megatron.ddp import gradient, unwrapped
 
     grads = {}
@@ -167,7 +167,7 @@ def _all_rows(local: torch.Tensor) -> torch.Tensor:
 def _microbatches(batch: dict[str, torch.Tensor], packed: bool):
     """This DP rank's microbatches: one row each, or its rows packed by two (each padded to a multiple of 2·CP = 4
     at every layout, CP 1 included), with the packing to unpack their per-token results."""
-    from megatron_grpo.ops.packing import PackedMicrobatches
+    from megatron_grpo.loss.packing import PackedMicrobatches
 
     if not packed:
         return [{key: value[row:row + 1] for key, value in batch.items()}
@@ -178,6 +178,7 @@ def _microbatches(batch: dict[str, torch.Tensor], packed: bool):
 
 def _run_layout(tp: int, cp: int, packed: bool) -> dict:
     from megatron.core import parallel_state
+
     from megatron_grpo.loss import ClippedPGLoss, aggregate_metrics, count_valid
     from megatron_grpo.megatron import (
         ParallelParams,
@@ -257,6 +258,8 @@ def _split_checks(rank: int, world_size: int) -> dict:
     """The split's labels at the chunk boundaries (padded and packed), the packed inverse, and `sum_over_context`'s
     gradient, at CP 2 × DP 2."""
     from megatron.core import parallel_state
+
+    from megatron_grpo.loss.packing import pack_rows
     from megatron_grpo.megatron import (
         ParallelParams,
         gather_from_context_parallel,
@@ -265,7 +268,6 @@ def _split_checks(rank: int, world_size: int) -> dict:
     )
     from megatron_grpo.megatron.context_parallel import context_shard
     from megatron_grpo.ops.context_shard import sum_over_context
-    from megatron_grpo.ops.packing import pack_rows
 
     init_parallel(ParallelParams(context_parallel_size=2))
     full = _global_batch()
@@ -294,6 +296,7 @@ def _refusals() -> dict[str, str]:
     """The ValueErrors of bad CP settings: a world size TP × PP × CP does not divide, a size below 1, and the GPTModel
     without Transformer Engine's attention (the local spec has no CP)."""
     from megatron.core import parallel_state
+
     from megatron_grpo.megatron import GPTModelParams, ParallelParams, build_gpt_model, init_parallel
 
     messages = {}
@@ -315,8 +318,8 @@ def _refusals() -> dict[str, str]:
 def _packed_refusals() -> dict[str, str]:
     """Under CP 2: a packed sequence whose length is not a multiple of 2·CP = 4, and a packed share's forward without
     its positions."""
+    from megatron_grpo.loss.packing import pack_rows
     from megatron_grpo.megatron import model_forward, split_for_context_parallel
-    from megatron_grpo.ops.packing import pack_rows
 
     full = _global_batch()
     ragged = pack_rows(full, [0, 1], [SEQ, 6])

@@ -25,18 +25,19 @@ MODES = {"fused": {"policy.fused_linear_logprobs": True},
 
 def _train_step_dtypes(cfg) -> dict:
     """One train step; the dtypes of the hidden states the loss got and of every chunk of logits the GEMMs wrote."""
-    from megatron_grpo.grpo.plan_inputs import plan_for
-    from megatron_grpo.grpo.plugin_params import adam_params, model_params, step_config
-    from megatron_grpo.loss import ClippedPGLoss
+    from test_megatron_hooks import VOCAB
+
+    from megatron_grpo.loss import ClippedPGLoss, fused_head
     from megatron_grpo.megatron import build_gpt_model, build_optimizer, train_step, vocab_shard_of
     from megatron_grpo.megatron.hidden_states import compute_dtype
-    from megatron_grpo.ops import linear_logprobs, loss_fused_linear
-    from test_megatron_hooks import VOCAB
+    from megatron_grpo.ops import linear_logprobs
+    from megatron_grpo.runner.plan_inputs import plan_for
+    from megatron_grpo.runner.plugin_params import adam_params, model_params, step_config
 
     torch.manual_seed(cfg.seed)
     model = build_gpt_model(model_params(cfg), VOCAB)
     seen = {"chunk_logits": set(), "hidden": set()}
-    chunk_logits = linear_logprobs.chunk_logits  # the one chunk GEMM (ops.chunks), as both fused paths import it
+    chunk_logits = linear_logprobs.chunk_logits  # the one chunk GEMM (ops.core.gemm), as both fused paths import it
 
     def recording(hidden_chunk, weight_valid, scale, out):
         seen["chunk_logits"].add(out.dtype)
@@ -49,14 +50,14 @@ def _train_step_dtypes(cfg) -> dict:
         seen["hidden"].add(output.dtype)
         return output
 
-    linear_logprobs.chunk_logits = loss_fused_linear.chunk_logits = recording
+    linear_logprobs.chunk_logits = fused_head.chunk_logits = recording
     type(model).forward = forward_recording_output
     try:
         result = train_step(step_config(cfg), model, build_optimizer(model, adam_params(cfg)),
                             ClippedPGLoss(cfg.loss_fn), plan_for(cfg), make_batch(seed=3),
                             vocab=vocab_shard_of(model, VOCAB))
     finally:
-        linear_logprobs.chunk_logits = loss_fused_linear.chunk_logits = chunk_logits
+        linear_logprobs.chunk_logits = fused_head.chunk_logits = chunk_logits
         type(model).forward = original_forward
     weight = model.output_layer.weight
     return {"chunk_logits": seen["chunk_logits"], "hidden": seen["hidden"], "compute_dtype": compute_dtype(model),
@@ -66,11 +67,12 @@ def _train_step_dtypes(cfg) -> dict:
 
 def _bad_batch_error(cfg) -> str:
     """The train step's error for a token id beyond the true vocab (13 real ids, padded to 16)."""
-    from megatron_grpo.grpo.plan_inputs import plan_for
-    from megatron_grpo.grpo.plugin_params import adam_params, model_params, step_config
+    from test_megatron_hooks import VOCAB
+
     from megatron_grpo.loss import ClippedPGLoss
     from megatron_grpo.megatron import build_gpt_model, build_optimizer, train_step, vocab_shard_of
-    from test_megatron_hooks import VOCAB
+    from megatron_grpo.runner.plan_inputs import plan_for
+    from megatron_grpo.runner.plugin_params import adam_params, model_params, step_config
 
     model = build_gpt_model(model_params(cfg), VOCAB)
     batch = make_batch(seed=4)
@@ -84,8 +86,8 @@ def _bad_batch_error(cfg) -> str:
 
 
 def worker(rank: int, world_size: int) -> dict:
-    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import destroy_parallel, init_parallel
+    from megatron_grpo.runner.plugin_params import parallel_params
 
     init_parallel(parallel_params(config_with(ONE_RANK)))
     try:

@@ -19,10 +19,10 @@ from _dist import run_on_ranks
 from grpo_workers.launch import REPO, run, torchrun_command, write_config
 from test_megatron_hooks import TINY_MODEL, VOCAB
 
-from megatron_grpo.config import ConfigError
-from megatron_grpo.grpo.reporting import read_metrics
-from megatron_grpo.grpo.runner import EXIT_CONFIG, runner_config_problems
-from megatron_grpo.grpo.tasks import DigitTokenizer
+from megatron_grpo.runner.config import ConfigError
+from megatron_grpo.runner.reporting import read_metrics
+from megatron_grpo.runner.tasks import DigitTokenizer
+from megatron_grpo.runner.train_cli import EXIT_CONFIG, runner_config_problems
 
 SAVED = {**TINY_MODEL, "policy.tensor_model_parallel_size": 1, "policy.model.make_vocab_size_divisible_by": 128}
 OTHER_SEED = 7  # the loading models start from other weights than the saved one
@@ -62,8 +62,8 @@ def build(overrides: dict):
     """Megatron's groups for the layout of `overrides` (tearing down the previous ones), and its model."""
     from megatron.core import parallel_state
 
-    from megatron_grpo.grpo.plugin_params import model_params, parallel_params
     from megatron_grpo.megatron import build_gpt_model, init_parallel
+    from megatron_grpo.runner.plugin_params import model_params, parallel_params
 
     cfg = config_with(overrides)
     parallel_state.destroy_model_parallel()
@@ -98,9 +98,9 @@ def save_runner_step(directory: Path, rank: int, world_size: int) -> dict[str, t
     """A runner step directory (model, Adam state, RNG) of the saved model's layout with shifted weights."""
     import torch.distributed as dist
 
-    from megatron_grpo.grpo.checkpoint import save_checkpoint
-    from megatron_grpo.grpo.plugin_params import adam_params
     from megatron_grpo.megatron import build_optimizer
+    from megatron_grpo.runner.checkpoint import save_checkpoint
+    from megatron_grpo.runner.plugin_params import adam_params
 
     cfg = config_with(SAVED)
     model = build(SAVED)

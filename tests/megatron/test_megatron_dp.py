@@ -21,12 +21,18 @@ DP_MODEL = {**TINY_MODEL, "policy.tensor_model_parallel_size": 1}
 
 def one_train_step(rank: int, world_size: int) -> dict:
     """One train_step on this rank's contiguous share of the batch; what it did to the weights and gradients."""
-    from megatron_grpo.grpo.plan_inputs import plan_for
-    from megatron_grpo.grpo.plugin_params import adam_params, parallel_params, step_config
     from megatron_grpo.loss import ClippedPGLoss
-    from megatron_grpo.megatron import (build_optimizer, destroy_parallel, init_parallel, train_step, vocab_shard_of,
-                                        wrap_in_ddp)
+    from megatron_grpo.megatron import (
+        build_optimizer,
+        destroy_parallel,
+        init_parallel,
+        train_step,
+        vocab_shard_of,
+        wrap_in_ddp,
+    )
     from megatron_grpo.megatron.ddp import gradient
+    from megatron_grpo.runner.plan_inputs import plan_for
+    from megatron_grpo.runner.plugin_params import adam_params, parallel_params, step_config
 
     cfg = config_with(DP_MODEL)
     layout = init_parallel(parallel_params(cfg))
@@ -138,8 +144,8 @@ def test_an_unwrapped_model_under_data_parallelism_is_an_error_naming_ddp(runs):
 
 def two_backwards_around_a_step(cfg) -> dict:
     """The gradient of one backward, after an AdamOverMainGrad step, with only DDP's buffer zeroed between."""
-    from megatron_grpo.grpo.plugin_params import adam_params
     from megatron_grpo.megatron import build_optimizer, model_forward, wrap_in_ddp
+    from megatron_grpo.runner.plugin_params import adam_params
 
     model = wrap_in_ddp(build(cfg))
     optimizer = build_optimizer(model, adam_params(cfg))

@@ -18,8 +18,8 @@ from _dist import run_on_ranks
 from _tolerances import MODEL_GRAD_RTOL, MODEL_LOGPROB_ATOL
 from test_megatron_hooks import ROWS, SEQ, TINY_MODEL, VOCAB, make_batch
 
-from megatron_grpo.config import ConfigError, load_config
 from megatron_grpo.ops import SamplingDistribution
+from megatron_grpo.runner.config import ConfigError, load_config
 
 # The fused paths compute the materialised path's fp32 maths with the logits formed chunk by chunk (another GEMM
 # blocking): logprobs and gradients to MODEL_LOGPROB_ATOL and MODEL_GRAD_RTOL. The loss and the mean entropy are
@@ -60,8 +60,8 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def build(cfg, tied: bool = False):
     """The tiny GPTModel with identical initial weights for every build with this config (and `tied`)."""
-    from megatron_grpo.grpo.plugin_params import model_params
     from megatron_grpo.megatron import build_gpt_model
+    from megatron_grpo.runner.plugin_params import model_params
 
     torch.manual_seed(cfg.seed)
     return build_gpt_model(model_params(cfg), VOCAB, share_embeddings_and_output_weights=tied)
@@ -80,12 +80,12 @@ def _tying(model) -> dict:
 
 
 def _run_train_step(cfg, batch, tied: bool, ddp: bool = False) -> dict:
-    from megatron_grpo.grpo.plan_inputs import plan_for
-    from megatron_grpo.grpo.plugin_params import adam_params, step_config
     from megatron_grpo.loss import ClippedPGLoss
     from megatron_grpo.megatron import build_optimizer, train_step, vocab_shard_of, wrap_in_ddp
     from megatron_grpo.megatron.ddp import gradient
     from megatron_grpo.megatron.hidden_states import output_weight
+    from megatron_grpo.runner.plan_inputs import plan_for
+    from megatron_grpo.runner.plugin_params import adam_params, step_config
 
     plan = plan_for(cfg)
     model = build(cfg, tied)
@@ -112,11 +112,10 @@ def _run_train_step(cfg, batch, tied: bool, ddp: bool = False) -> dict:
 def _per_token(cfg, batch, tied: bool) -> dict:
     """Per-token logprobs and entropies of the trained tokens, both ways, at the config's temperature and filter."""
     from megatron_grpo.loss import trained_token_mask, trained_token_targets
-    from megatron_grpo.megatron import model_forward
-    from megatron_grpo.grpo.plugin_params import step_config
-    from megatron_grpo.megatron import vocab_shard_of
+    from megatron_grpo.megatron import model_forward, vocab_shard_of
     from megatron_grpo.megatron.hidden_states import output_weight
     from megatron_grpo.ops import HiddenStates, SamplingDistribution, current_logprobs, vocab_parallel_logprobs
+    from megatron_grpo.runner.plugin_params import step_config
 
     model, temperature = build(cfg, tied), cfg.generation.temperature
     distribution = step_config(cfg).distribution
@@ -165,8 +164,8 @@ def _compare(plain: dict, fused: dict) -> dict:
 
 
 def run_cases(rank: int, world_size: int) -> dict:
-    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import destroy_parallel, init_parallel
+    from megatron_grpo.runner.plugin_params import parallel_params
 
     base = {**TINY_MODEL, "policy.tensor_model_parallel_size": world_size}
     init_parallel(parallel_params(config_with(base)))
@@ -317,7 +316,8 @@ def test_loss_takes_either_logits_or_precomputed_logprobs():
     with pytest.raises(ValueError, match="curr_unfiltered_logprobs: only with a top-k / top-p distribution"):
         loss(None, batch, curr_logprobs=logprobs, curr_entropy=logprobs, curr_unfiltered_logprobs=logprobs, **counts)
     kl = ClippedPGLoss(config_with({"loss_fn.reference_policy_kl_penalty": 0.1}).loss_fn)
-    with pytest.raises(ValueError, match="curr_unfiltered_logprobs: required with a top-k / top-p distribution and a KL"):
+    with pytest.raises(ValueError,
+                       match="curr_unfiltered_logprobs: required with a top-k / top-p distribution and a KL"):
         kl(None, batch, curr_logprobs=logprobs, curr_entropy=logprobs, distribution=SamplingDistribution(top_k=3),
            **counts)
     value, metrics = loss(None, batch, curr_logprobs=logprobs, curr_entropy=logprobs, **counts)

@@ -87,8 +87,8 @@ def count_forwards(model) -> list[int]:
 
 
 def build(cfg):
-    from megatron_grpo.grpo.plugin_params import model_params
     from megatron_grpo.megatron import build_gpt_model
+    from megatron_grpo.runner.plugin_params import model_params
 
     torch.manual_seed(cfg.seed)  # identical initial weights for every model built with this config
     return build_gpt_model(model_params(cfg), VOCAB)
@@ -98,10 +98,10 @@ def scenario_microbatches(cfg) -> dict:
     """Megatron's schedule with 1, 2, 4 microbatches vs. a plain float64 full-batch gradient."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_grpo.grpo.plan_inputs import plan_for
     from megatron_grpo.loss import ClippedPGLoss, count_valid
     from megatron_grpo.megatron import compute_logprobs, make_forward_step, vocab_shard_of
     from megatron_grpo.ops import SamplingDistribution
+    from megatron_grpo.runner.plan_inputs import plan_for
 
     model, batch = build(cfg), make_batch(seed=11)
     vocab = vocab_shard_of(model, VOCAB)
@@ -148,10 +148,10 @@ def scenario_skipped_prev(cfg) -> dict:
     gradient's conditioning. Adam's first update, lr * g / (|g| + eps), is not: it maps a gradient element at the
     rounding level (one whose exact value is 0, such as a key bias's under the softmax's shift invariance) to
     anything in [-lr, lr], so its weights differ by whatever fp32 rounding each CPU's blocking produced."""
-    from megatron_grpo.grpo.plan_inputs import plan_for
-    from megatron_grpo.grpo.plugin_params import step_config
     from megatron_grpo.loss import ClippedPGLoss
     from megatron_grpo.megatron import train_step, vocab_shard_of
+    from megatron_grpo.runner.plan_inputs import plan_for
+    from megatron_grpo.runner.plugin_params import step_config
 
     computed_cfg = dataclasses.replace(cfg, logprob_passes=dataclasses.replace(cfg.logprob_passes, prev="compute"))
     batch = make_batch(seed=12)
@@ -179,7 +179,8 @@ def scenario_skipped_prev(cfg) -> dict:
         "weight_scale": max(p.abs().max().item() for p in skipped["params"]),
         "initial_difference": max_difference(skipped["initial"], computed["initial"]),
         "weights_moved": max_difference(skipped["params"], skipped["initial"]),
-        "prev_error_on_mask": (skipped["result"].prev_logprobs - computed["result"].prev_logprobs)[mask].abs().max().item(),
+        "prev_error_on_mask": (skipped["result"].prev_logprobs
+                               - computed["result"].prev_logprobs)[mask].abs().max().item(),
         "skipped_prev_is_curr": bool(torch.equal(skipped["result"].prev_logprobs, skipped["result"].curr_logprobs)),
         "passes_run": {name: o["result"].passes_run for name, o in outcome.items()},
         "forwards": {name: o["forwards"] for name, o in outcome.items()},
@@ -190,10 +191,10 @@ def scenario_skipped_prev(cfg) -> dict:
 
 def scenario_reference(cfg) -> dict:
     """KL 0: no reference model is asked for and none runs; KL > 0: the reference runs one logprob pass."""
-    from megatron_grpo.grpo.plan_inputs import plan_for
-    from megatron_grpo.grpo.plugin_params import adam_params, step_config
     from megatron_grpo.loss import ClippedPGLoss
     from megatron_grpo.megatron import build_optimizer, train_step, vocab_shard_of
+    from megatron_grpo.runner.plan_inputs import plan_for
+    from megatron_grpo.runner.plugin_params import adam_params, step_config
 
     kl_cfg = dataclasses.replace(cfg, loss_fn=dataclasses.replace(cfg.loss_fn, reference_policy_kl_penalty=0.1))
     batch = make_batch(seed=13)
@@ -229,9 +230,9 @@ def scenario_inplace_backward(cfg) -> dict:
     gradients both ways."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_grpo.grpo.plan_inputs import plan_for
     from megatron_grpo.loss import ClippedPGLoss, count_valid
     from megatron_grpo.megatron import make_forward_step, vocab_shard_of
+    from megatron_grpo.runner.plan_inputs import plan_for
 
     batch = make_batch(seed=12)
     tokens, seqs = count_valid(batch)
@@ -260,8 +261,8 @@ def cpu_support_is_idempotent() -> bool:
 
 
 def run_all_scenarios(rank: int, world_size: int) -> dict:
-    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import destroy_parallel, init_parallel
+    from megatron_grpo.runner.plugin_params import parallel_params
 
     records = _Records()
     logger = logging.getLogger("megatron_grpo.megatron.train_step")
@@ -420,8 +421,8 @@ def test_init_parallel_passes_the_timeout_to_torch_and_megatron(monkeypatch):
     """Wiring only: rank and world from torchrun's environment, gloo without CUDA, one timeout everywhere."""
     from datetime import timedelta
 
-    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import parallel
+    from megatron_grpo.runner.plugin_params import parallel_params
 
     calls = {}
     monkeypatch.setenv("RANK", "3")
@@ -456,10 +457,10 @@ def test_init_parallel_rejects_a_world_that_tp_times_pp_does_not_divide(monkeypa
 
 
 def test_train_step_without_the_planned_reference_model_names_it():
-    from megatron_grpo.grpo.plan_inputs import plan_for
-    from megatron_grpo.grpo.plugin_params import step_config
     from megatron_grpo.megatron import train_step
     from megatron_grpo.ops import VocabShard
+    from megatron_grpo.runner.plan_inputs import plan_for
+    from megatron_grpo.runner.plugin_params import step_config
 
     cfg = config_with({**TINY_MODEL, "loss_fn.reference_policy_kl_penalty": 0.1})
     with pytest.raises(ValueError, match="reference_model"):
@@ -474,10 +475,10 @@ def test_train_step_without_the_planned_reference_model_names_it():
                                   r"approximations\)"),
 ])
 def test_train_step_without_the_versions_an_interpolation_needs_names_them(mode, batch_versions, message):
-    from megatron_grpo.grpo.plan_inputs import plan_for
-    from megatron_grpo.grpo.plugin_params import step_config
     from megatron_grpo.megatron import train_step
     from megatron_grpo.ops import VocabShard
+    from megatron_grpo.runner.plan_inputs import plan_for
+    from megatron_grpo.runner.plugin_params import step_config
 
     cfg = config_with({**TINY_MODEL, "logprob_passes.prev": mode})
     batch = make_batch(seed=1)
@@ -490,8 +491,8 @@ def test_train_step_without_the_versions_an_interpolation_needs_names_them(mode,
 
 def test_the_plans_prev_source_becomes_the_losss_arguments():
     from megatron_grpo.loss.proximal import ProximalApproximation, StepVersions
-    from megatron_grpo.grpo.plan_inputs import plan_for
     from megatron_grpo.megatron.train_step import prev_source_kwargs
+    from megatron_grpo.runner.plan_inputs import plan_for
 
     def plan(mode):
         return plan_for(config_with({**TINY_MODEL, "logprob_passes.prev": mode}))

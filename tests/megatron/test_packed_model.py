@@ -29,12 +29,12 @@ LOSS = {"logprob_passes.prev": "compute", "loss_fn.loss_agg_mode": "seq-mean-tok
 
 
 def _train(cfg, max_tokens, batch) -> dict:
-    from megatron_grpo.grpo.plan_inputs import plan_for
-    from megatron_grpo.grpo.plugin_params import adam_params, step_config
+    from test_megatron_hooks import VOCAB
+
     from megatron_grpo.loss import ClippedPGLoss
     from megatron_grpo.megatron import build_gpt_model, build_optimizer, train_step, vocab_shard_of
-    from megatron_grpo.grpo.plugin_params import model_params
-    from test_megatron_hooks import VOCAB
+    from megatron_grpo.runner.plan_inputs import plan_for
+    from megatron_grpo.runner.plugin_params import adam_params, model_params, step_config
 
     torch.manual_seed(cfg.seed)
     model = build_gpt_model(model_params(cfg), VOCAB)
@@ -64,8 +64,8 @@ def _compare(cfg) -> dict:
 def run_layouts(rank: int, world_size: int) -> dict:
     from megatron.core import parallel_state
 
-    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import destroy_parallel, init_parallel
+    from megatron_grpo.runner.plugin_params import parallel_params
 
     layouts = {"tp1": {"policy.tensor_model_parallel_size": 1}} if world_size == 1 else {
         "tp2": {"policy.tensor_model_parallel_size": 2},

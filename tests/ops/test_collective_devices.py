@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -26,8 +25,8 @@ from grpo_workers.launch import REPO, run, write_config
 
 def patterns(rank: int, world: int) -> dict[str, list[str]]:
     """Which of these collectives the check flags (the lines it logged, by case)."""
-    from megatron_grpo.grpo.loop import Trainer
-    from megatron_grpo.grpo.statistics import rollout_statistics
+    from megatron_grpo.runner.loop import Trainer
+    from megatron_grpo.runner.statistics import rollout_statistics
 
     device = torch.device("cpu")  # the layout's device: the accelerator's, as far as the check knows
     flagged = {}

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from _dist import run_on_ranks
+
 from megatron_grpo.ops import SamplingDistribution, VocabShard, vocab_parallel_linear_logprobs, vocab_parallel_logprobs
 
 TRUE_VOCAB, PADDED, HIDDEN = 37, 40, 8

@@ -12,11 +12,11 @@ import sys
 
 import pytest
 import torch
-
 from logprob_reference import make_case
-from megatron_grpo.ops import SamplingDistribution, VocabShard, vocab_parallel_logprobs
-from megatron_grpo.ops.backends import cpu_kernel_isa, cpu_kernel_status, extension_status, set_cpu_kernel_isa
 from test_logprob_temperature import anchor, check
+
+from megatron_grpo.ops import SamplingDistribution, VocabShard, vocab_parallel_logprobs
+from megatron_grpo.ops.core.backends import cpu_kernel_isa, cpu_kernel_status, extension_status, set_cpu_kernel_isa
 
 X86 = platform.machine() in ("x86_64", "AMD64")
 needs_x86 = pytest.mark.skipif(not X86, reason="the ISA builds exist on x86-64 only")

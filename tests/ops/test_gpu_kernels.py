@@ -10,7 +10,7 @@ elements, streams, several devices, a random-layout fuzz against the plain-torch
 split, and the exp mode's refusal. The fused linear op's GPU cases are in test_gpu_linear.py.
 
 Every call asks for `implementation="fused"`, which raises instead of falling back. Values are checked against
-the float64 anchor of `logprob_reference` on the CPU, or, in the fuzz, against `implementation="reference"`.
+the float64 anchor of `logprob_reference` on the CPU, or, in the fuzz, against `implementation="torch"`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import random
 
 import pytest
 import torch
-
 from logprob_reference import assert_grad_close, assert_matches_anchor, expected_logprobs, make_case, upstream_grads
+
 from megatron_grpo.ops import SamplingDistribution, VocabShard, fused_supports, vocab_parallel_logprobs
 
 pytestmark = pytest.mark.gpu  # conftest skips it, with the reason, where there is no CUDA device
@@ -47,15 +47,19 @@ def sm_count(device: int | torch.device = 0) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def split_plan(rows: int, valid_cols: int, sms: int) -> tuple[int, int]:
     """(splits, split width) as plan_launch computes them, so that tests can aim at its boundaries."""
     splits = 1
     fill = sms * BLOCKS_PER_SM_TO_FILL
     if 0 < rows < fill:
-        splits = min(-(-fill // rows), max(1, -(-valid_cols // MIN_SPLIT_COLS)), 65535)
-    width = -(-(-(-valid_cols // splits)) // SPLIT_ALIGN_COLS) * SPLIT_ALIGN_COLS
+        splits = min(ceil_div(fill, rows), max(1, ceil_div(valid_cols, MIN_SPLIT_COLS)), 65535)
+    width = ceil_div(ceil_div(valid_cols, splits), SPLIT_ALIGN_COLS) * SPLIT_ALIGN_COLS
     if width > 0:
-        splits = -(-valid_cols // width)
+        splits = ceil_div(valid_cols, width)
     return splits, width
 
 
@@ -339,11 +343,11 @@ def run_on_layout(logits, targets, case, implementation):
 
 @pytest.mark.parametrize("seed", range(48))
 def test_random_layouts_match_the_reference_on_the_gpu(seed):
-    """Fused against implementation="reference" on the same GPU layout: offsets, strides, padding, shards."""
+    """Fused against implementation="torch" on the same GPU layout: offsets, strides, padding, shards."""
     case = random_layout_case(random.Random(seed))
     logits, targets = laid_out(case, seed)
     fused = run_on_layout(logits, targets, case, "fused")
-    reference = run_on_layout(logits, targets, case, "reference")
+    reference = run_on_layout(logits, targets, case, "torch")
     where = f"case {case}"
     assert torch.equal(torch.isfinite(fused[0]), torch.isfinite(reference[0])), where
     torch.testing.assert_close(fused[0], reference[0], atol=1e-5, rtol=1e-6, equal_nan=True, msg=where)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_linear_logprobs import Anchor, assert_matches  # its fp32 / bf16 tolerance model
 
 from megatron_grpo.ops import SamplingDistribution, VocabShard, vocab_parallel_linear_logprobs, vocab_parallel_logprobs
-from test_linear_logprobs import Anchor, assert_matches  # its fp32 / bf16 tolerance model
 
 pytestmark = pytest.mark.gpu  # conftest skips it, with the reason, where there is no CUDA device
 
@@ -174,7 +174,7 @@ def test_fused_linear_peak_memory_stays_far_below_the_logits(ignore_every):
     path's working memory holds at least the [T, V_local] logits (2 GiB); the fused op's holds one chunk of
     logits, the fp32 dW accumulator it documents ([valid, H], when there is more than one chunk) and, with
     ignored rows, the trained rows of hidden and of dH: far below the logits."""
-    from megatron_grpo.ops.chunks import chunk_rows_for
+    from megatron_grpo.ops.core.chunking import chunk_rows_for
 
     rows, hidden_size, local_vocab, true_vocab, dtype = 32768, 4096, 32768, 32768 - 77, torch.bfloat16
     hidden, weight, targets, g_lp, g_h = linear_case_on(DEVICE, rows, hidden_size, local_vocab, 0, true_vocab,

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from logprob_reference import make_case
-from megatron_grpo.ops import SamplingDistribution, VocabShard, vocab_parallel_logprobs
-from megatron_grpo.ops.backends import FusedKernels
 from test_logprob_temperature import anchor, check
+
+from megatron_grpo.ops import SamplingDistribution, VocabShard, vocab_parallel_logprobs
+from megatron_grpo.ops.core.backends import FusedKernels
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -28,7 +28,7 @@ def run_exp_mode(full, targets, true_vocab, *, implementation, scale=1.0, top_k=
     return logprob.detach(), entropy.detach(), x.grad, g_lp
 
 
-@pytest.mark.parametrize("implementation", ["fused", "reference"])
+@pytest.mark.parametrize("implementation", ["fused", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scale,top_k,top_p", [(1.0, None, None), (1 / 0.7, None, None), (1.0, 7, None),
                                                (1 / 0.7, 5, 0.6)])
@@ -45,7 +45,7 @@ def test_exp_mode_matches_the_float64_anchor(scale, top_k, top_p, dtype, impleme
         assert bool((grad[:, :true_vocab][expected.grad[:, :true_vocab] == 0] == 0).all()), "filtered logits get 0"
 
 
-@pytest.mark.parametrize("implementation", ["fused", "reference"])
+@pytest.mark.parametrize("implementation", ["fused", "torch"])
 def test_forward_leaves_exps_in_the_buffer_and_never_touches_padding_or_ignored_rows(implementation):
     rows, padded, true_vocab, scale = 9, 70, 64, 0.5
     full, targets = make_case(rows, padded, true_vocab, torch.float32, seed=2)

@@ -10,10 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from _dist import counted_collectives, run_on_ranks
-from logprob_reference import (assert_grad_close, expected_filtered_logprobs, expected_logprobs, make_case,
-                               upstream_grads)
+from logprob_reference import (
+    assert_grad_close,
+    expected_filtered_logprobs,
+    expected_logprobs,
+    make_case,
+    upstream_grads,
+)
+
 from megatron_grpo.ops import SamplingDistribution, VocabShard, vocab_parallel_logprobs
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -46,7 +51,7 @@ def check_against_reference(logprob, entropy, grad, full, targets, true_vocab, t
     return expected
 
 
-@pytest.mark.parametrize("implementation", ["fused", "reference"])
+@pytest.mark.parametrize("implementation", ["fused", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_filtered_logprobs_match_the_float64_reference(device, implementation, dtype):
     rows, padded, true_vocab = 37, 131, 120
@@ -81,14 +86,14 @@ def test_float64_logits_on_the_reference_path(device):
         logprob, entropy = vocab_parallel_logprobs(x, targets.to(device), shard=VocabShard(true_vocab_size=64),
                                                    with_entropy=True,
                                                    distribution=SamplingDistribution(top_k=top_k, top_p=top_p),
-                                                   implementation="reference")
+                                                   implementation="torch")
         objective = torch.where(torch.isfinite(logprob), logprob, 0.0) * g_lp.to(device) + entropy * g_h.to(device)
         objective.sum().backward()
         check_against_reference(logprob.detach(), entropy.detach(), x.grad.cpu(), full, targets, 64, top_k, top_p,
                                 torch.float64, f"{device} float64 top_k={top_k} top_p={top_p}")
 
 
-@pytest.mark.parametrize("implementation", ["fused", "reference"])
+@pytest.mark.parametrize("implementation", ["fused", "torch"])
 def test_a_nan_logit_poisons_its_own_row_only_under_a_filter(implementation, device):
     full, targets = make_case(6, 20, 20, torch.float32, seed=3, ignore_every=0)
     full[2, 5] = float("nan")
@@ -113,14 +118,16 @@ def test_filters_that_keep_everything_take_the_unfiltered_path_bit_for_bit(devic
 
 def test_filtered_targets_are_counted_per_rule():
     logits = torch.tensor([[3.0, 2.0, 2.0, 1.0, 0.0]])
+
+    def kept(distribution: SamplingDistribution) -> list[bool]:
+        return [bool(vocab_parallel_logprobs(logits, torch.tensor([t]), distribution=distribution) > float("-inf"))
+                for t in range(5)]
+
     # top-k = 2: the tie with the 2nd largest stays, so 3 tokens are kept.
-    kept = [bool(vocab_parallel_logprobs(logits, torch.tensor([t]), distribution=SamplingDistribution(top_k=2)) > float("-inf")) for t in range(5)]
-    assert kept == [True, True, True, False, False]
+    assert kept(SamplingDistribution(top_k=2)) == [True, True, True, False, False]
     # top-p: p(3.0) = 0.53 < 0.6, so the tied 2.0s join (the mass strictly above each is 0.53 < 0.6), whole.
-    kept = [bool(vocab_parallel_logprobs(logits, torch.tensor([t]), distribution=SamplingDistribution(top_p=0.6)) > float("-inf")) for t in range(5)]
-    assert kept == [True, True, True, False, False]
-    kept = [bool(vocab_parallel_logprobs(logits, torch.tensor([t]), distribution=SamplingDistribution(top_p=0.5)) > float("-inf")) for t in range(5)]
-    assert kept == [True, False, False, False, False]
+    assert kept(SamplingDistribution(top_p=0.6)) == [True, True, True, False, False]
+    assert kept(SamplingDistribution(top_p=0.5)) == [True, False, False, False, False]
 
 
 def sharded_filtered_run(rank, world, rows, v_local, true_vocab, dtype, top_k, top_p, implementation, seed):
@@ -150,14 +157,14 @@ def test_tensor_parallel_filtered_logprobs_match_the_float64_reference(world):
         (rows, v_local, true_vocab, dtype, top_k, top_p, implementation, 10 * i + j)
         for i, (rows, v_local, true_vocab) in enumerate(shapes)
         for j, (dtype, implementation) in enumerate([(torch.float32, "fused"), (torch.bfloat16, "fused"),
-                                                     (torch.float32, "reference")])
+                                                     (torch.float32, "torch")])
         for top_k, top_p in [(1, None), (7, None), (10_000, None), (None, 1.0), (None, 0.8), (4, 0.7)]
     ]
     per_rank = run_on_ranks(world, filtered_tp_worker, cases)
     for index, (rows, v_local, true_vocab, dtype, top_k, top_p, implementation, seed) in enumerate(cases):
         label = f"world={world} rows={rows} v_local={v_local} {dtype} {implementation} top_k={top_k} top_p={top_p}"
         results = [per_rank[rank][index] for rank in range(world)]
-        for rank, (logprob, entropy, _, forward_calls, backward_calls) in enumerate(results):
+        for logprob, _entropy, _, forward_calls, backward_calls in results:
             torch.testing.assert_close(logprob, results[0][0], atol=0, rtol=0, msg=f"{label}: ranks disagree")
             assert backward_calls == 0, label
             uses_k = top_k is not None and top_k < true_vocab
@@ -194,7 +201,7 @@ def test_gradient_of_sliced_logits_has_the_logits_alignment():
 
 def test_unknown_implementation_is_a_named_error():
     logits, targets = torch.randn(3, 5), torch.zeros(3, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"implementation must be one of 'auto', 'fused', 'reference', got 'bogus'"):
+    with pytest.raises(ValueError, match=r"implementation must be one of 'auto', 'fused', 'torch', got 'bogus'"):
         vocab_parallel_logprobs(logits, targets, implementation="bogus")
 
 
@@ -202,6 +209,7 @@ def test_clipped_pg_loss_trains_the_filtered_policy_and_takes_the_kl_unfiltered(
     """With a sampling filter, the ratio uses filtered current logprobs, and the KL to the (unfiltered)
     reference uses unfiltered ones, as NeMo-RL's loss does."""
     from _loss_inputs import batch_for_logits, loss_config
+
     from megatron_grpo.loss import ClippedPGLoss
 
     gen = torch.Generator().manual_seed(4)

@@ -11,7 +11,6 @@ import itertools
 
 import pytest
 import torch
-
 from logprob_reference import (
     ENTROPY_ATOL,
     LOGPROB_ATOL_FP32,
@@ -20,10 +19,11 @@ from logprob_reference import (
     expected_logprobs,
     make_case,
 )
+
 from megatron_grpo.ops import VocabShard, extension_status, vocab_parallel_logprobs
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-IMPLEMENTATIONS = ["fused", "reference"]
+IMPLEMENTATIONS = ["fused", "torch"]
 # Odd shapes; the 50257-wide vocab runs with fewer rows to keep the float64 anchor cheap.
 SHAPES = [(t, v) for t, v in itertools.product([1, 7, 257], [1, 3, 1000])] + [(1, 50257), (7, 50257), (65, 50257)]
 
@@ -124,7 +124,7 @@ def test_float64_gradcheck_with_padding_ignored_rows_and_entropy(device):
 def test_fused_and_reference_agree(dtype, device):
     logits, targets = make_case(129, 2053, 2000, dtype, seed=11)
     fused = run_op(logits, targets, "fused", device, shard=VocabShard(true_vocab_size=2000))
-    ref = run_op(logits, targets, "reference", device, shard=VocabShard(true_vocab_size=2000))
+    ref = run_op(logits, targets, "torch", device, shard=VocabShard(true_vocab_size=2000))
     # each within the anchor's tolerances (logprob_reference), so within twice them of each other
     torch.testing.assert_close(fused[0], ref[0], atol=2 * LOGPROB_ATOL_FP32, rtol=0)
     terms = expected_logprobs(logits, targets, 2000, fused[3], fused[4]).grad_terms

@@ -1,16 +1,17 @@
-"""vocab_parallel_logprobs with a `SamplingDistribution`'s `logit_scale` (1 / temperature) against the float64 anchor of softmax(scale * x),
-on one rank and on 2 gloo ranks: padded vocab, ignored rows, entropy, top-k/top-p on the tempered distribution,
-both implementations, fp32 and bf16. The anchor's gradient is d/dx = scale * d/dz (chain rule, by autograd).
-The one-rank cases run on every device (conftest's `device`: the cpu case, and the cuda case marked `gpu`)."""
+"""vocab_parallel_logprobs with a `SamplingDistribution`'s `logit_scale` (1 / temperature) against the float64 anchor
+of softmax(scale * x), on one rank and on 2 gloo ranks: padded vocab, ignored rows, entropy, top-k/top-p on the
+tempered distribution, both implementations, fp32 and bf16. The anchor's gradient is d/dx = scale * d/dz (chain rule,
+by autograd). The one-rank cases run on every device (conftest's `device`: the cpu case, and the cuda case marked
+`gpu`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
-
 from _dist import run_on_ranks
 from logprob_reference import assert_grad_close, expected_filtered_logprobs, filtered_keep_mask, make_case
+
 from megatron_grpo.ops import SamplingDistribution, VocabShard, vocab_parallel_logprobs
 
 SCALES = [1 / 0.7, 0.4]  # temperature 0.7 (sharper) and 2.5 (flatter)
@@ -62,7 +63,7 @@ def run(full, targets, true_vocab, scale, *, implementation, device, top_k=None,
     return logprob.detach().cpu(), entropy.detach().cpu(), x.grad.cpu(), g_lp, g_h
 
 
-@pytest.mark.parametrize("implementation", ["fused", "reference"])
+@pytest.mark.parametrize("implementation", ["fused", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("rows,padded,true_vocab", [(7, 1000, 990), (33, 4099, 4000)])
@@ -83,7 +84,7 @@ def test_scale_one_is_the_unscaled_op_bit_for_bit(inplace_backward, device):
     assert torch.equal(plain[0], unscaled.cpu())
 
 
-@pytest.mark.parametrize("implementation", ["fused", "reference"])
+@pytest.mark.parametrize("implementation", ["fused", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("top_k,top_p", [(7, None), (None, 0.9), (5, 0.6)])
 def test_top_k_top_p_select_on_the_tempered_distribution(top_k, top_p, dtype, implementation, device):
@@ -127,7 +128,7 @@ def test_tensor_parallel_two_ranks_with_temperature():
         (65, v_local, 2 * v_local - 37, dtype, implementation, 1 / 0.7, top_k, top_p, inplace, seed)
         for seed, (dtype, implementation, top_k, top_p, inplace) in enumerate([
             (torch.float32, "fused", None, None, False), (torch.bfloat16, "fused", 9, None, False),
-            (torch.float32, "fused", None, 0.8, False), (torch.float32, "reference", 9, 0.8, False),
+            (torch.float32, "fused", None, 0.8, False), (torch.float32, "torch", 9, 0.8, False),
             (torch.float32, "fused", None, 0.8, "exp"), (torch.bfloat16, "fused", None, None, "exp"),
         ])
     ]

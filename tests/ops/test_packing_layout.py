@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from megatron_grpo.loss import ClippedPGLoss, count_valid
-from megatron_grpo.ops import vocab_parallel_logprobs
-from megatron_grpo.ops.packing import (
+from megatron_grpo.loss.packing import (
     PackedMicrobatches,
     SequenceLayout,
     first_fit_decreasing,
@@ -16,6 +15,7 @@ from megatron_grpo.ops.packing import (
     pack_rows,
     row_lengths,
 )
+from megatron_grpo.ops import vocab_parallel_logprobs
 
 
 def _packed_batch(cu, **extra):
@@ -47,6 +47,7 @@ def test_per_sequence_tensor_of_the_wrong_length_is_a_value_error_naming_it(key)
     batch = _packed_batch([0, 2, 5], rewards=torch.ones(2), rollout_weight_version=torch.zeros(2))
     batch[key] = torch.ones(3)  # 3 values for 2 sequences
     from _loss_inputs import loss_config
+
     from megatron_grpo.loss.proximal import ProximalApproximation, StepVersions
     batch["generation_logprobs"] = torch.zeros(1, 5)
     cfg = loss_config(positive_example_nll_weight=0.1)

@@ -27,8 +27,7 @@ from logprob_reference import filtered_keep_mask
 
 from megatron_grpo.loss import ClippedPGLoss, count_valid
 from megatron_grpo.ops import SamplingDistribution, VocabShard, vocab_parallel_linear_logprobs
-from megatron_grpo.ops.chunks import chunk_rows_for
-from megatron_grpo.ops.loss_fused_linear import sequence_chunks
+from megatron_grpo.ops.core.chunking import chunk_rows_for, sequence_chunks
 
 TRUE_VOCAB, PADDED, TP = 151_936, 152_064, 2
 SEQUENCES, TRAINED, HIDDEN = 16, 442, 16

@@ -1,4 +1,4 @@
-"""Top-p's selection works on pieces of rows (`filtering.PIECE_LOGITS` logits per rank, rows per piece the same on
+"""Top-p's selection works on pieces of rows (`chunking.PIECE_LOGITS` logits per rank, rows per piece the same on
 every rank): cutting a call into many pieces changes nothing, bit for bit, on one rank and over TP = 2 with a last
 shard narrower than the first; the kept sets match the sorting reference of tests/logprob_reference.py."""
 
@@ -10,9 +10,9 @@ import torch.distributed as dist
 from _dist import counted_collectives, run_on_ranks
 from logprob_reference import filtered_keep_mask
 
-from megatron_grpo.ops import filtering
+from megatron_grpo.ops.core import chunking
+from megatron_grpo.ops.core.filtering import kept_threshold
 from megatron_grpo.ops.distribution import SamplingDistribution
-from megatron_grpo.ops.filtering import kept_threshold
 
 ROWS, TRUE_VOCAB, V_LOCAL = 13, 95, 50  # at TP 2 the second shard holds 45 real columns and 5 of padding
 
@@ -30,15 +30,15 @@ def test_pieces_change_nothing_on_one_rank(monkeypatch, top_k, top_p):
     logits = logits_with_ties(seed=1)
     sampling = SamplingDistribution(top_k=top_k, top_p=top_p)
     whole = kept_threshold(logits, sampling, true_vocab_size=TRUE_VOCAB)
-    monkeypatch.setattr(filtering, "PIECE_LOGITS", 3 * TRUE_VOCAB)  # pieces of 3 rows, the last of 1
-    assert filtering._piece_rows(TRUE_VOCAB, None) == 3
+    monkeypatch.setattr(chunking, "PIECE_LOGITS", 3 * TRUE_VOCAB)  # pieces of 3 rows, the last of 1
+    assert chunking.piece_rows(TRUE_VOCAB) == 3
     pieces = kept_threshold(logits, sampling, true_vocab_size=TRUE_VOCAB)
     assert torch.equal(whole, pieces)
     assert torch.equal(logits >= pieces[:, None], filtered_keep_mask(logits, top_k, top_p))
 
 
 def sharded_worker(rank: int, world: int, top_p: float) -> tuple[torch.Tensor, int]:
-    filtering.PIECE_LOGITS = 4 * V_LOCAL  # this process only: pieces of 4 rows on both ranks
+    chunking.PIECE_LOGITS = 4 * V_LOCAL  # this process only: pieces of 4 rows on both ranks
     logits = logits_with_ties(seed=2)
     padded = torch.cat([logits, torch.full((ROWS, 2 * V_LOCAL - TRUE_VOCAB), 1e4)], dim=1)
     local = padded[:, rank * V_LOCAL:(rank + 1) * V_LOCAL]

@@ -14,21 +14,22 @@ from pathlib import Path
 import pytest
 from grpo_workers.launch import REPO, job_env, write_config
 
-from megatron_grpo.__main__ import COMMANDS, main as cli_main
-from megatron_grpo.grpo import runner
-from megatron_grpo.helptext import DefaultsHelpFormatter
-from megatron_grpo.launcher import job_outcome, stopped_outcome
+from megatron_grpo.runner import train_cli
+from megatron_grpo.runner.cli import COMMANDS
+from megatron_grpo.runner.cli import main as cli_main
+from megatron_grpo.runner.helptext import DefaultsHelpFormatter
+from megatron_grpo.runner.launcher import job_outcome, stopped_outcome
 
 # Every command line of the project: (module, argv that reaches its parser).
 PARSERS = {
-    "train": ("megatron_grpo.grpo.runner", []),
-    "plan": ("megatron_grpo.scheduler_cli", []),
-    "report": ("megatron_grpo.grpo.report_cli", []),
+    "train": ("megatron_grpo.runner.train_cli", []),
+    "plan": ("megatron_grpo.runner.plan_cli", []),
+    "report": ("megatron_grpo.runner.report_cli", []),
     "bench logprob": ("megatron_grpo.bench.logprob", []),
     "bench linear": ("megatron_grpo.bench.linear", []),
     "bench scheduler": ("megatron_grpo.bench.scheduler", []),
     "bench packing": ("megatron_grpo.bench.packing", []),
-    "tensorboard_log": ("megatron_grpo.grpo.tensorboard_log", []),
+    "tensorboard_log": ("megatron_grpo.runner.tensorboard_log", []),
 }
 INTERNAL_NAMES = ("CANDIDATES", "`Step`", "run_ranks", "measure.", "issue")
 
@@ -112,7 +113,7 @@ def _launch(tmp_path: Path, config: Path, *extra: str) -> tuple[int, str, str]:
 def test_a_config_error_is_one_line_and_exit_code_2_before_any_rank_starts(tmp_path):
     config = write_config(tmp_path, **{"policy.optimizer.lr": -1.0})
     code, out, err = _launch(tmp_path, config)
-    assert code == runner.EXIT_CONFIG
+    assert code == train_cli.EXIT_CONFIG
     assert out == "" and err == f"error: {config}: policy.optimizer.lr: must be > 0, got -1.0\n"
     assert not (tmp_path / "run").exists()
 
@@ -121,7 +122,7 @@ def test_a_run_dir_that_cannot_be_created_is_one_line_and_exit_code_3(tmp_path):
     (tmp_path / "a-file").write_text("")
     config = write_config(tmp_path, **{"run_dir": str(tmp_path / "a-file" / "run")})
     code, out, err = _launch(tmp_path, config)
-    assert code == runner.EXIT_RUN_DIR and out == ""
+    assert code == train_cli.EXIT_RUN_DIR and out == ""
     assert err.startswith(f"error: run_dir: {tmp_path / 'a-file' / 'run'} is not usable for this run: "
                           "[Errno 20] Not a directory") and err.count("\n") == 1
 
@@ -130,7 +131,7 @@ def test_resume_that_finds_nothing_is_exit_code_3_and_leaves_no_new_folder(tmp_p
     config = write_config(tmp_path)
     before = sorted(tmp_path.iterdir())
     code, _out, err = _launch(tmp_path, config, "--resume")
-    assert code == runner.EXIT_RUN_DIR and err.count("\n") == 1 and "--resume" in err
+    assert code == train_cli.EXIT_RUN_DIR and err.count("\n") == 1 and "--resume" in err
     assert sorted(tmp_path.iterdir()) == before
 
 

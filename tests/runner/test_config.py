@@ -12,10 +12,16 @@ import pytest
 import yaml
 from _configs import CONFIGS, TINY, drop_key, set_key, tiny
 
-from megatron_grpo.config import (Config, ConfigError, GenerationConfig, PolicyConfig, load_config,
-                                  write_resolved_config)
-from megatron_grpo.config_files import read_yaml, read_yaml_with_defaults
 from megatron_grpo.loss.config import ClippedPGLossConfig
+from megatron_grpo.runner.config import (
+    Config,
+    ConfigError,
+    GenerationConfig,
+    PolicyConfig,
+    load_config,
+    write_resolved_config,
+)
+from megatron_grpo.runner.config_files import read_yaml, read_yaml_with_defaults
 from megatron_grpo.strict_config import StrictSection
 
 
@@ -244,7 +250,7 @@ def test_a_number_that_overflows_or_is_nan_is_still_rejected_by_key(tmp_path, wr
 
 
 def test_the_float_rule_leaves_pyyaml_alone_and_strings_strings():
-    from megatron_grpo.config import ConfigLoader
+    from megatron_grpo.runner.config import ConfigLoader
 
     assert yaml.safe_load("x: 1e-3")["x"] == "1e-3"  # the global SafeLoader is untouched
     loaded = yaml.load("a: 1e3\nb: e3\nc: 1e\nd: v1e3\ne: '1e-3'\nf: 10\n", Loader=ConfigLoader)
@@ -349,8 +355,8 @@ def test_reading_a_config_imports_neither_torch_nor_more_than_the_bottom_module(
         "import megatron_grpo.strict_config\n"
         "assert {m for m in sys.modules if m.startswith('megatron_grpo')} == "
         "{'megatron_grpo', 'megatron_grpo._lazy', 'megatron_grpo.strict_config'}, sorted(sys.modules)\n"
-        "import megatron_grpo.loss.config, megatron_grpo.config\n"
-        "megatron_grpo.config.load_config(sys.argv[1])\n"
+        "import megatron_grpo.loss.config, megatron_grpo.runner.config\n"
+        "megatron_grpo.runner.config.load_config(sys.argv[1])\n"
         "assert 'torch' not in sys.modules\n"
     )
     repo = pathlib.Path(__file__).resolve().parents[2]

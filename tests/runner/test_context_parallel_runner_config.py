@@ -4,11 +4,11 @@ its reason (the local attention spec has no context parallelism; with TE, the sa
 from __future__ import annotations
 
 import pytest
-
 from _configs import config_with
-from megatron_grpo.config import ConfigError
-from megatron_grpo.grpo.plugin_params import parallel_params
-from megatron_grpo.grpo.runner import runner_config_problems
+
+from megatron_grpo.runner.config import ConfigError
+from megatron_grpo.runner.plugin_params import parallel_params
+from megatron_grpo.runner.train_cli import runner_config_problems
 
 
 def test_context_parallel_size_reaches_parallel_params():

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import run_on_ranks
+from grpo_workers.launch import TINY_CONFIG
 
-from megatron_grpo.config import load_config
-from megatron_grpo.grpo.checkpoint import CheckpointSaveError, load_checkpoint, save_checkpoint
-from megatron_grpo.grpo.checkpoint_dir import (
+from megatron_grpo.runner.checkpoint import CheckpointSaveError, load_checkpoint, save_checkpoint
+from megatron_grpo.runner.checkpoint_dir import (
     CheckpointError,
     find_resumable,
     latest_checkpoint,
@@ -22,8 +23,7 @@ from megatron_grpo.grpo.checkpoint_dir import (
     step_dir_name,
     verify_checksums,
 )
-from _dist import run_on_ranks
-from grpo_workers.launch import TINY_CONFIG
+from megatron_grpo.runner.config import load_config
 
 VOCAB = 16
 
@@ -31,8 +31,8 @@ VOCAB = 16
 def _setup(tp: int):
     import yaml
 
-    from megatron_grpo.grpo.plugin_params import adam_params, model_params, parallel_params
     from megatron_grpo.megatron import build_gpt_model, build_optimizer, init_parallel
+    from megatron_grpo.runner.plugin_params import adam_params, model_params, parallel_params
 
     torch.set_num_threads(1)
     data = yaml.safe_load(TINY_CONFIG.read_text())
@@ -222,7 +222,7 @@ def test_resume_from_an_empty_directory_is_a_clear_error(tmp_path):
 
 def test_the_runner_reaches_megatron_core_only_through_megatron_grpo_megatron():
     """docs/design.md: `megatron_grpo/megatron/` is the only package that imports megatron.core."""
-    package = Path(__file__).parents[2] / "megatron_grpo" / "grpo"
+    package = Path(__file__).parents[2] / "megatron_grpo" / "runner"
     imports = {}
     for source in sorted(package.glob("*.py")):
         for node in ast.walk(ast.parse(source.read_text(), str(source))):

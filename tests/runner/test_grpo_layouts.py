@@ -47,9 +47,9 @@ def save_initial_model(cfg, directory: Path) -> None:
     """A plain Megatron model checkpoint of the seed's TP1 PP1 weights, as a Megatron user saves one."""
     from megatron.core import dist_checkpointing
 
-    from megatron_grpo.grpo.plugin_params import model_params
-    from megatron_grpo.grpo.tasks import DigitTokenizer
     from megatron_grpo.megatron import build_gpt_model
+    from megatron_grpo.runner.plugin_params import model_params
+    from megatron_grpo.runner.tasks import DigitTokenizer
 
     model = build_gpt_model(model_params(cfg), DigitTokenizer().vocab_size)
     assert model.vocab_size == PADDED_VOCAB  # GPTModel's own: the padded vocabulary
@@ -60,11 +60,11 @@ def save_initial_model(cfg, directory: Path) -> None:
 def three_steps(rank: int, world_size: int, config: Path, save_initial_to: Path | None = None) -> dict:
     """Three runner steps under this config's layout; the records, and what this rank trained on. With
     `save_initial_to` (the TP1 PP1 run), the seed's model is first saved there, the checkpoint every run loads."""
-    from megatron_grpo.config import load_config
-    from megatron_grpo.grpo import loop
-    from megatron_grpo.grpo.plan_inputs import plan_for
-    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import destroy_parallel, init_parallel
+    from megatron_grpo.runner import loop
+    from megatron_grpo.runner.config import load_config
+    from megatron_grpo.runner.plan_inputs import plan_for
+    from megatron_grpo.runner.plugin_params import parallel_params
 
     cfg = load_config(config)
     layout = init_parallel(parallel_params(cfg))

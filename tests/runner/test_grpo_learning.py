@@ -15,10 +15,10 @@ learns in the off-policy learning tests.
 from __future__ import annotations
 
 import pytest
-
-from megatron_grpo.grpo.reporting import read_metrics
 from _dist import free_port
 from grpo_workers.launch import REPO, TINY_CONFIG, run, start, stop_job, torchrun_command, write_config
+
+from megatron_grpo.runner.reporting import read_metrics
 
 STEPS = 120
 WINDOW = 10

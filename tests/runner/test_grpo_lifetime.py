@@ -12,7 +12,6 @@ import time
 
 import psutil
 import pytest
-
 from grpo_workers.launch import REPO
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -26,7 +25,7 @@ def _python(code: str) -> subprocess.Popen:
 def test_a_process_forked_by_a_rank_dies_when_the_rank_is_killed():
     rank = _python("""
         import multiprocessing, time
-        from megatron_grpo.grpo.lifetime import bind_forked_children, die_with_parent
+        from megatron_grpo.runner.lifetime import bind_forked_children, die_with_parent
         bind_forked_children()
         child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
         child.start()
@@ -51,7 +50,7 @@ def test_a_process_forked_by_a_rank_dies_when_the_rank_is_killed():
 def test_a_signal_prints_its_sentence_and_exits_at_once_with_the_given_code(sig, sentence, code):
     rank = _python(f"""
         import signal, time
-        from megatron_grpo.grpo.lifetime import on_signal
+        from megatron_grpo.runner.lifetime import on_signal
         on_signal(signal.{sig.name}, lambda: {sentence!r}, {code})
         print("ready", flush=True)
         while True:
@@ -70,7 +69,7 @@ def test_a_forked_child_leaves_the_ranks_signal_handlers_behind():
     """A checkpoint writer forked by rank 0 must not print rank 0's Ctrl-C sentence a second time."""
     rank = _python("""
         import multiprocessing, signal, time
-        from megatron_grpo.grpo.lifetime import bind_forked_children, on_signal
+        from megatron_grpo.runner.lifetime import bind_forked_children, on_signal
 
         def child_main(started):
             started.set()  # the at-fork hooks have run: from now on a signal meets the child's own handlers
@@ -107,7 +106,7 @@ def test_a_process_whose_parent_is_gone_exits_when_it_binds_its_life_to_it():
             os._exit(0)  # the parent leaves at once
         import time
         time.sleep(0.5)
-        from megatron_grpo.grpo.lifetime import die_with_parent
+        from megatron_grpo.runner.lifetime import die_with_parent
         die_with_parent()
         print("still alive", flush=True)
     """)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_grpo.config import ConfigError, load_config
-from megatron_grpo.grpo.tensorboard_log import (
+from megatron_grpo.runner.config import ConfigError, load_config
+from megatron_grpo.runner.tensorboard_log import (
     GROUPS,
     LOSS_METRICS,
     MetricWriters,
@@ -184,7 +184,7 @@ def test_wandb_writer_is_offline_in_the_run_dir(tmp_path: Path, monkeypatch: pyt
 
 
 def test_measure_command(capsys: pytest.CaptureFixture) -> None:
-    from megatron_grpo.grpo.tensorboard_log import main
+    from megatron_grpo.runner.tensorboard_log import main
 
     assert main(["--measure", "--steps", "5"]) == 0
     out = capsys.readouterr().out

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from megatron_grpo.config import MAX_SEED
-from megatron_grpo.grpo.reporting import read_metrics
 from grpo_workers.launch import run, torchrun_command, write_config
+
+from megatron_grpo.runner.config import MAX_SEED
+from megatron_grpo.runner.reporting import read_metrics
 
 STEPS = 2
 

@@ -13,9 +13,9 @@ from _configs import CONFIGS, config_with, set_key
 from _dist import run_on_ranks
 from _tolerances import MODEL_LOGPROB_ATOL
 
-from megatron_grpo.config import load_config
-from megatron_grpo.config_files import read_yaml_with_defaults
-from megatron_grpo.grpo.checkpoint_dir import step_dir_name
+from megatron_grpo.runner.checkpoint_dir import step_dir_name
+from megatron_grpo.runner.config import load_config
+from megatron_grpo.runner.config_files import read_yaml_with_defaults
 
 STEPS = 4
 OFF_POLICY = {
@@ -42,10 +42,10 @@ def sampling_logprobs(model, rollout, temperature: float, vocab_size: int) -> to
 
 
 def drive_trainer(rank: int, world_size: int, overrides: dict) -> dict:
-    from megatron_grpo.grpo.loop import Trainer
-    from megatron_grpo.grpo.plan_inputs import plan_for
-    from megatron_grpo.grpo.plugin_params import model_params, parallel_params
     from megatron_grpo.megatron import build_gpt_model, destroy_parallel, init_parallel
+    from megatron_grpo.runner.loop import Trainer
+    from megatron_grpo.runner.plan_inputs import plan_for
+    from megatron_grpo.runner.plugin_params import model_params, parallel_params
 
     cfg = config_with(overrides)
     plan = plan_for(cfg)
@@ -114,14 +114,14 @@ def train_and_resume(rank: int, world_size: int, overrides: dict, root: str, mod
     """Per `logprob_passes.prev` mode: an uninterrupted run that checkpoints after 2 of 4 steps, then a resume of
     that checkpoint in another run directory; then a resume of the first mode's with another staleness (an
     error)."""
-    from megatron_grpo.grpo.checkpoint_dir import CheckpointError, step_dir_name
-    from megatron_grpo.grpo.loop import train
-    from megatron_grpo.grpo.reporting import read_metrics, without_timings
     from megatron.core import parallel_state
 
-    from megatron_grpo.grpo.plan_inputs import plan_for
-    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import init_parallel
+    from megatron_grpo.runner.checkpoint_dir import CheckpointError, step_dir_name
+    from megatron_grpo.runner.loop import train
+    from megatron_grpo.runner.plan_inputs import plan_for
+    from megatron_grpo.runner.plugin_params import parallel_params
+    from megatron_grpo.runner.reporting import read_metrics, without_timings
 
     def run(run_dir: str, resume_from, **more) -> list[dict]:
         cfg = config_with({**overrides, "checkpoint.every_n_steps": 2, "run_dir": f"{root}/{run_dir}",
@@ -195,12 +195,12 @@ def skipped_computed_and_resumed(rank: int, world_size: int, root: str) -> dict:
     resumed from its checkpoint of step 16; each train step's per-token prev, generation and mask are kept."""
     from megatron.core import parallel_state
 
-    from megatron_grpo.grpo import loop
-    from megatron_grpo.grpo.reporting import read_metrics, without_timings
     from megatron_grpo.loss import trained_token_mask
-    from megatron_grpo.grpo.plan_inputs import plan_for
-    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import init_parallel
+    from megatron_grpo.runner import loop
+    from megatron_grpo.runner.plan_inputs import plan_for
+    from megatron_grpo.runner.plugin_params import parallel_params
+    from megatron_grpo.runner.reporting import read_metrics, without_timings
 
     per_token: list[dict] = []
     original = loop.train_step

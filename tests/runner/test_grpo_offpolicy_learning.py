@@ -10,9 +10,9 @@ step 102 with staleness 1 (0.9 by step 146, or not within 130 steps), 0.9 by ste
 from __future__ import annotations
 
 import pytest
-
-from megatron_grpo.grpo.reporting import read_metrics
 from grpo_workers.launch import run, torchrun_command, write_config
+
+from megatron_grpo.runner.reporting import read_metrics
 
 STEPS = 120
 WINDOW = 10

@@ -9,8 +9,8 @@ from _configs import CONFIGS, set_key
 from _dist import run_on_ranks
 from _tolerances import MODEL_GRAD_RTOL, MODEL_LOGPROB_ATOL
 
-from megatron_grpo.config import load_config
-from megatron_grpo.config_files import read_yaml_with_defaults
+from megatron_grpo.runner.config import load_config
+from megatron_grpo.runner.config_files import read_yaml_with_defaults
 
 RAGGED = {
     "policy.tensor_model_parallel_size": 1,  # two ranks: DP 2
@@ -32,11 +32,12 @@ def _ragged_config(packed: bool):
 
 
 def first_steps(rank: int, world_size: int) -> dict:
-    from megatron_grpo.grpo.loop import Trainer
-    from megatron_grpo.grpo.plan_inputs import plan_for
-    from megatron_grpo.grpo.plugin_params import parallel_params, step_config
-    from megatron_grpo.megatron import destroy_parallel, init_parallel
     import importlib
+
+    from megatron_grpo.megatron import destroy_parallel, init_parallel
+    from megatron_grpo.runner.loop import Trainer
+    from megatron_grpo.runner.plan_inputs import plan_for
+    from megatron_grpo.runner.plugin_params import parallel_params, step_config
 
     # the package exports the function under the module's name
     train_step_module = importlib.import_module("megatron_grpo.megatron.train_step")
@@ -64,7 +65,7 @@ def first_steps(rank: int, world_size: int) -> dict:
         return train_step(step, model, optimizer, loss_fn, plan, batch,
                           **{**kwargs, "prepare_batch": recording_prepare})
 
-    from megatron_grpo.grpo import loop
+    from megatron_grpo.runner import loop
     loop.train_step = recording_train_step
     try:
         for current, cfg in configs.items():

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_grpo.__main__ import main as cli_main
-from megatron_grpo.grpo.report_cli import QUANTITIES, load_run, main, run_labels
+from megatron_grpo.runner.cli import main as cli_main
+from megatron_grpo.runner.report_cli import QUANTITIES, load_run, main, run_labels
 
 
 def _write_run(run_dir: Path, steps: int, *, entropy_key: str | None = "entropy", torn: bool = False,
@@ -104,7 +104,7 @@ def test_every_quantity_reads_the_demo_keys(tmp_path: Path) -> None:
 
 
 def test_centered_mean() -> None:
-    from megatron_grpo.grpo.report_cli import centered_mean
+    from megatron_grpo.runner.report_cli import centered_mean
 
     assert centered_mean([1.0, 3.0, 5.0, 7.0], 3) == [2.0, 3.0, 5.0, 6.0]
     assert centered_mean([2.0], 10) == [2.0]

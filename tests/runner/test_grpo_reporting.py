@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_grpo.grpo.reporting import (
+from megatron_grpo.runner.reporting import (
     METRICS_FILE,
     PLOT_FILE,
     MetricsFileError,

@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
-
-from megatron_grpo.ops import SamplingDistribution, vocab_parallel_logprobs
-from megatron_grpo.grpo.rollout import SamplingParams, generate, sampling_log_probs
 from _dist import run_on_ranks
 from logprob_reference import LOGPROB_ATOL_FP32
+
+from megatron_grpo.ops import SamplingDistribution, vocab_parallel_logprobs
+from megatron_grpo.runner.rollout import SamplingParams, generate, sampling_log_probs
 
 TRUE_VOCAB = 13
 PADDED_VOCAB = 16  # 3 padding columns, split 8 + 8 over two TP ranks

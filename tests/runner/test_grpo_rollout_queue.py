@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_grpo.grpo.rollout import Rollout
-from megatron_grpo.grpo.rollout_queue import RolloutQueue
+from megatron_grpo.runner.rollout import Rollout
+from megatron_grpo.runner.rollout_queue import RolloutQueue
 
 
 class FakeProducer:

@@ -5,11 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from megatron_grpo.grpo.checkpoint_dir import CheckpointError, publish, step_dir_name
-from megatron_grpo.grpo.run_start import (RunDirectoryError, StartPlan, carry_out, check_writable, holds_a_run,
-                                          plan_start)
 from _dist import run_on_ranks
+
+from megatron_grpo.runner.checkpoint_dir import CheckpointError, publish, step_dir_name
+from megatron_grpo.runner.run_start import (
+    RunDirectoryError,
+    StartPlan,
+    carry_out,
+    check_writable,
+    holds_a_run,
+    plan_start,
+)
 
 NOW = 1_800_000_000.0  # 2027-01-15 08:00:00 UTC
 STAMP = "20270115-080000"
@@ -59,7 +65,7 @@ def test_fresh_moves_the_run_and_an_outside_checkpoint_dir_aside_under_free_name
 def test_the_resolved_config_is_written_into_the_run_directory_fresh_has_just_moved_aside(tmp_path):
     from _configs import config_with
 
-    from megatron_grpo.config import RESOLVED_CONFIG, load_config, write_resolved_config
+    from megatron_grpo.runner.config import RESOLVED_CONFIG, load_config, write_resolved_config
 
     run_dir = tmp_path / "run"
     _old_run(run_dir, run_dir / "checkpoints", (2,))
@@ -103,7 +109,7 @@ def test_an_unusable_directory_is_named_with_its_key_and_errno(tmp_path):
 
 
 def _start_fresh(rank: int, world_size: int, run_dir: Path):
-    from megatron_grpo.grpo.runner import agree_on_start
+    from megatron_grpo.runner.train_cli import agree_on_start
 
     plan = plan_start(run_dir, run_dir / "checkpoints", "fresh")
     return agree_on_start(plan, rank)

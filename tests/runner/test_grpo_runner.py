@@ -17,12 +17,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from megatron_grpo.config import load_config
-from megatron_grpo.grpo import runner
-from megatron_grpo.grpo.checkpoint_dir import latest_checkpoint, saved_world_size, step_dir_name
-from megatron_grpo.grpo.reporting import METRICS_FILE, PLOT_FILE, read_metrics, without_timings
-from megatron_grpo.grpo.tensorboard_log import demo_record
 from _tolerances import MODEL_LOGPROB_ATOL
 from grpo_workers.launch import (
     REPO,
@@ -36,6 +30,12 @@ from grpo_workers.launch import (
     wait_for_lines,
     write_config,
 )
+
+from megatron_grpo.runner import train_cli
+from megatron_grpo.runner.checkpoint_dir import latest_checkpoint, saved_world_size, step_dir_name
+from megatron_grpo.runner.config import load_config
+from megatron_grpo.runner.reporting import METRICS_FILE, PLOT_FILE, read_metrics, without_timings
+from megatron_grpo.runner.tensorboard_log import demo_record
 
 STEPS = 6
 pytestmark = pytest.mark.slow  # torchrun jobs, end to end
@@ -156,7 +156,7 @@ def test_a_rank_killed_mid_save_takes_its_writers_along_and_the_job_resumes_by_i
     finally:
         stop_job(job)
     output = (tmp_path / "killed.txt").read_text()
-    assert code == runner.EXIT_PEER_LOST and elapsed < 60, output
+    assert code == train_cli.EXIT_PEER_LOST and elapsed < 60, output
     assert not survivors, f"processes of the killed job still alive: {survivors}"
     checkpoints = tmp_path / "run" / "checkpoints"
     step_dir = latest_checkpoint(checkpoints)
@@ -198,7 +198,7 @@ def test_ctrl_c_ends_the_job_within_10_s_in_one_line_and_the_same_command_resume
     finally:
         stop_job(job)
     output = (tmp_path / "interrupted.txt").read_text()
-    assert code == runner.EXIT_INTERRUPTED and elapsed < 10, (elapsed, output)
+    assert code == train_cli.EXIT_INTERRUPTED and elapsed < 10, (elapsed, output)
     assert not survivors, f"processes of the interrupted job still alive: {survivors}"
     assert len(output.splitlines()) <= 10, output
     (line,) = [line for line in output.splitlines() if line.startswith("interrupted")]
@@ -230,8 +230,9 @@ def test_a_hung_rank_fails_the_survivor_within_the_configured_timeout(tmp_path):
         elapsed = time.monotonic() - stopped_at
         hung.kill()
         job.wait(timeout=60)
-    except (psutil.TimeoutExpired, subprocess.TimeoutExpired):
-        raise AssertionError(f"the survivor was still running; log:\n{(tmp_path / 'log.txt').read_text()}")
+    except (psutil.TimeoutExpired, subprocess.TimeoutExpired) as still_running:
+        raise AssertionError(f"the survivor was still running; log:\n{(tmp_path / 'log.txt').read_text()}") \
+            from still_running
     finally:
         stop_job(job)
     output = (tmp_path / "log.txt").read_text()
@@ -296,7 +297,7 @@ def test_a_config_error_is_printed_once_with_its_own_exit_code_and_a_traceback_o
     code, output = run(torchrun_command(config, nproc=2), tmp_path / "log.txt")
     assert code != 0
     assert output.count("grpo.num_prompts_per_step: must be > 0") == 1, output
-    assert f"exitcode  : {runner.EXIT_CONFIG} " in output, output  # torchrun's report of the ranks
+    assert f"exitcode  : {train_cli.EXIT_CONFIG} " in output, output  # torchrun's report of the ranks
     assert f'File "{REPO / "megatron_grpo"}' not in output, output  # no traceback of ours
     code, output = run(torchrun_command(config, nproc=2, extra=("--debug",)), tmp_path / "debug.txt")
-    assert code != 0 and f'File "{REPO / "megatron_grpo" / "config.py"}' in output, output
+    assert code != 0 and f'File "{REPO / "megatron_grpo" / "runner" / "config.py"}' in output, output

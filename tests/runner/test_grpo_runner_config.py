@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-
-from megatron_grpo.config import load_config
-from megatron_grpo.grpo import runner
-from megatron_grpo.grpo.plan_inputs import plan_for
 from grpo_workers.launch import REPO, write_config
+
+from megatron_grpo.runner import train_cli
+from megatron_grpo.runner.config import load_config
+from megatron_grpo.runner.plan_inputs import plan_for
 
 TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
 
@@ -22,7 +22,7 @@ def torchrun_env(monkeypatch):
 
 
 def _run_main(argv, capsys) -> tuple[int, str]:
-    code = runner.main(argv)
+    code = train_cli.main(argv)
     assert not dist.is_initialized(), "no process group may exist after rejected input"
     return code, capsys.readouterr().err
 
@@ -46,7 +46,7 @@ def _run_main(argv, capsys) -> tuple[int, str]:
 def test_a_bad_config_is_a_config_error_naming_the_key(tmp_path, capsys, torchrun_env, overrides, key):
     config = write_config(tmp_path, **overrides)
     code, err = _run_main(["--config", str(config)], capsys)
-    assert code == runner.EXIT_BAD_INPUT
+    assert code == train_cli.EXIT_BAD_INPUT
     assert err.startswith(f"error: {config}: ") and key in err
 
 
@@ -63,7 +63,7 @@ def test_a_config_that_does_not_fit_the_world_size_is_named(tmp_path, capsys, to
                                                             world_size, overrides, message):
     monkeypatch.setenv("WORLD_SIZE", world_size)
     code, err = _run_main(["--config", str(write_config(tmp_path, **overrides))], capsys)
-    assert code == runner.EXIT_BAD_INPUT and message in err
+    assert code == train_cli.EXIT_BAD_INPUT and message in err
 
 
 def test_an_unknown_key_is_named(tmp_path, capsys, torchrun_env):
@@ -72,32 +72,32 @@ def test_an_unknown_key_is_named(tmp_path, capsys, torchrun_env):
     data["grpo"]["num_epochs"] = 2
     config.write_text(yaml.safe_dump(data))
     code, err = _run_main(["--config", str(config)], capsys)
-    assert code == runner.EXIT_BAD_INPUT and "grpo.num_epochs: unknown key" in err
+    assert code == train_cli.EXIT_BAD_INPUT and "grpo.num_epochs: unknown key" in err
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error_that_creates_nothing(tmp_path, capsys, torchrun_env):
     config = write_config(tmp_path)
     code, err = _run_main(["--config", str(config), "--resume"], capsys)
-    assert code == runner.EXIT_RUN_DIR
+    assert code == train_cli.EXIT_RUN_DIR
     assert err == (f"error: --resume: checkpoint directory {tmp_path / 'run' / 'checkpoints'} (checkpoint.dir) does "
                    "not exist; run without --resume to start from scratch\n")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["config.yaml"]  # no run directory appeared
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     code, err = _run_main(["--config", str(config), "--resume"], capsys)
-    assert code == runner.EXIT_RUN_DIR
+    assert code == train_cli.EXIT_RUN_DIR
     assert f"--resume: nothing to resume: {tmp_path / 'run' / 'checkpoints'} (checkpoint.dir) holds no" in err
     assert [path.name for path in (tmp_path / "run").rglob("*")] == ["checkpoints"]
 
 
 def test_a_missing_config_file_is_named_once(tmp_path, capsys, torchrun_env):
     code, err = _run_main(["--config", str(tmp_path / "nowhere.yaml")], capsys)
-    assert code == runner.EXIT_CONFIG
+    assert code == train_cli.EXIT_CONFIG
     assert err == f"error: {tmp_path / 'nowhere.yaml'}: cannot read the config file: No such file or directory\n"
 
 
 def test_resume_and_fresh_exclude_each_other(tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
-        runner.main(["--config", str(write_config(tmp_path)), "--resume", "--fresh"])
+        train_cli.main(["--config", str(write_config(tmp_path)), "--resume", "--fresh"])
     assert exited.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
@@ -105,7 +105,7 @@ def test_an_unwritable_checkpoint_dir_is_named_before_any_process_group(tmp_path
     (tmp_path / "not-a-dir").write_text("")
     config = write_config(tmp_path, **{"checkpoint.dir": str(tmp_path / "not-a-dir" / "checkpoints")})
     code, err = _run_main(["--config", str(config)], capsys)
-    assert code == runner.EXIT_RUN_DIR
+    assert code == train_cli.EXIT_RUN_DIR
     assert err == (f"error: checkpoint.dir: {tmp_path / 'not-a-dir' / 'checkpoints'} is not usable for this run: "
                    f"[Errno 20] Not a directory: '{tmp_path / 'not-a-dir' / 'checkpoints'}'\n")
 
@@ -114,7 +114,7 @@ def test_a_config_error_is_printed_by_rank_0_only(tmp_path, capsys, torchrun_env
     config = write_config(tmp_path, **{"grpo.num_prompts_per_step": 0})
     monkeypatch.setenv("RANK", "1")
     code, err = _run_main(["--config", str(config)], capsys)
-    assert code == runner.EXIT_CONFIG and err == ""
+    assert code == train_cli.EXIT_CONFIG and err == ""
     monkeypatch.setenv("RANK", "0")
     code, err = _run_main(["--config", str(config)], capsys)
     assert err == f"error: {config}: grpo.num_prompts_per_step: must be > 0, got 0\n"  # one problem, one line
@@ -124,7 +124,7 @@ def test_running_outside_torchrun_says_how_to_launch(tmp_path, capsys, monkeypat
     for name in TORCHRUN_ENV:
         monkeypatch.delenv(name, raising=False)
     code, err = _run_main(["--config", str(write_config(tmp_path))], capsys)
-    assert code == runner.EXIT_BAD_INPUT and "RANK" in err and "torchrun" in err
+    assert code == train_cli.EXIT_BAD_INPUT and "RANK" in err and "torchrun" in err
 
 
 @pytest.mark.parametrize("name", ["grpo_tiny_cpu.yaml", "grpo_tiny_cpu_ragged.yaml", "grpo_gpt_gpu.yaml"])
@@ -132,7 +132,7 @@ def test_the_shipped_configs_load_plan_and_pass_the_runner_checks(name):
     cfg = load_config(REPO / "configs" / name)
     plan = plan_for(cfg)
     on_cpu = name != "grpo_gpt_gpu.yaml"
-    assert runner.runner_config_problems(cfg, world_size=2 if on_cpu else 16, cuda_available=not on_cpu) == []
+    assert train_cli.runner_config_problems(cfg, world_size=2 if on_cpu else 16, cuda_available=not on_cpu) == []
     assert not plan.build_reference_model  # no KL: no reference pass, no reference model
     # on-policy: prev skipped; the ragged config takes two optimizer steps per rollout, so the second needs prev
     assert plan.compute_prev_logprobs == (name == "grpo_tiny_cpu_ragged.yaml")
@@ -140,14 +140,14 @@ def test_the_shipped_configs_load_plan_and_pass_the_runner_checks(name):
 
 def test_fp16_is_not_a_precision(tmp_path, capsys, torchrun_env):
     code, err = _run_main(["--config", str(write_config(tmp_path, **{"policy.precision": "fp16"}))], capsys)
-    assert code == runner.EXIT_BAD_INPUT
+    assert code == train_cli.EXIT_BAD_INPUT
     assert "policy.precision" in err and "fp16" in err
 
 
 def test_bf16_without_cuda_is_rejected_before_any_process_group(tmp_path, capsys, torchrun_env, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     code, err = _run_main(["--config", str(write_config(tmp_path, **{"policy.precision": "bf16"}))], capsys)
-    assert code == runner.EXIT_BAD_INPUT
+    assert code == train_cli.EXIT_BAD_INPUT
     assert "policy.precision: bf16 needs CUDA" in err
 
 
@@ -156,7 +156,7 @@ def test_bf16_without_cuda_is_rejected_before_any_process_group(tmp_path, capsys
 ])
 def test_precision_check_depends_only_on_cuda(tmp_path, precision, cuda_available, rejected):
     cfg = load_config(write_config(tmp_path, **{"policy.precision": precision}))
-    problems = runner.runner_config_problems(cfg, world_size=2, cuda_available=cuda_available)
+    problems = train_cli.runner_config_problems(cfg, world_size=2, cuda_available=cuda_available)
     assert [p for p in problems if p.startswith("policy.precision")] == (
         ["policy.precision: bf16 needs CUDA, which is not available here; use fp32 on the CPU"] if rejected else [])
 
@@ -167,12 +167,13 @@ def test_plan_and_runner_problems_are_reported_together(tmp_path, capsys, torchr
     config = write_config(tmp_path, **{"logprob_passes.reference": "skip", "loss_fn.reference_policy_kl_penalty": 0.1,
                                        "policy.pipeline_model_parallel_size": 2})
     code, err = _run_main(["--config", str(config)], capsys)
-    assert code == runner.EXIT_BAD_INPUT
+    assert code == train_cli.EXIT_BAD_INPUT
     assert err.count("invalid configuration") == 1
     assert "logprob_passes.reference = skip is unsafe" in err
-    assert "policy.tensor_model_parallel_size: 2 ranks do not split into groups of tensor × pipeline parallel size 4" in err
+    assert ("policy.tensor_model_parallel_size: 2 ranks do not split into groups of tensor × pipeline parallel size 4"
+            in err)
 
 
 def test_checked_plan_returns_the_plan_when_every_check_passes(tmp_path):
     cfg = load_config(write_config(tmp_path))
-    assert runner.checked_plan(cfg, world_size=2, cuda_available=False) == plan_for(cfg)
+    assert train_cli.checked_plan(cfg, world_size=2, cuda_available=False) == plan_for(cfg)

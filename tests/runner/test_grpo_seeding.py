@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_grpo.config import MAX_SEED
-from megatron_grpo.grpo.loop import PROMPT_STREAM, SAMPLING_STREAM, step_generator
+from megatron_grpo.runner.config import MAX_SEED
+from megatron_grpo.runner.loop import PROMPT_STREAM, SAMPLING_STREAM, step_generator
 
 
 def draw(generator: torch.Generator) -> list[int]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from megatron_grpo.grpo.statistics import rollout_statistics
-from megatron_grpo.megatron.optimizer import grad_norm_after_clipping, learning_rate
-from megatron_grpo.timing import PHASES, StepTimer, format_time_breakdown, time_breakdown_rows
 from _dist import run_on_ranks
+
+from megatron_grpo.megatron.optimizer import grad_norm_after_clipping, learning_rate
+from megatron_grpo.runner.statistics import rollout_statistics
+from megatron_grpo.timing import PHASES, StepTimer, format_time_breakdown, time_breakdown_rows
 
 EOS, PAD = 2, 0
 

@@ -8,8 +8,8 @@ import statistics
 import pytest
 import torch
 
-from megatron_grpo.grpo.advantages import group_relative_advantages
-from megatron_grpo.grpo.tasks import DigitTask, DigitTokenizer, answer_reward
+from megatron_grpo.runner.advantages import group_relative_advantages
+from megatron_grpo.runner.tasks import DigitTask, DigitTokenizer, answer_reward
 
 
 @pytest.fixture
@@ -209,13 +209,13 @@ def test_advantages_reject_a_batch_that_is_not_whole_groups():
         group_relative_advantages(torch.zeros(10), 3, normalize_by_std=True, leave_one_out=False)
 
 
-# --- What the step does with prev logprobs before the loss (grpo/shaping.py) --------------------------------------
+# --- What the step does with prev logprobs before the loss (runner/shaping.py) --------------------------------------
 
 
 def _shaping_config(**overrides):
     from _configs import set_key, tiny
 
-    from megatron_grpo.config import load_config
+    from megatron_grpo.runner.config import load_config
 
     data = tiny()
     for dotted, value in overrides.items():
@@ -240,7 +240,7 @@ def _shaping_batch(prev, generation, reference=None, token_mask=None):
 
 
 def test_sequences_over_the_logprob_error_threshold_are_masked_with_nemo_rl_metrics():
-    from megatron_grpo.grpo.shaping import PrevLogprobShaping
+    from megatron_grpo.runner.shaping import PrevLogprobShaping
 
     # Per-sequence mean exp(|gen - prev|): (e^0 + e^1) / 2 = 1.859, e^0.1 = 1.105, +inf (a -inf generation logprob),
     # 1.0. With threshold 1.5, sequences 0 and 2 are masked: 2 of 4.
@@ -257,7 +257,7 @@ def test_sequences_over_the_logprob_error_threshold_are_masked_with_nemo_rl_metr
 
 
 def test_the_kl_in_the_reward_moves_into_the_group_advantages():
-    from megatron_grpo.grpo.shaping import PrevLogprobShaping
+    from megatron_grpo.runner.shaping import PrevLogprobShaping
 
     # k1 KL(prev || ref) summed over each sequence: 0.5 + 0 and 0 + 0; penalty 0.2. Equal rewards [1, 1] become
     # [0.9, 1.0]; Dr. GRPO (no std division) gives advantages [-0.05, +0.05]: the KL alone makes the signal.
@@ -276,7 +276,7 @@ def test_the_kl_in_the_reward_moves_into_the_group_advantages():
 
 
 def test_the_kl_in_the_reward_uses_the_configured_estimator_clamps_and_only_trained_tokens():
-    from megatron_grpo.grpo.shaping import PrevLogprobShaping
+    from megatron_grpo.runner.shaping import PrevLogprobShaping
 
     # k3 with log r = ref - prev = 3 clamped to 1 at the first token (e - 2), an untrained token with a huge gap,
     # and a -inf prev (outside a filtered distribution: no defined KL). Rewards 1 and 0, std division on.

@@ -7,10 +7,10 @@ import pathlib
 
 import pytest
 
-from megatron_grpo.config import ConfigError
-from megatron_grpo.nemo_rl_config import load_nemo_rl_config, nemo_rl_decisions, nemo_rl_plan_view
+from megatron_grpo.runner.config import ConfigError
+from megatron_grpo.runner.nemo_rl_config import load_nemo_rl_config, nemo_rl_decisions, nemo_rl_plan_view
+from megatron_grpo.runner.plan_cli import main as plan_main
 from megatron_grpo.scheduler import plan_logprob_passes
-from megatron_grpo.scheduler_cli import main as plan_main
 
 NEMO = pathlib.Path(__file__).resolve().parents[1] / "nemo_rl_configs"
 SKIP_SWITCH = "grpo.skip_reference_policy_logprobs_calculation"

@@ -8,10 +8,10 @@ import pytest
 import yaml
 from _configs import TINY, config_with, set_key, tiny
 
-from megatron_grpo.config import ConfigError, load_config
-from megatron_grpo.grpo.plan_inputs import plan_for
+from megatron_grpo.runner.config import ConfigError, load_config
+from megatron_grpo.runner.plan_cli import main as plan_main
+from megatron_grpo.runner.plan_inputs import plan_for
 from megatron_grpo.scheduler import LogprobPlan
-from megatron_grpo.scheduler_cli import main as plan_main
 
 ROLLOUT_X2 = {"grpo.num_prompts_per_step": 32}  # 32 × 8 = 256 = 2 × train_global_batch_size (128)
 KL = {"loss_fn.reference_policy_kl_penalty": 0.05}

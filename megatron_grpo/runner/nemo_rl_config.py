@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from megatron_grpo.config_files import read_yaml_with_defaults
+from megatron_grpo.runner.config_files import read_yaml_with_defaults
 from megatron_grpo.scheduler import PlanInputs, PlanKeys
 from megatron_grpo.strict_config import ConfigError
 

@@ -25,8 +25,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .distribution import SamplingDistribution
-from .dtypes import compute_dtype
+from megatron_grpo.ops.core.chunking import piece_rows, pieces
+from megatron_grpo.ops.core.dtypes import compute_dtype
+from megatron_grpo.ops.distribution import SamplingDistribution
 
 
 def kept_threshold(
@@ -102,9 +103,6 @@ BUCKETS = 1 << BUCKET_BITS
 # last bin also takes every lower logit), so that the boundary's bin holds few of the row's logits.
 VALUE_BINS_PER_NAT = 8
 VALUE_BINS = 256
-# Top-p works on pieces of rows of at most about this many logits per rank (the fp64 masses, keys and bins of a piece
-# are its temporaries, some 20 bytes per logit); every rank cuts the same pieces (`_piece_rows`).
-PIECE_LOGITS = 2**23
 
 
 def _unsigned_keys(x: torch.Tensor) -> torch.Tensor:
@@ -124,13 +122,6 @@ def _value_of_unsigned_key(keys: torch.Tensor, width: int) -> torch.Tensor:
     return torch.where(signed < 0, signed ^ info.max, signed).view(float_dtype)
 
 
-def _piece_rows(true_vocab_size: int, group: dist.ProcessGroup | None) -> int:
-    """Rows per piece of top-p's selection: the same on every rank (it bounds each rank's share of the true vocab,
-    never its own width, which is smaller on the rank with the padding), since each piece runs its own collectives."""
-    share = max(1, -(-true_vocab_size // _world(group)))
-    return max(1, PIECE_LOGITS // share)
-
-
 def _histogram(index: torch.Tensor, mass: torch.Tensor, rows: int, bins: int,
                group: dist.ProcessGroup | None) -> torch.Tensor:
     """float64 `[rows, bins]`, summed over the ranks of `group`: the `mass` of each element added at its flat
@@ -145,7 +136,7 @@ def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None, grou
     """The smallest logit v of each row whose strictly larger kept logits hold a mass `< p` of the kept mass.
 
     mass(v) = the kept mass of the logits `> v` is non-increasing in v. After one all-reduce of the row max, each
-    piece of rows (`_piece_rows`) is selected in two stages:
+    piece of rows (`chunking.piece_rows`) is selected in two stages:
 
     1. the logits are binned by their distance below the row max (`VALUE_BINS`, in the order of the logits; ties
        share a bin) and the bins' masses all-reduced: the boundary is in the last non-empty bin whose higher bins
@@ -164,9 +155,8 @@ def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None, grou
     row_max = _all_reduce(local_max, dist.ReduceOp.MAX, group)
     shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     threshold = torch.empty(rows, dtype=dtype, device=x.device)
-    piece = _piece_rows(true_vocab_size, group)
-    for start in range(0, rows, piece):
-        sl = slice(start, start + piece)
+    # every rank cuts the same pieces: by its share of the true vocab, never its own (padded) width
+    for sl in pieces(rows, piece_rows(-(-true_vocab_size // _world(group)))):
         threshold[sl] = _select_top_p(x[sl], p, shift[sl], None if floor is None else floor[sl], group, logit_scale)
     threshold = torch.where(torch.isfinite(row_max), threshold, torch.full_like(threshold, float("-inf")))
     return threshold if floor is None else torch.maximum(threshold, floor)

@@ -16,10 +16,10 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.config import Config
-from megatron_grpo.grpo.advantages import group_relative_advantages
 from megatron_grpo.loss.batch import trained_token_mask
 from megatron_grpo.loss.kl import kl_estimate
+from megatron_grpo.runner.advantages import group_relative_advantages
+from megatron_grpo.runner.config import Config
 
 Batch = Mapping[str, torch.Tensor]
 

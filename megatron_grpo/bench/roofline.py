@@ -1,4 +1,4 @@
-"""The fused CUDA kernels against the memory roof: `python benchmarks/kernel_roofline.py` (a CUDA machine).
+"""The fused CUDA kernels against the memory roof: `python megatron_grpo/bench/roofline.py` (a CUDA machine).
 
 For each shape and dtype, the forward (`vocab_parallel_logprobs`, fused, no group) and the backward alone
 (`torch.autograd.grad` after an untimed forward) are timed with CUDA events, median of 20, and their bytes
@@ -79,7 +79,7 @@ def main() -> int:
                 ):
                     rate = moved / ms / 1e6
                     print(f"{str(dtype)[6:]:9} {rows:6} {cols:7} {name:26} {ms:8.3f} {rate:6.0f} {rate / roof:7.1%}")
-            del logits, leaf
+            del logits
     return 0
 
 

@@ -5,7 +5,7 @@ Torch-free, as the `plan` command and the runner's checks before any rank starts
 
 from __future__ import annotations
 
-from megatron_grpo.config import Config
+from megatron_grpo.runner.config import Config
 from megatron_grpo.scheduler import LogprobPlan, PlanInputs, plan_logprob_passes
 
 

@@ -19,18 +19,6 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.config import Config
-from megatron_grpo.grpo.advantages import group_relative_advantages
-from megatron_grpo.grpo.checkpoint import load_checkpoint, save_checkpoint
-from megatron_grpo.grpo.plugin_params import adam_params, model_params, step_config
-from megatron_grpo.grpo.reporting import Reporter, is_collapsed
-from megatron_grpo.grpo.rollout import Rollout, SamplingParams, generate
-from megatron_grpo.grpo.rollout_queue import RolloutQueue
-from megatron_grpo.grpo.shaping import PrevLogprobShaping
-from megatron_grpo.grpo.statistics import rollout_statistics
-from megatron_grpo.grpo.tasks import DigitTask, DigitTokenizer, answer_reward
-from megatron_grpo.grpo.tensorboard_log import MetricWriters
-from megatron_grpo.timing import StepTimer
 from megatron_grpo.loss import ClippedPGLoss
 from megatron_grpo.megatron import (
     Optimizer,
@@ -47,7 +35,19 @@ from megatron_grpo.megatron import (
     wrap_in_ddp,
 )
 from megatron_grpo.ops import VocabShard
+from megatron_grpo.runner.advantages import group_relative_advantages
+from megatron_grpo.runner.checkpoint import load_checkpoint, save_checkpoint
+from megatron_grpo.runner.config import Config
+from megatron_grpo.runner.plugin_params import adam_params, model_params, step_config
+from megatron_grpo.runner.reporting import Reporter, is_collapsed
+from megatron_grpo.runner.rollout import Rollout, SamplingParams, generate
+from megatron_grpo.runner.rollout_queue import RolloutQueue
+from megatron_grpo.runner.shaping import PrevLogprobShaping
+from megatron_grpo.runner.statistics import rollout_statistics
+from megatron_grpo.runner.tasks import DigitTask, DigitTokenizer, answer_reward
+from megatron_grpo.runner.tensorboard_log import MetricWriters
 from megatron_grpo.scheduler import LogprobPlan
+from megatron_grpo.timing import StepTimer
 
 PROMPT_STREAM, SAMPLING_STREAM = 0, 1
 

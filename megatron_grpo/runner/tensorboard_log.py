@@ -18,7 +18,7 @@ Groups (`metric_group`; the first rule that matches wins):
 Not written: `step` (it is TensorBoard's step axis), and values that are not numbers or booleans (`sample`, the
 decoded text). Booleans are written as 0 / 1.
 
-Measure the cost of one step's write: `python -m megatron_grpo.grpo.tensorboard_log --measure`.
+Measure the cost of one step's write: `python -m megatron_grpo.runner.tensorboard_log --measure`.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from megatron_grpo.config import ConfigError
-from megatron_grpo.helptext import DefaultsHelpFormatter
+from megatron_grpo.runner.config import ConfigError
+from megatron_grpo.runner.helptext import DefaultsHelpFormatter
 
-TIMING_SUFFIX = "_time_s"  # as megatron_grpo.grpo.reporting.TIMING_SUFFIX
+TIMING_SUFFIX = "_time_s"  # as megatron_grpo.runner.reporting.TIMING_SUFFIX
 STEP_KEY = "step"
 GROUPS = ("train", "rollout", "loss", "timing", "passes")
 
@@ -261,7 +261,7 @@ def measure(log_dir: Path, steps: int = 300, step_time_s: float = 0.17) -> dict[
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_grpo.grpo.tensorboard_log",
+    parser = argparse.ArgumentParser(prog="python -m megatron_grpo.runner.tensorboard_log",
                                      description="Time writing one step's scalars to TensorBoard.",
                                      formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--measure", action="store_true",
@@ -281,7 +281,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"TensorBoard write cost, {int(result['scalars_per_step'])} scalars per step, {int(result['steps'])} steps:\n"
           f"  write call: median {result['median_write_s'] * 1e3:.3f} ms, max {result['max_write_s'] * 1e3:.1f} ms\n"
           f"  wall clock: {result['mean_write_s'] * 1e3:.3f} ms per step with the final flush and close "
-          f"({result['close_s'] * 1e3:.0f} ms) shared out = {100 * result['share_of_step']:.2f}% of a {step:.3f} s step\n"
+          f"({result['close_s'] * 1e3:.0f} ms) shared out = {100 * result['share_of_step']:.2f}% of a "
+          f"{step:.3f} s step\n"
           f"  CPU time:   {result['cpu_s'] * 1e3:.3f} ms per step, all threads = "
           f"{100 * result['cpu_s'] / step:.2f}% of a {step:.3f} s step")
     return 0

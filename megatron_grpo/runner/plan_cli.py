@@ -15,11 +15,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-from megatron_grpo.config import RESOLVED_CONFIG, Config, ConfigError, load_config, write_resolved_config
-from megatron_grpo.grpo.checkpoint_dir import describe_os_error
-from megatron_grpo.grpo.plan_inputs import plan_inputs
-from megatron_grpo.grpo.run_start import holds_a_run
-from megatron_grpo.helptext import DefaultsHelpFormatter
+from megatron_grpo.runner.checkpoint_dir import describe_os_error
+from megatron_grpo.runner.config import RESOLVED_CONFIG, Config, ConfigError, load_config, write_resolved_config
+from megatron_grpo.runner.helptext import DefaultsHelpFormatter
+from megatron_grpo.runner.plan_inputs import plan_inputs
+from megatron_grpo.runner.run_start import holds_a_run
 from megatron_grpo.scheduler import LogprobPlan, PlanInputs, plan_logprob_passes
 
 EXIT_BAD_CONFIG = 2
@@ -104,14 +104,15 @@ def format_plan(plan: LogprobPlan, inputs: PlanInputs) -> str:
         "reasons:",
         *(f"  - {reason}" for reason in plan.reasons),
         f"forward passes saved per step: {plan.passes_saved_per_step} of 2"
-        f" ({plan.passes_saved_per_step * inputs.rollout_batch} sequence forwards of the {inputs.rollout_batch}-sequence"
+        f" ({plan.passes_saved_per_step * inputs.rollout_batch} sequence forwards of the "
+        f"{inputs.rollout_batch}-sequence"
         " rollout batch)",
     ]
     return "\n".join(lines)
 
 
 def _plan_nemo_rl(path: str) -> int:
-    from megatron_grpo.nemo_rl_config import comparison_lines, nemo_rl_plan_view
+    from megatron_grpo.runner.nemo_rl_config import comparison_lines, nemo_rl_plan_view
 
     try:
         view = nemo_rl_plan_view(path)
@@ -144,7 +145,7 @@ def _plan_nemo_rl(path: str) -> int:
 
 def dropout_source_lines() -> list[str]:
     """Where `plan --nemo-rl-config` looks for dropout, one line per source."""
-    from megatron_grpo.nemo_rl_config import DROPOUT_SOURCES
+    from megatron_grpo.runner.nemo_rl_config import DROPOUT_SOURCES
 
     lines = []
     for section, switch, keys in DROPOUT_SOURCES:

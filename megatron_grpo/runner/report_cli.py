@@ -5,8 +5,9 @@ line per run, labelled by the run directory's name. Runs of 50 steps or more sho
 over their faint raw values (`--smooth N` sets the window, `--smooth 1` draws the raw values only).
 
 The PNG goes to RUN_DIR/report.png for one run and to runs/report.png for several, unless `--out` names a place:
-never into the checkout's tracked files. Reads each run's `metrics.jsonl`; a torn last line (a crash mid-write) is dropped with a note. A quantity a run
-does not have is skipped for that run with a note, never an error. Needs matplotlib (the `bench` extra).
+never into the checkout's tracked files. Reads each run's `metrics.jsonl`; a torn last line (a crash mid-write) is
+dropped with a note. A quantity a run does not have is skipped for that run with a note, never an error. Needs
+matplotlib (the `bench` extra).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from megatron_grpo.grpo.reporting import METRICS_FILE, read_metrics_for_resume
-from megatron_grpo.helptext import DefaultsHelpFormatter
+from megatron_grpo.runner.helptext import DefaultsHelpFormatter
+from megatron_grpo.runner.reporting import METRICS_FILE, read_metrics_for_resume
 
 Record = dict[str, Any]
 SEVERAL_RUNS_OUT = Path("runs") / "report.png"  # ignored by git, where the runs themselves live by default

@@ -2,11 +2,12 @@
 
 The policy is any callable mapping `input_ids [B, S]` (on the CPU) to this rank's vocab shard of the last
 position's logits `[B, V_local]` (on its own device, so the TP gather runs where the backend wants it; with
-ragged prompts, called with `last_positions=[B]`, each row's own last position's), or to None on a rank that holds no logits (a pipeline stage before the last). Each decoding step gathers the shards
+ragged prompts, called with `last_positions=[B]`, each row's own last position's), or to None on a rank that holds
+no logits (a pipeline stage before the last). Each decoding step gathers the shards
 over the TP group (a `[B, V]` tensor, tiny next to the forward pass), drops Megatron's padded vocab columns, and
 samples on the CPU from the tempered, top-k/top-p filtered distribution (a `SamplingDistribution`, the one the
-training logprobs use, filtered by `megatron_grpo.ops.filtering`, the ops' own filter). `share_draws` then hands the sampling ranks'
-tokens to the ranks without logits.
+training logprobs use, filtered by `megatron_grpo.ops.core.filtering`, the ops' own filter). `share_draws` then
+hands the sampling ranks' tokens to the ranks without logits.
 
 Every group of rows (the samples of one prompt) draws from its own generator, which the caller keys by the
 prompt's global index: the TP ranks draw the same tokens without another collective, and a prompt's samples do
@@ -22,8 +23,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.ops.core.filtering import kept_threshold, mask_filtered
 from megatron_grpo.ops.distribution import SamplingDistribution
-from megatron_grpo.ops.filtering import kept_threshold, mask_filtered
 
 LogitsFn = Callable[..., Optional[torch.Tensor]]  # (input_ids [B, S], last_positions=[B] when ragged)
 ShareDraws = Callable[[torch.Tensor], torch.Tensor]  # [2, B] float64 (tokens, logprobs): the sampling ranks' on all
@@ -72,7 +73,7 @@ def gather_vocab(logits_shard: torch.Tensor, true_vocab_size: int, group: Option
 
 def sampling_log_probs(logits: torch.Tensor, distribution: SamplingDistribution) -> torch.Tensor:
     """Log-probabilities `[B, V]` of the sampling distribution: softmax(logit_scale * logits) over the tokens that
-    top-k and then top-p keep (`megatron_grpo.ops.filtering`); filtered tokens get -inf. The scaled logits are
+    top-k and then top-p keep (`megatron_grpo.ops.core.filtering`); filtered tokens get -inf. The scaled logits are
     formed in fp32 as the kernels form them."""
     scaled = logits.to(torch.float32) * distribution.logit_scale
     threshold = kept_threshold(scaled, distribution, true_vocab_size=scaled.shape[-1], scaled=True)

@@ -3,11 +3,12 @@
 Megatron's side (sharded state dicts, the `dist_checkpointing` writer and reader) is
 `megatron_grpo.megatron.checkpointing`; this module decides what is saved, publishes and verifies it, and
 resumes. The checkpoint holds the model's `sharded_state_dict()` and the optimizer's state: on CUDA Megatron's
-distributed optimizer shards its own (fully reshardable); on the CPU the plain `torch.optim` Adam has its
-moments sharded like their parameters, and its step count, shared by every parameter, saved once. Each rank's RNG state is a per-rank object, and so are its rollouts in
-flight when `grpo.max_rollout_staleness` > 0 (the queue is part of the checkpoint, not regenerated: the older
-weights that made it are gone). A checkpoint therefore loads into another tensor-parallel size too (unless
-rollouts are in flight: they belong to the saved ranks), and resumes bit-exactly into the same one.
+distributed optimizer shards its own (fully reshardable); on the CPU the plain `torch.optim` Adam has its moments
+sharded like their parameters, and its step count, shared by every parameter, saved once. Each rank's RNG state is a
+per-rank object, and so are its rollouts in flight when `grpo.max_rollout_staleness` > 0 (the queue is part of the
+checkpoint, not regenerated: the older weights that made it are gone). A checkpoint therefore loads into another
+tensor-parallel size too (unless rollouts are in flight: they belong to the saved ranks), and resumes bit-exactly
+into the same one.
 
 Each checkpoint is a dist_checkpointing directory `<dir>/step_00000050/`, published with the checksum of every
 file once every rank's shards are on disk (see `checkpoint_dir`). On load the checksums are verified first
@@ -28,7 +29,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from megatron_grpo.grpo.checkpoint_dir import (
+from megatron_grpo.megatron import (
+    Optimizer,
+    is_megatron_optimizer,
+    last_error_line,
+    load_sharded,
+    per_rank_object,
+    save_sharded,
+    sharded_model_and_optimizer,
+)
+from megatron_grpo.runner.checkpoint_dir import (
     AgreedCheckpointError,
     CheckpointError,
     describe_os_error,
@@ -39,16 +49,7 @@ from megatron_grpo.grpo.checkpoint_dir import (
     unpublish,
     verify_checksums,
 )
-from megatron_grpo.grpo.rollout_queue import RolloutQueue
-from megatron_grpo.megatron import (
-    Optimizer,
-    is_megatron_optimizer,
-    last_error_line,
-    load_sharded,
-    per_rank_object,
-    save_sharded,
-    sharded_model_and_optimizer,
-)
+from megatron_grpo.runner.rollout_queue import RolloutQueue
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 QUOTED_OS_ERROR = re.compile(r"\[Errno (?P<errno>\d+)\] (?P<strerror>[^:\n]+)(?:: '(?P<filename>[^'\n]+)')?")

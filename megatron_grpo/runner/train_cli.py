@@ -11,7 +11,7 @@ hung; the survivor says so, names the rank(s) it lost contact with, and exits no
 Expected failures print one message (a config error only on rank 0, as every rank finds the same one) and
 exit with their own code; `--debug` adds the Python traceback. Ctrl-C (SIGINT, which torchrun forwards to every
 rank) ends every rank at once; rank 0 says at which step, and which checkpoint a rerun resumes from. The
-`megatron-grpo` launcher (`megatron_grpo.launcher`) runs the same checks before it starts any rank and turns the
+`megatron-grpo` launcher (`megatron_grpo.runner.launcher`) runs the same checks before it starts any rank and turns the
 ranks' exit codes into one line; under a bare `torchrun`, torchrun adds its own failure report.
 """
 
@@ -31,16 +31,28 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.config import RESOLVED_CONFIG, Config, ConfigError, load_config, write_resolved_config
-from megatron_grpo.grpo.checkpoint_dir import (AgreedCheckpointError, CheckpointError, describe_os_error,
-                                               find_resumable, loadable_sentence)
-from megatron_grpo.grpo.lifetime import bind_forked_children, die_with_parent, on_signal
-from megatron_grpo.grpo.reporting import MetricsFileError
-from megatron_grpo.grpo.run_start import RunDirectoryError, StartMode, StartPlan, carry_out, check_writable, plan_start
-from megatron_grpo.grpo.tasks import DigitTask, DigitTokenizer
-from megatron_grpo.helptext import DefaultsHelpFormatter
-from megatron_grpo.notices import megatron_summary, quiet_megatron_notices
-from megatron_grpo.grpo.plan_inputs import plan_for
+from megatron_grpo.megatron.notices import megatron_summary, quiet_megatron_notices
+from megatron_grpo.runner.checkpoint_dir import (
+    AgreedCheckpointError,
+    CheckpointError,
+    describe_os_error,
+    find_resumable,
+    loadable_sentence,
+)
+from megatron_grpo.runner.config import RESOLVED_CONFIG, Config, ConfigError, load_config, write_resolved_config
+from megatron_grpo.runner.helptext import DefaultsHelpFormatter
+from megatron_grpo.runner.lifetime import bind_forked_children, die_with_parent, on_signal
+from megatron_grpo.runner.plan_inputs import plan_for
+from megatron_grpo.runner.reporting import MetricsFileError
+from megatron_grpo.runner.run_start import (
+    RunDirectoryError,
+    StartMode,
+    StartPlan,
+    carry_out,
+    check_writable,
+    plan_start,
+)
+from megatron_grpo.runner.tasks import DigitTask, DigitTokenizer
 from megatron_grpo.scheduler import LogprobPlan
 
 EXIT_FAILED = 1  # an unexpected error: a bug, shown with its traceback
@@ -106,9 +118,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     summary = megatron_summary(cuda_available=torch.cuda.is_available())
     if summary and rank == 0:
         print(summary, flush=True)
-    from megatron_grpo.grpo.loop import train  # imports megatron.core: only once the input is known to be good
-    from megatron_grpo.grpo.plugin_params import parallel_params
     from megatron_grpo.megatron import ModelCheckpointError, destroy_parallel, init_parallel
+    from megatron_grpo.runner.loop import train  # imports megatron.core: only once the input is known to be good
+    from megatron_grpo.runner.plugin_params import parallel_params
 
     layout = init_parallel(parallel_params(cfg))
     try:
@@ -279,8 +291,9 @@ def _fail(message: str, code: int, debug: bool, *, show: bool = True) -> int:
             traceback.print_exc()
         print(message, file=sys.stderr, flush=True)
     elif code == EXIT_CONFIG and "TORCHELASTIC_RUN_ID" in os.environ:
-        # Every rank found this config error; rank 0 says it. Torchrun stops every rank once one exits: a silent rank that exits first could stop
-        # the one that reports before it has (on a loaded machine), so it leaves the reporting rank time to.
+        # Every rank found this config error; rank 0 says it. Torchrun stops every rank once one exits: a silent rank
+        # that exits first could stop the one that reports before it has (on a loaded machine), so it leaves the
+        # reporting rank time to.
         time.sleep(SILENT_RANK_EXIT_DELAY_S)
     return code
 
@@ -307,8 +320,9 @@ def _bind_process_lifetimes(rank: int, checkpoint_dir: Path, *, quiet: bool) -> 
 def _require_torchrun() -> None:
     missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
     if missing:
-        raise NotLaunchedError(f"{', '.join(missing)} not set: launch with `megatron-grpo --nproc-per-node N train --config "
-                      "X.yaml` (or `torchrun --nproc-per-node N -m megatron_grpo train --config X.yaml`)")
+        raise NotLaunchedError(f"{', '.join(missing)} not set: launch with `megatron-grpo --nproc-per-node N train "
+                               "--config X.yaml` (or `torchrun --nproc-per-node N -m megatron_grpo train --config "
+                               "X.yaml`)")
 
 
 def _lost_peer_message(rank: int, world_size: int, err: BaseException, checkpoint_dir: Path) -> str:

@@ -10,10 +10,15 @@ import sys
 import warnings
 
 import pytest
-
-from megatron_grpo.notices import (CPU_ONLY_WARNINGS, KNOWN_LOG_RECORDS, KNOWN_WARNINGS, megatron_summary,
-                                   quiet_megatron_notices)
 from grpo_workers.launch import REPO, job_env
+
+from megatron_grpo.megatron.notices import (
+    CPU_ONLY_WARNINGS,
+    KNOWN_LOG_RECORDS,
+    KNOWN_WARNINGS,
+    megatron_summary,
+    quiet_megatron_notices,
+)
 
 
 def _shown(verbose: bool, cuda_available: bool, messages: list[tuple[type, str]]) -> list[str]:
@@ -67,7 +72,7 @@ def test_the_summary_line_is_for_cuda_machines_without_te_or_apex(cuda_available
 
 def test_importing_megatron_core_prints_nothing_once_quieted():
     """The listed texts are the ones megatron-core emits on import here (a changed text would show again)."""
-    code = ("from megatron_grpo.notices import quiet_megatron_notices; quiet_megatron_notices(); "
+    code = ("from megatron_grpo.megatron.notices import quiet_megatron_notices; quiet_megatron_notices(); "
             "import megatron_grpo.megatron, megatron.core.optimizer, megatron.core.dist_checkpointing; "
             "from megatron_grpo.megatron import build_gpt_model")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,

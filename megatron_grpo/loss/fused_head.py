@@ -20,7 +20,7 @@ then goes into Megatron DDP's `main_grad` where the weight has one, with Megatro
 (`main_grad`). `dH` is this rank's partial sum over its vocab shard: the caller reduces it over TP where Megatron's
 output layer does, as for the op. Chunks hold whole sequences, so a loss term that couples a sequence's tokens
 (GSPO's sequence ratio, sequence-mean aggregation) is exact; a sequence whose trained rows exceed the chunk budget is
-a chunk of its own. A packed batch (`[1, T]` with `cu_seqlens`, `ops.packing`) is cut the same way, each chunk a
+a chunk of its own. A packed batch (`[1, T]` with `cu_seqlens`, `loss.packing`) is cut the same way, each chunk a
 run of whole packed sequences (a packed sub-batch of its own); under context parallelism the CP ranks cut the same
 chunks. The value and metrics come from one more loss evaluation on the whole microbatch's (detached) logprobs.
 No top-k / top-p here (use the op, `vocab_parallel_linear_logprobs`). The loss is a Python callable, so
@@ -35,19 +35,25 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .backends import Implementation
-from .checks import check_linear_inputs, check_target_ids
-from .context_shard import ContextShard
-from .chunks import WeightGradient, chunk_buffer, chunk_logits, chunk_rows_for, hidden_gradient
-from .distribution import SamplingDistribution
-from .dtypes import compute_dtype
-from .linear_logprobs import LinearCall
-from .main_grad import added_to_main_grad, main_grad_of
-from .packing import CU_SEQLENS, SequenceLayout
-from .partials import combine_partials, gather_partials
-from .rows import row_gradient
-from .shift import next_token_targets
-from .vocab_shard import VocabShard
+from megatron_grpo.loss.packing import CU_SEQLENS, SequenceLayout
+from megatron_grpo.ops.context_shard import ContextShard
+from megatron_grpo.ops.core.backends import Implementation
+from megatron_grpo.ops.core.checks import check_linear_inputs, check_target_ids
+from megatron_grpo.ops.core.chunking import chunk_rows_for, sequence_chunks
+from megatron_grpo.ops.core.dtypes import compute_dtype
+from megatron_grpo.ops.core.gemm import (
+    WeightGradient,
+    added_to_main_grad,
+    chunk_buffer,
+    chunk_logits,
+    hidden_gradient,
+    main_grad_of,
+)
+from megatron_grpo.ops.core.partials import combine_partials, gather_partials
+from megatron_grpo.ops.core.rows import next_token_targets, row_gradient
+from megatron_grpo.ops.distribution import SamplingDistribution
+from megatron_grpo.ops.linear_logprobs import LinearCall
+from megatron_grpo.ops.vocab_shard import VocabShard
 
 Batch = Mapping[str, torch.Tensor]
 # loss_fn(batch, curr_logprobs, curr_entropy) -> (loss, metrics): a sequence-additive loss on precomputed
@@ -163,20 +169,6 @@ def _rows_of(per_token: torch.Tensor | None, positions: torch.Tensor, like: torc
     return row_gradient(per_token.reshape(-1).index_select(0, positions), positions.numel(), like)
 
 
-def sequence_chunks(trained_rows_per_sequence: list[int], chunk_rows: int) -> list[slice]:
-    """Consecutive sequences grouped so each group has at most `chunk_rows` trained rows (a longer sequence is a
-    group of its own); sequences without a trained row join their neighbours."""
-    chunks, start, rows = [], 0, 0
-    for index, count in enumerate(trained_rows_per_sequence):
-        if rows and rows + count > chunk_rows:
-            chunks.append(slice(start, index))
-            start, rows = index, 0
-        rows += count
-    if start < len(trained_rows_per_sequence):
-        chunks.append(slice(start, len(trained_rows_per_sequence)))
-    return chunks
-
-
 def loss_fused_linear(
     loss_fn: SequenceLoss,
     hidden: torch.Tensor,
@@ -198,8 +190,8 @@ def loss_fused_linear(
     over TP by the caller) and `weight`.
 
     `targets` `[B, S]`: the sequences' token ids, < 0 where a token is not trained (the ops' `shift=True` targets).
-    A packed batch (`batch['cu_seqlens']`, `ops.packing`) has `[1, T, H]` hidden states and `[1, T]` targets, < 0 at
-    every sequence's first token (`ops.packing.next_token_targets_of`), so no logprob crosses a boundary.
+    A packed batch (`batch['cu_seqlens']`, `loss.packing`) has `[1, T, H]` hidden states and `[1, T]` targets, < 0 at
+    every sequence's first token (`loss.packing.next_token_targets_of`), so no logprob crosses a boundary.
     `loss_fn(batch, curr_logprobs, curr_entropy)` must be sequence-additive: its value on a subset of the
     sequences (`batch` cut by `SequenceLayout.select`) is their share of the whole (e.g. `ClippedPGLoss` with the
     global counts bound). `distribution`: its scale only (a filtered one is a ValueError).

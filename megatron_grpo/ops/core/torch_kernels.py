@@ -1,7 +1,7 @@
 """Plain-torch kernels with the exact contract of the fused ones (csrc/logprob_common.h).
 
 Used when `megatron_grpo._C` cannot be loaded, for float64 logits, and as the anchor of the kernel tests. Rows
-are processed in chunks so the fp32 temporaries stay bounded whatever the number of tokens.
+are processed in pieces (`chunking.piece_rows`) so the temporaries stay bounded whatever the number of tokens.
 
 `logit_scale` (> 0): the kernels see z = logit_scale * logits (rounded in the compute dtype, as the fused
 kernels do); the threshold, lse and mean_x are in units of z, and the gradient is logit_scale * d/dz.
@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .dtypes import compute_dtype
-from .partials import Partials
-
-ROWS_PER_CHUNK = 1024
+from megatron_grpo.ops.core.chunking import piece_rows, pieces
+from megatron_grpo.ops.core.dtypes import compute_dtype
+from megatron_grpo.ops.core.partials import Partials
 
 
 def _local_target_column(targets: torch.Tensor, vocab_start: int, valid_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,8 +46,7 @@ def logprob_partials(
     dtype = compute_dtype(logits.dtype)
     rows = logits.shape[0]
     out = torch.empty(rows, Partials.width(with_entropy), dtype=dtype, device=logits.device)
-    for start in range(0, rows, ROWS_PER_CHUNK):
-        sl = slice(start, start + ROWS_PER_CHUNK)
+    for sl in pieces(rows, piece_rows(logits.shape[1])):
         out[sl] = _chunk_partials(logits[sl], targets[sl], vocab_start, valid_cols, with_entropy, dtype,
                                   None if threshold is None else threshold[sl], logit_scale)
     return out
@@ -105,8 +103,7 @@ def logprob_backward(
 
     With a per-row `threshold`, logits below it (the target included) get exactly 0.
     """
-    for start in range(0, logits.shape[0], ROWS_PER_CHUNK):
-        sl = slice(start, start + ROWS_PER_CHUNK)
+    for sl in pieces(logits.shape[0], piece_rows(logits.shape[1])):
         grad = _chunk_backward(
             logits[sl], targets[sl], vocab_start, valid_cols, lse[sl],
             None if mean_x is None else mean_x[sl], grad_logprob[sl],
@@ -149,9 +146,8 @@ def logprob_partials_writing_exps(
     valid columns of the non-ignored rows: the in-place exp mode's forward."""
     partials = logprob_partials(logits, targets, vocab_start, valid_cols, with_entropy, threshold, logit_scale)
     dtype = compute_dtype(logits.dtype)
-    for start in range(0, logits.shape[0], ROWS_PER_CHUNK):
-        sl = slice(start, start + ROWS_PER_CHUNK)
-        rows = (targets[sl] >= 0).nonzero().squeeze(1) + start
+    for sl in pieces(logits.shape[0], piece_rows(logits.shape[1])):
+        rows = (targets[sl] >= 0).nonzero().squeeze(1) + sl.start
         if rows.numel() == 0 or valid_cols == 0:
             continue
         z = _filtered(_scaled(logits[rows, :valid_cols].to(dtype), logit_scale),
@@ -170,8 +166,7 @@ def logprob_backward_from_exps(
     prob_scale except at the target, where p = target_prob; padding columns and ignored rows get 0. No entropy
     term."""
     dtype = compute_dtype(exps.dtype)
-    for start in range(0, exps.shape[0], ROWS_PER_CHUNK):
-        sl = slice(start, start + ROWS_PER_CHUNK)
+    for sl in pieces(exps.shape[0], piece_rows(exps.shape[1])):
         grad = torch.zeros(exps[sl].shape, dtype=dtype, device=exps.device)
         p = exps[sl, :valid_cols].to(dtype) * prob_scale[sl].to(dtype)[:, None]
         g = grad_logprob[sl].to(dtype) * logit_scale

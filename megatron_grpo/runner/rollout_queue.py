@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_grpo.grpo.rollout import Rollout
+from megatron_grpo.runner.rollout import Rollout
 
 
 @dataclass(frozen=True)

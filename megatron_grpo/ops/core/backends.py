@@ -1,5 +1,5 @@
-"""Chooses who computes the partials and the gradient: the fused kernels of `megatron_grpo._C`, or the
-plain-torch reference. Both honour the same contract; the reference also covers float64 and devices the
+"""Chooses who computes the partials and the gradient: the fused kernels of `megatron_grpo._C`, or their plain-torch
+twins (`torch_kernels`). Both honour the same contract; the torch kernels also cover float64 and devices the
 extension was not built for. When `_C` cannot be used, a one-time warning says why.
 """
 
@@ -13,10 +13,10 @@ from typing import Literal, Protocol
 
 import torch
 
-from . import reference
+from megatron_grpo.ops.core import torch_kernels
 
-Implementation = Literal["auto", "fused", "reference"]
-IMPLEMENTATIONS = ("auto", "fused", "reference")
+Implementation = Literal["auto", "fused", "torch"]
+IMPLEMENTATIONS = ("auto", "fused", "torch")
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -86,17 +86,17 @@ def _require_cpu_for_exp_mode(logits: torch.Tensor) -> None:
     if logits.device.type != "cpu":
         raise NotImplementedError(
             f"inplace_backward='exp' has fused kernels for CPU only, not {logits.device.type}; "
-            "use inplace_backward=True (or implementation='reference')"
+            "use inplace_backward=True (or implementation='torch')"
         )
 
 
-class ReferenceKernels:
-    """The plain-torch kernels of `megatron_grpo.ops.reference`."""
+class TorchKernels:
+    """The plain-torch kernels of `megatron_grpo.ops.core.torch_kernels`."""
 
-    logprob_partials = staticmethod(reference.logprob_partials)
-    logprob_backward = staticmethod(reference.logprob_backward)
-    logprob_partials_writing_exps = staticmethod(reference.logprob_partials_writing_exps)
-    logprob_backward_from_exps = staticmethod(reference.logprob_backward_from_exps)
+    logprob_partials = staticmethod(torch_kernels.logprob_partials)
+    logprob_backward = staticmethod(torch_kernels.logprob_backward)
+    logprob_partials_writing_exps = staticmethod(torch_kernels.logprob_partials_writing_exps)
+    logprob_backward_from_exps = staticmethod(torch_kernels.logprob_backward_from_exps)
 
 
 @functools.cache
@@ -155,20 +155,20 @@ def fused_supports(device: torch.device) -> bool:
 
 @functools.cache
 def _warn_fallback(reason: str) -> None:
-    warnings.warn(f"megatron_grpo: using the plain-torch reference logprob kernels: {reason}", stacklevel=3)
+    warnings.warn(f"megatron_grpo: using the plain-torch logprob kernels: {reason}", stacklevel=3)
 
 
 def select_kernels(logits: torch.Tensor, implementation: Implementation) -> Kernels:
-    """The kernels for these logits; `auto` prefers fused and falls back to the reference with a warning."""
+    """The kernels for these logits; `auto` prefers fused and falls back to the torch kernels with a warning."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {', '.join(map(repr, IMPLEMENTATIONS))}, "
                          f"got {implementation!r}")
-    if implementation == "reference":
-        return ReferenceKernels()
+    if implementation == "torch":
+        return TorchKernels()
     if logits.dtype not in FUSED_DTYPES:
         if implementation == "fused":
             raise ValueError(f"the fused kernels support float32, bfloat16 and float16 logits, got {logits.dtype}")
-        return ReferenceKernels()
+        return TorchKernels()
     if fused_supports(logits.device):
         return FusedKernels()
     loaded, reason = extension_status()
@@ -179,4 +179,4 @@ def select_kernels(logits: torch.Tensor, implementation: Implementation) -> Kern
     if implementation == "fused":
         raise RuntimeError(f"fused logprob kernels unavailable: {reason}")
     _warn_fallback(reason)
-    return ReferenceKernels()
+    return TorchKernels()

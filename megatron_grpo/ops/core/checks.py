@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .dtypes import LOGITS_DTYPES
-from .vocab_shard import VocabShard
+from megatron_grpo.ops.core.dtypes import LOGITS_DTYPES
+from megatron_grpo.ops.vocab_shard import VocabShard
 
 INPLACE_BACKWARD_MODES = (False, True, "exp")
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from megatron_grpo.config import RESOLVED_CONFIG
-from megatron_grpo.grpo.checkpoint_dir import CheckpointError, describe_os_error, find_resumable
+from megatron_grpo.runner.checkpoint_dir import CheckpointError, describe_os_error, find_resumable
+from megatron_grpo.runner.config import RESOLVED_CONFIG
 
 StartMode = Literal["auto", "resume", "fresh"]
 PREVIOUS_SUFFIX = ".previous-"

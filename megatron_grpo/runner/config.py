@@ -15,8 +15,8 @@ from typing import Any, Callable, ClassVar, Literal, Mapping
 
 import yaml
 
-from megatron_grpo.config_files import ConfigLoader, read_yaml, read_yaml_with_defaults
 from megatron_grpo.loss.config import ClippedPGLossConfig
+from megatron_grpo.runner.config_files import ConfigLoader, read_yaml, read_yaml_with_defaults
 from megatron_grpo.scheduler import PassMode, PrevMode
 from megatron_grpo.strict_config import ConfigError, StrictSection, build_section
 
@@ -144,7 +144,7 @@ class OptimizerConfig(StrictSection):
 @dataclass(frozen=True, init=False)
 class SequencePackingConfig(StrictSection):
     """NeMo-RL's `policy.sequence_packing`, its keys with its meanings: each microbatch packs whole sequences end
-    to end (THD, `ops.packing`) up to a token budget instead of `train_micro_batch_size` padded rows."""
+    to end (THD, `loss.packing`) up to a token budget instead of `train_micro_batch_size` padded rows."""
 
     SECTION: ClassVar[str] = "policy.sequence_packing"
 
@@ -283,7 +283,7 @@ class CheckpointConfig(StrictSection):
 
 @dataclass(frozen=True, init=False)
 class LoggingConfig(StrictSection):
-    """Console output, and the scalar logs of the run directory (rank 0 writes; see grpo/tensorboard_log.py)."""
+    """Console output, and the scalar logs of the run directory (rank 0 writes; see runner/tensorboard_log.py)."""
 
     SECTION: ClassVar[str] = "logging"
 

@@ -3,7 +3,7 @@
 `megatron-grpo --nproc-per-node 2 train --config X.yaml` is `torchrun --nproc-per-node 2 -m megatron_grpo train
 --config X.yaml`: the same options and defaults, parsed by torchrun's own parser, and the ranks run by torchrun's
 own elastic agent, inside this process. What it adds:
-- `train`'s config, plan and run directory are checked here (`runner.preflight`) before any rank starts: a bad
+- `train`'s config, plan and run directory are checked here (`train_cli.preflight`) before any rank starts: a bad
   config ends the job with its `error:` line and exit code 2, an unusable run or checkpoint directory with 3.
 - When ranks fail, their exit codes become the job's (0 done, 1 a bug whose traceback a rank printed, 2 config,
   3 run or checkpoint directory, 4 a rank died or lost contact, 130 Ctrl-C), and a rank that died from a signal
@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
 
     from torch.distributed.run import get_args_parser
 
-    from megatron_grpo.grpo import runner
+    from megatron_grpo.runner import train_cli
 
     parser = get_args_parser()
     parser.prog = "megatron-grpo"
@@ -55,18 +55,19 @@ def main(argv: list[str]) -> int:
     if foreign or not any([command, *command_args][:len(launched)] == list(launched) for launched in LAUNCHED):
         what = f"--{foreign[0].replace('_', '-')}" if foreign else f"`{command}`"
         print(f"error: megatron-grpo launches `train`, `bench scheduler`, `bench packing` and `bench step` under "
-              f"torchrun, not {what}; run other commands without torchrun options (`megatron-grpo plan ...`), and other programs with torchrun",
+              f"torchrun, not {what}; run other commands without torchrun options (`megatron-grpo plan ...`), and "
+              "other programs with torchrun",
               file=sys.stderr)
-        return runner.EXIT_CONFIG
+        return train_cli.EXIT_CONFIG
 
     checkpoint_dir, verbose, debug = None, "LOGLEVEL" in os.environ, False
     if command == "train":
-        train_args = runner.parse_args(command_args)  # a bad argument exits here, with argparse's message
+        train_args = train_cli.parse_args(command_args)  # a bad argument exits here, with argparse's message
         verbose, debug = verbose or train_args.verbose, train_args.debug
         try:
-            cfg, _plan, _start = runner.preflight(train_args, world_size=_world_size(args))
+            cfg, _plan, _start = train_cli.preflight(train_args, world_size=_world_size(args))
         except Exception as err:  # noqa: BLE001 - the expected failures of the checks; anything else is a bug
-            failure = runner.start_failure(err, train_args.config)
+            failure = train_cli.start_failure(err, train_args.config)
             if failure is None:
                 raise
             message, code, _every_rank = failure
@@ -81,7 +82,7 @@ def main(argv: list[str]) -> int:
     if not verbose:
         _quiet_torchrun_logs()
     args.module, args.training_script, args.training_script_args = True, "megatron_grpo", [command, *command_args]
-    os.environ[runner.LAUNCHER_VARIABLE] = "1"  # read by the ranks, which inherit this process's environment
+    os.environ[train_cli.LAUNCHER_VARIABLE] = "1"  # read by the ranks, which inherit this process's environment
     return _run(args, checkpoint_dir, debug)
 
 
@@ -90,7 +91,7 @@ def _run(args: Any, checkpoint_dir: Optional[Path], debug: bool) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run as torchrun
 
-    from megatron_grpo.grpo import runner
+    from megatron_grpo.runner import train_cli
 
     try:
         torchrun(args)
@@ -99,11 +100,11 @@ def _run(args: Any, checkpoint_dir: Optional[Path], debug: bool) -> int:
     except SignalException as err:  # the agent was signalled; it has passed the signal on to every rank
         code, line = stopped_outcome(signal.Signals(err.sigval), checkpoint_dir)
     except KeyboardInterrupt:  # Ctrl-C before the agent started any rank
-        code, line = runner.EXIT_INTERRUPTED, "interrupted before any rank started; nothing was trained"
+        code, line = train_cli.EXIT_INTERRUPTED, "interrupted before any rank started; nothing was trained"
     except Exception as err:  # noqa: BLE001 - torchrun's own failures (rendezvous, ...): one line, or the traceback
         if debug:
             traceback.print_exc()
-        code, line = runner.EXIT_FAILED, f"error: torchrun: {type(err).__name__}: {err}"
+        code, line = train_cli.EXIT_FAILED, f"error: torchrun: {type(err).__name__}: {err}"
     else:
         return 0
     if line:
@@ -119,25 +120,25 @@ def job_outcome(exit_codes: dict[int, int], checkpoint_dir: Optional[Path]) -> t
     traceback the rank printed). Then a rank that died from a signal other than the agent's SIGTERM (which the
     agent sends to the other ranks once one has failed) is a lost peer (4), named here. Then 130 when the ranks
     were interrupted, else 4 (ranks that lost contact with a hung peer, each of which said so)."""
-    from megatron_grpo.grpo import runner
+    from megatron_grpo.runner import train_cli
 
     codes = set(exit_codes.values())
-    for code in (runner.EXIT_CONFIG, runner.EXIT_RUN_DIR):
+    for code in (train_cli.EXIT_CONFIG, train_cli.EXIT_RUN_DIR):
         if code in codes:
             return code, None
-    ours = {runner.EXIT_CONFIG, runner.EXIT_RUN_DIR, runner.EXIT_PEER_LOST, runner.EXIT_INTERRUPTED}
+    ours = {train_cli.EXIT_CONFIG, train_cli.EXIT_RUN_DIR, train_cli.EXIT_PEER_LOST, train_cli.EXIT_INTERRUPTED}
     bugs = sorted((rank, code) for rank, code in exit_codes.items() if code > 0 and code not in ours)
     if bugs:
         rank, code = bugs[0]
-        return runner.EXIT_FAILED, f"error: rank {rank} failed (exit code {code}); its traceback is above"
+        return train_cli.EXIT_FAILED, f"error: rank {rank} failed (exit code {code}); its traceback is above"
     died = sorted((rank, -code) for rank, code in exit_codes.items() if code < 0 and -code != signal.SIGTERM)
     if died:
         names = "; ".join(f"rank {rank} died ({_signal_name(number)})" for rank, number in died)
-        return runner.EXIT_PEER_LOST, (f"error: {names}; the other ranks were stopped. "
+        return train_cli.EXIT_PEER_LOST, (f"error: {names}; the other ranks were stopped. "
                                        f"{_resumable_sentence(checkpoint_dir)}").rstrip()
-    if codes == {runner.EXIT_INTERRUPTED}:
-        return runner.EXIT_INTERRUPTED, None
-    return runner.EXIT_PEER_LOST, None
+    if codes == {train_cli.EXIT_INTERRUPTED}:
+        return train_cli.EXIT_INTERRUPTED, None
+    return train_cli.EXIT_PEER_LOST, None
 
 
 def stopped_outcome(sig: signal.Signals, checkpoint_dir: Optional[Path]) -> tuple[int, Optional[str]]:
@@ -151,7 +152,7 @@ def stopped_outcome(sig: signal.Signals, checkpoint_dir: Optional[Path]) -> tupl
 def _resumable_sentence(checkpoint_dir: Optional[Path]) -> str:
     if checkpoint_dir is None:
         return ""
-    from megatron_grpo.grpo.checkpoint_dir import loadable_sentence
+    from megatron_grpo.runner.checkpoint_dir import loadable_sentence
 
     sentence = loadable_sentence(checkpoint_dir)
     return sentence[:1].upper() + sentence[1:] + "."

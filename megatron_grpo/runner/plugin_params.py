@@ -6,9 +6,9 @@ One function per parameter object, each reading only the keys behind it. (The sc
 
 from __future__ import annotations
 
-from megatron_grpo.config import Config
 from megatron_grpo.megatron import AdamParams, GPTModelParams, ParallelParams, StepConfig
 from megatron_grpo.ops.distribution import SamplingDistribution
+from megatron_grpo.runner.config import Config
 
 
 def parallel_params(cfg: Config) -> ParallelParams:

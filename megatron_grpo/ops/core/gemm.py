@@ -1,9 +1,19 @@
-"""The chunked linear layer under the fused paths (`vocab_parallel_linear_logprobs` and the loss-fused path): how a
-call is cut into chunks of rows, the chunk GEMMs, and dW summed over the chunks.
+"""The chunked linear layer under the fused paths (`vocab_parallel_linear_logprobs` and the loss-fused head): the chunk
+GEMMs and dW summed over the chunks (the chunks themselves are cut by `chunking`).
 
 Per chunk, `logits = scale * h @ W_valid^T` over the shard's real (non-padding) columns only, into one reused
 buffer; in backward the kernel overwrites that buffer with d/d(logits), then `dH = scale * dlogits @ W_valid` and
 `dW_valid += scale * dlogits^T h` (`WeightGradient`).
+
+dW goes into Megatron DDP's gradient buffers where the weight has them, as its `ColumnParallelLinear` does with
+`gradient_accumulation_fusion`. Megatron-Core's `DistributedDataParallel` gives every trained parameter a `main_grad`
+(a view into its fp32 gradient buffer) and a flag `grad_added_to_main_grad`, reset by `zero_grad_buffer()`. Its
+backward hook adds `param.grad` into `main_grad`, unless a layer already added its weight gradient there and said so
+with the flag. The fused paths then sum dW straight into `main_grad`, with no fp32 accumulator of their own and no dW
+in the weight's dtype, and hand autograd the dummy gradient Megatron's layers hand it (the hook still runs, which
+`overlap_grad_reduce` needs). The dummy is zeros where the weight is also used elsewhere (`zero_out_wgrad`, which
+Megatron sets on an output weight tied to the input embedding: the embedding's own gradient arrives through the same
+hook); else uninitialised.
 """
 
 from __future__ import annotations
@@ -12,43 +22,12 @@ import functools
 
 import torch
 
-from .dtypes import LOW_PRECISION
+from megatron_grpo.ops.core.chunking import aligned_width
+from megatron_grpo.ops.core.dtypes import LOW_PRECISION
 
-# Default budget for one chunk of logits (in the hidden states' dtype): large enough that each GEMM is big,
-# small enough to be negligible next to the `[T, V_local]` logits the op avoids. See `chunk_rows_for` (read at each
-# call, so a test may lower it).
-CHUNK_BYTES = 256 * 2**20
-MIN_CHUNKS = 8
-MIN_CHUNK_ROWS = 256
-# A chunk buffer's row stride is a multiple of this many elements (128 bytes of bf16), so every GEMM row starts
-# aligned whatever the shard's valid width; the kernels take any row stride.
-ROW_ALIGN = 64
 # On the CPU a chunk's dW product is formed in the inputs' dtype before it is added in fp32: in pieces of at most
 # this many bytes, so the temporary stays small next to the chunk buffer.
 PRODUCT_PIECE_BYTES = 4 * 2**20
-
-
-def chunk_rows_for(rows: int, shard_cols: int, dtype: torch.dtype, budget_bytes: int | None = None) -> int:
-    """Rows per chunk when the caller gives none: a call of `rows` trained rows is cut into at least
-    `MIN_CHUNKS` chunks (so one chunk's logits are at most 1/8 of the whole call's, the op's extra memory),
-    each of at least `MIN_CHUNK_ROWS` rows (so each GEMM stays large) and at most `budget_bytes` (default
-    `CHUNK_BYTES`) of logits rows of `shard_cols` columns (256 MiB: 2048 rows of a 65536-column bf16 shard, 441 of
-    a 152064-column fp32 one).
-
-    `shard_cols` must be the same on every rank of the TP group: the shard's whole width (`weight.shape[0]`,
-    padding included), never its valid columns, which are fewer on the rank holding the padding. Ranks that cut
-    a call differently run different numbers and shapes of per-chunk collectives (a mismatch: gloo aborts, NCCL
-    hangs)."""
-    budget = CHUNK_BYTES if budget_bytes is None else budget_bytes
-    row_bytes = max(aligned_width(shard_cols), 1) * torch.empty((), dtype=dtype).element_size()
-    by_budget = max(1, budget // row_bytes)
-    by_share = max(MIN_CHUNK_ROWS, -(-rows // MIN_CHUNKS))
-    return max(1, min(by_budget, by_share))
-
-
-def aligned_width(cols: int) -> int:
-    """`cols` rounded up to a multiple of `ROW_ALIGN`: the row stride of a chunk buffer."""
-    return -(-cols // ROW_ALIGN) * ROW_ALIGN
 
 
 def chunk_buffer(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
@@ -141,3 +120,20 @@ def fp32_out_addmm_accumulates(device: torch.device, dtype: torch.dtype) -> bool
     except (RuntimeError, TypeError):
         return False
     return float(total) == 1.0
+
+def main_grad_of(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight.main_grad` where `weight` follows Megatron DDP's protocol (`main_grad` of its shape and
+    `grad_added_to_main_grad`), else None. A cast or a copy of the parameter has neither: it takes the plain path."""
+    main_grad = getattr(weight, "main_grad", None)
+    if not isinstance(main_grad, torch.Tensor) or not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    return main_grad if main_grad.shape == weight.shape else None
+
+
+def added_to_main_grad(weight: torch.Tensor) -> torch.Tensor:
+    """Marks `weight`'s gradient as added to its `main_grad` and returns the dummy gradient autograd gets instead
+    (Megatron's `LinearWithGradAccumulationAndAsyncCommunication` does the same)."""
+    weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):
+        return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)

@@ -1,0 +1,75 @@
+"""How the ops cut their rows: the one chunking policy.
+
+Everything that works on rows a piece at a time takes its piece size from here, so that the temporaries stay bounded
+whatever the number of tokens, and every TP rank cuts the same pieces (each piece may run its own collectives: ranks
+cutting differently run different numbers and shapes of them, and gloo aborts, NCCL hangs).
+
+- *Pieces* (`piece_rows`): the plain-torch kernels and top-p's threshold search work on about `PIECE_LOGITS` logits
+  per rank at a time (their fp32 / fp64 temporaries are some 20 bytes per logit).
+- *GEMM chunks* (`chunk_rows_for`): the fused linear paths cut their trained rows into chunks whose logits are one
+  reused buffer (`gemm.chunk_buffer`), at most `CHUNK_BYTES`, at least `MIN_CHUNKS` per call.
+- *Sequence chunks* (`sequence_chunks`): the loss-fused head groups whole sequences into chunks of at most that
+  many trained rows, so a loss term that couples a sequence's tokens stays exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# The plain-torch kernels and top-p's selection work on pieces of rows of about this many logits per rank.
+PIECE_LOGITS = 2**23
+# Default budget for one chunk of logits (in the hidden states' dtype): large enough that each GEMM is big,
+# small enough to be negligible next to the `[T, V_local]` logits the fused op avoids. Read at each call, so a test
+# may lower it.
+CHUNK_BYTES = 256 * 2**20
+MIN_CHUNKS = 8
+MIN_CHUNK_ROWS = 256
+# A chunk buffer's row stride is a multiple of this many elements (128 bytes of bf16), so every GEMM row starts
+# aligned whatever the shard's valid width; the kernels take any row stride.
+ROW_ALIGN = 64
+
+
+def piece_rows(cols: int) -> int:
+    """Rows per piece of `cols` logits each: about `PIECE_LOGITS` logits. Pass a width that is the same on every TP
+    rank where the pieces run collectives (top-p passes each rank's share of the true vocab)."""
+    return max(1, PIECE_LOGITS // max(1, cols))
+
+
+def pieces(rows: int, per_piece: int) -> list[slice]:
+    """`range(rows)` cut into consecutive slices of `per_piece` rows (the last one shorter)."""
+    return [slice(start, start + per_piece) for start in range(0, rows, per_piece)]
+
+
+def aligned_width(cols: int) -> int:
+    """`cols` rounded up to a multiple of `ROW_ALIGN`: the row stride of a chunk buffer."""
+    return -(-cols // ROW_ALIGN) * ROW_ALIGN
+
+
+def chunk_rows_for(rows: int, shard_cols: int, dtype: torch.dtype, budget_bytes: int | None = None) -> int:
+    """Rows per GEMM chunk when the caller gives none: a call of `rows` trained rows is cut into at least
+    `MIN_CHUNKS` chunks (so one chunk's logits are at most 1/8 of the whole call's, the op's extra memory),
+    each of at least `MIN_CHUNK_ROWS` rows (so each GEMM stays large) and at most `budget_bytes` (default
+    `CHUNK_BYTES`) of logits rows of `shard_cols` columns (256 MiB: 2048 rows of a 65536-column bf16 shard, 441 of
+    a 152064-column fp32 one).
+
+    `shard_cols` must be the same on every rank of the TP group: the shard's whole width (`weight.shape[0]`,
+    padding included), never its valid columns, which are fewer on the rank holding the padding."""
+    budget = CHUNK_BYTES if budget_bytes is None else budget_bytes
+    row_bytes = max(aligned_width(shard_cols), 1) * torch.empty((), dtype=dtype).element_size()
+    by_budget = max(1, budget // row_bytes)
+    by_share = max(MIN_CHUNK_ROWS, -(-rows // MIN_CHUNKS))
+    return max(1, min(by_budget, by_share))
+
+
+def sequence_chunks(trained_rows_per_sequence: list[int], chunk_rows: int) -> list[slice]:
+    """Consecutive sequences grouped so each group has at most `chunk_rows` trained rows (a longer sequence is a
+    group of its own); sequences without a trained row join their neighbours."""
+    chunks, start, rows = [], 0, 0
+    for index, count in enumerate(trained_rows_per_sequence):
+        if rows and rows + count > chunk_rows:
+            chunks.append(slice(start, index))
+            start, rows = index, 0
+        rows += count
+    if start < len(trained_rows_per_sequence):
+        chunks.append(slice(start, len(trained_rows_per_sequence)))
+    return chunks
