@@ -59,7 +59,7 @@ def tokens_per_pass(batch: dict[str, torch.Tensor], packed: bool) -> int:
 
 @contextmanager
 def measured_training(device: torch.device, packed: bool) -> Iterator[dict]:
-    """While open, the runner's train step (the logprob passes and the optimizer steps, `grpo.loop.train_step`)
+    """While open, the runner's train step (the logprob passes and the optimizer steps, `runner.loop.train_step`)
     reports into the yielded dict: `peak_extra_mib` (memory above the level when it began) and
     `tokens_through_model` (tokens per pass × the passes run)."""
     from megatron_grpo.runner import loop

@@ -1,4 +1,4 @@
-"""Step benchmark: the whole GRPO train step (`megatron.train_step`) on a mid-size GPTModel, four configurations.
+"""Step benchmark: the whole GRPO train step (`megatron.step`) on a mid-size GPTModel, four configurations.
 
 Launch under torchrun, one rank by default (N ranks: TP = N, one model split over them):
 
@@ -158,7 +158,7 @@ def plans_and_steps(setup: Setup) -> tuple[dict[str, tuple], object]:
     """Per configuration, (LogprobPlan, StepConfig); and the one `ClippedPGLossConfig` all four train with.
     Configuration 1 forces both passes (`compute`); the others take the plan's `auto` decisions."""
     from megatron_grpo.loss import ClippedPGLossConfig
-    from megatron_grpo.megatron.train_step import StepConfig
+    from megatron_grpo.megatron.step import StepConfig
     from megatron_grpo.scheduler import PlanInputs, plan_logprob_passes
 
     loss = ClippedPGLossConfig(reference_policy_kl_penalty=setup.kl_penalty)

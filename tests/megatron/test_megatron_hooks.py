@@ -265,7 +265,7 @@ def run_all_scenarios(rank: int, world_size: int) -> dict:
     from megatron_grpo.runner.plugin_params import parallel_params
 
     records = _Records()
-    logger = logging.getLogger("megatron_grpo.megatron.train_step")
+    logger = logging.getLogger("megatron_grpo.megatron.step")
     logger.addHandler(records)
     logger.setLevel(logging.INFO)
     cfg = config_with(TINY_MODEL)
@@ -491,7 +491,7 @@ def test_train_step_without_the_versions_an_interpolation_needs_names_them(mode,
 
 def test_the_plans_prev_source_becomes_the_losss_arguments():
     from megatron_grpo.loss.proximal import ProximalApproximation, StepVersions
-    from megatron_grpo.megatron.train_step import prev_source_kwargs
+    from megatron_grpo.megatron.step import prev_source_kwargs
     from megatron_grpo.runner.plan_inputs import plan_for
 
     def plan(mode):
@@ -514,14 +514,14 @@ def test_the_plans_prev_source_becomes_the_losss_arguments():
     (ROWS, 3, "not a multiple of the data-parallel size"),
 ])
 def test_batch_that_is_no_whole_number_of_steps_names_the_keys(monkeypatch, rows, dp_size, expected):
-    module = importlib.import_module("megatron_grpo.megatron.train_step")  # the package exports a function of that name
+    module = importlib.import_module("megatron_grpo.megatron.step")  # the package exports a function of that name
     monkeypatch.setattr(module.parallel_state, "get_data_parallel_world_size", lambda: dp_size)
     with pytest.raises(ValueError, match=expected):
         module._rows_per_optimizer_step(module.StepConfig(global_batch_size=ROWS, micro_batch_size=2), rows)
 
 
 def test_microbatch_split_names_the_micro_batch_size():
-    from megatron_grpo.megatron.train_step import _split
+    from megatron_grpo.megatron.step import _split
 
     with pytest.raises(ValueError, match=r"not a positive multiple of micro_batch_size \(3\)"):
         _split(make_batch(seed=1), micro_batch_size=3)

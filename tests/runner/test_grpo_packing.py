@@ -40,7 +40,7 @@ def first_steps(rank: int, world_size: int) -> dict:
     from megatron_grpo.runner.plugin_params import parallel_params, step_config
 
     # the package exports the function under the module's name
-    train_step_module = importlib.import_module("megatron_grpo.megatron.train_step")
+    train_step_module = importlib.import_module("megatron_grpo.megatron.step")
 
     configs = {name: _ragged_config(name == "packed") for name in ("padded", "packed")}
     layout = init_parallel(parallel_params(configs["padded"]))
