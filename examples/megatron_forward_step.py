@@ -30,8 +30,14 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
 from megatron_grpo.loss import ClippedPGLoss, aggregate_metrics, count_valid  # noqa: E402
-from megatron_grpo.megatron import clip_grad_norm, compute_logprobs, make_forward_step, vocab_shard_of, wrap_in_ddp  # noqa: E402
-from megatron_grpo.megatron.cpu_support import AdamOverMainGrad  # noqa: E402
+from megatron_grpo.megatron import (  # noqa: E402
+    AdamOverMainGrad,  # noqa: E402
+    clip_grad_norm,
+    compute_logprobs,
+    make_forward_step,
+    vocab_shard_of,
+    wrap_in_ddp,
+)
 
 parse_args = setup.parse_args  # the same arguments
 
@@ -70,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         dist.all_reduce(counts, group=dp_group)
     rows = batch["input_ids"].shape[0]
     for step in range(1, args.steps + 1):
-        if plan.compute_prev_logprobs:  # the proximal policy: these weights, before this step's update
+        if plan.compute_prev_logprobs:  # the prev policy: these weights, before this step's update
             batch["prev_logprobs"] = compute_logprobs(model, batch, micro_batch_size=micro_batch, vocab=vocab)
         microbatches = [{key: value[i:i + micro_batch] for key, value in batch.items()}
                         for i in range(0, rows, micro_batch)]

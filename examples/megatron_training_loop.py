@@ -9,7 +9,7 @@ runner, no config file. Gloo on the CPU, NCCL with CUDA; the ranks not used by t
 
 The rollout is synthetic and made once: prompts with ragged answers, random rewards, GRPO's group-relative
 advantages, and the logprobs of the policy that "sampled" it (the initial weights). Every step trains on that
-same rollout, as on a stale one, with one optimizer step per use: the proximal policy (these weights before the
+same rollout, as on a stale one, with one optimizer step per use: the prev policy (these weights before the
 update) is then the training forward's own, so the plan skips the prev pass, the loss takes prev = curr.detach(),
 and truncated importance sampling weights each token by w = exp(curr - generation). The loss, -mean(A * w) since
 the ratio to prev is 1, falls as the policy moves toward the answers with positive advantage.
@@ -47,8 +47,7 @@ from megatron_grpo.megatron import (  # noqa: E402
     vocab_shard_of,
     wrap_in_ddp,
 )
-from megatron_grpo.megatron.cpu_support import AdamOverMainGrad  # noqa: E402
-from megatron_grpo.scheduler import LogprobPlan, PlanInputs, PlanKeys, plan_logprob_passes  # noqa: E402
+from megatron_grpo.scheduler import LogprobPlan, PlanInputs, plan_logprob_passes  # noqa: E402
 
 VOCAB, SEQ, PROMPT = 16, 12, 4  # real vocabulary, sequence length, prompt length
 PROMPTS, ANSWERS, MICRO_BATCH = 4, 4, 8  # per data-parallel rank: 4 prompts x 4 answers, 2 microbatches
@@ -111,9 +110,6 @@ def plan_for(model: GPTModel, steps: int) -> LogprobPlan:
     return plan_logprob_passes(PlanInputs.for_loss(
         LOSS_CONFIG, rollout_batch=rows, global_batch=rows, staleness=steps - 1,
         dropout=model.config.hidden_dropout > 0 or model.config.attention_dropout > 0,
-        keys=PlanKeys(rollout_batch="rollout rows", global_batch="rows per optimizer step",
-                      staleness="--steps - 1 (the rollout's age at the last step)",
-                      dropout="TransformerConfig dropouts"),
     ))
 
 
@@ -150,8 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(args.tensor_model_parallel_size, device)
     vocab = vocab_shard_of(model, VOCAB)  # which padded-vocab columns this rank holds; ids >= VOCAB are padding
     model = wrap_in_ddp(model)  # Megatron's DDP: main_grad buffers, finalize_model_grads after the last microbatch
-    # Torch's AdamW over DDP's main_grad (Megatron's own optimizer allocates on "cuda"; see cpu_support).
-    optimizer = AdamOverMainGrad(model.parameters(), lr=LR, weight_decay=0.0)
+    # Torch's AdamW: train_step steps it over DDP's main_grad (Megatron's own optimizer allocates on "cuda").
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     loss_fn = ClippedPGLoss(LOSS_CONFIG)
     plan = plan_for(model, args.steps)
     if dist.get_rank() == 0:

@@ -8,7 +8,7 @@ before any model is built. The sync and async loops both call this one function;
 
 Without its pass, prev is `curr.detach()` (when that is exact), or, only when the user asks for it
 (`logprob_passes.prev: generation | loglinear | linear`), the generation logprobs or AReaL's interpolation between
-them and curr (`megatron_grpo.loss.proximal`); `compute_and_compare` runs the pass and logs how far each
+them and curr (`megatron_grpo.loss.prev_approximation`); `compute_and_compare` runs the pass and logs how far each
 approximation is from it. Never imports torch.
 """
 
@@ -37,7 +37,7 @@ class LogprobPlan:
     for the runner and the train step. The reference model is built exactly when its pass runs.
 
     `prev_approximation`: the loss takes prev from the generation logprobs or interpolates it (no pass; see
-    `megatron_grpo.loss.proximal`). `compare_approximations`: the pass runs and the loss also logs each
+    `megatron_grpo.loss.prev_approximation`). `compare_approximations`: the pass runs and the loss also logs each
     approximation's error against it.
     """
 
@@ -90,21 +90,22 @@ class LogprobPlan:
 
 @dataclass(frozen=True)
 class PlanKeys:
-    """The config keys the plan's sentences and errors name: this project's by default; another layout (a NeMo-RL
-    config read by `plan --nemo-rl-config`) names its own keys."""
+    """The names the plan's sentences and errors give its inputs. By default the caller's own: `PlanInputs`' fields,
+    as a script passes them to `PlanInputs.for_loss`, and the loss config's keys. A config layout names its keys
+    instead: the runner's (`runner/plan_inputs.py`), a NeMo-RL config's (`plan --nemo-rl-config`)."""
 
-    rollout_batch: str = "grpo.num_prompts_per_step × grpo.num_generations_per_prompt"
-    global_batch: str = "policy.train_global_batch_size"
-    staleness: str = "grpo.max_rollout_staleness"
-    error_threshold: str = "grpo.seq_logprob_error_threshold"
-    dropout: str = "policy.model.hidden_dropout / policy.model.attention_dropout"
-    kl_penalty: str = "loss_fn.reference_policy_kl_penalty"
-    kl_in_reward: str = "loss_fn.use_kl_in_reward"
-    force_on_policy: str = "loss_fn.force_on_policy_ratio"
-    importance_sampling: str = "loss_fn.use_importance_sampling_correction"
-    prev_mode: str = "logprob_passes.prev"
-    reference_mode: str = "logprob_passes.reference"
-    skip_reference: str = "grpo.skip_reference_policy_logprobs_calculation"
+    rollout_batch: str = "rollout_batch"
+    global_batch: str = "global_batch"
+    staleness: str = "staleness"
+    error_threshold: str = "error_threshold"
+    dropout: str = "dropout"
+    kl_penalty: str = "ClippedPGLossConfig.reference_policy_kl_penalty"
+    kl_in_reward: str = "ClippedPGLossConfig.use_kl_in_reward"
+    force_on_policy: str = "ClippedPGLossConfig.force_on_policy_ratio"
+    importance_sampling: str = "ClippedPGLossConfig.use_importance_sampling_correction"
+    prev_mode: str = "prev_mode"
+    reference_mode: str = "reference_mode"
+    skip_reference: str = "skip_reference"
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ class PlanInputs:
 
     rollout_batch: int  # sequences per rollout, all DP ranks
     global_batch: int  # sequences per optimizer step, all DP ranks
-    dropout: bool  # any dropout > 0 in the trained model: its train-mode forward is not the proximal policy
+    dropout: bool  # any dropout > 0 in the trained model: its train-mode forward is not the prev policy
     kl_penalty: float  # the loss's reference_policy_kl_penalty (> 0: a KL needs reference logprobs)
     staleness: int = 0  # how many optimizer steps older than the trained weights a rollout's weights may be
     error_threshold: float | None = None  # masking of sequences by prev-logprob error before the loss; None = off
@@ -157,8 +158,8 @@ class PlanInputs:
         return self.kl_penalty > 0
 
     def training_forward_differences(self) -> list[str]:
-        """Why the proximal policy (the weights at the start of an optimizer step, in eval mode) may differ from the
-        training forward of that step (empty: the training forward is the proximal policy).
+        """Why the prev policy (the weights at the start of an optimizer step, in eval mode) may differ from the
+        training forward of that step (empty: the training forward is the prev policy).
 
         Staleness is not among them: with one optimizer step per rollout, the weights at the start of the step are
         the ones the training forward runs, whatever weights generated the rollout. The staleness lies between
@@ -169,7 +170,7 @@ class PlanInputs:
             causes.append(f"{keys.rollout_batch} ({self.rollout_batch}) != {keys.global_batch} ({self.global_batch}), "
                           "so every optimizer step of a rollout after the first trains on moved weights")
         if self.dropout:
-            causes.append(f"{keys.dropout} > 0 makes the train-mode forward differ from the proximal policy")
+            causes.append(f"{keys.dropout} > 0 makes the train-mode forward differ from the prev policy")
         return causes
 
     def prev_consumers_before_loss(self) -> list[str]:
@@ -254,7 +255,7 @@ class _PrevDecision:
 
 
 def _plan_prev(inputs: PlanInputs, problems: list[str]) -> _PrevDecision:
-    """The prev pass is redundant when the training forward is the proximal policy and nothing reads prev before
+    """The prev pass is redundant when the training forward is the prev policy and nothing reads prev before
     the loss: one optimizer step per rollout, no dropout, stale rollouts or not.
 
     With `force_on_policy_ratio` the loss never reads prev, so only a reader before the loss makes skipping
@@ -291,7 +292,7 @@ def _plan_prev(inputs: PlanInputs, problems: list[str]) -> _PrevDecision:
         return _PrevDecision(False, (
             f"prev logprobs skipped, the loss uses curr.detach(): stale rollouts ({keys.staleness} = "
             f"{inputs.staleness}) with one update per rollout ({keys.rollout_batch} = {keys.global_batch}): the "
-            "proximal policy is the training forward's; the IS weights use curr against generation, and nothing "
+            "prev policy is the training forward's; the IS weights use curr against generation, and nothing "
             "reads prev before the loss."))
     return _PrevDecision(False, (
         f"prev logprobs skipped, the loss uses curr.detach(): the step is on-policy ({keys.rollout_batch} = "

@@ -15,8 +15,10 @@ module that defines a section (the run config, the loss's config) can import it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -87,25 +89,43 @@ class StrictSection:
         return {name: _plain(getattr(self, name)) for name in _field_types(type(self))}
 
     def _fill(self, values: Mapping[str, Any], report: _Report) -> bool:
-        """Assigns every field from `values`; false when a key is missing or unknown or a value is mistyped."""
+        """Assigns every field from `values`; false when a key is missing or unknown or a value is mistyped.
+
+        Either way the section's own rules run: with malformed keys, on the well-typed fields, the malformed ones
+        standing in at their defaults (a problem that names a malformed key is left out: it is reported already), so
+        that a range problem is reported together with a misspelt key. A section whose malformed field has no
+        default skips its rules until the field is fixed."""
         fields = _field_types(type(self))
         malformed_before = report.malformed
         for key in values:
             if key not in fields:
-                report.add_malformed(f"{self.key(str(key))}: unknown key (allowed: {', '.join(fields)})")
+                near = difflib.get_close_matches(str(key), fields, n=1)
+                hint = f"; did you mean {near[0]}?" if near else ""
+                report.add_malformed(f"{self.key(str(key))}: unknown key{hint} (allowed: {', '.join(fields)})")
         defaults = _field_defaults(type(self))
+        bad = []
         for name, field_type in fields.items():
             if name not in values:
                 if name in defaults:
                     object.__setattr__(self, name, defaults[name]())
                 else:
                     report.add_malformed(f"{self.key(name)}: missing key")
+                    bad.append(name)
                 continue
+            before = report.malformed
             object.__setattr__(self, name, _convert(field_type, values[name], self.key(name), report))
-        if report.malformed > malformed_before:
-            return False
-        report.problems.extend(self.conflicts())
-        return True
+            if report.malformed > before:
+                bad.append(name)
+        if report.malformed == malformed_before:
+            report.problems.extend(self.conflicts())
+            return True
+        if all(name in defaults for name in bad):
+            for name in bad:
+                object.__setattr__(self, name, defaults[name]())
+            named = [re.compile(re.escape(self.key(name)) + r"(?![\w.])") for name in bad]
+            report.problems.extend(problem for problem in self.conflicts()
+                                   if not any(key.search(problem) for key in named))
+        return False
 
 
 def build_section(cls: type[SectionT], data: Any) -> SectionT:

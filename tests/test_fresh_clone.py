@@ -103,7 +103,7 @@ PREFLIGHT = """
 import shlex, sys
 from torch.distributed.run import get_args_parser
 from megatron_grpo.runner import train_cli
-from megatron_grpo.train_cli.run_start import carry_out
+from megatron_grpo.runner.run_start import carry_out
 from megatron_grpo.runner.launcher import _world_size
 for line in sys.stdin.read().splitlines():
     parsed = get_args_parser().parse_args(shlex.split(line))

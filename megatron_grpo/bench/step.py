@@ -485,7 +485,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-fused-loss", dest="fused_loss", action="store_false",
                         help="configuration 3 recomputes the logits' chunks in backward instead of the loss-fused path")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam's learning rate")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration, run first")
     parser.add_argument("--sequential", action="store_true",
                         help="run the configurations one after the other, one model in memory at a time (for shapes "

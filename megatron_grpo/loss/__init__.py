@@ -12,6 +12,9 @@ _EXPORTS = {
     "count_valid": "megatron_grpo.loss.batch",
     "trained_token_mask": "megatron_grpo.loss.batch",
     "trained_token_targets": "megatron_grpo.loss.batch",
+    "LossCall": "megatron_grpo.loss.call",
+    "PrevSource": "megatron_grpo.loss.call",
+    "StepLoss": "megatron_grpo.loss.call",
     "ClippedPGLoss": "megatron_grpo.loss.clipped_pg",
     "loss_fused_linear": "megatron_grpo.loss.fused_head",
     "ClippedPGLossConfig": "megatron_grpo.loss.config",
@@ -19,8 +22,8 @@ _EXPORTS = {
     "METRIC_AGGREGATION": "megatron_grpo.loss.metrics",
     "Aggregation": "megatron_grpo.loss.metrics",
     "aggregate_metrics": "megatron_grpo.loss.metrics",
-    "ProximalApproximation": "megatron_grpo.loss.proximal",
-    "StepVersions": "megatron_grpo.loss.proximal",
+    "PrevApproximation": "megatron_grpo.loss.prev_approximation",
+    "StepVersions": "megatron_grpo.loss.prev_approximation",
 }
 
 __all__ = sorted(_EXPORTS)

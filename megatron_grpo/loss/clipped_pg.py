@@ -23,21 +23,23 @@ The per-token losses are reduced by `loss_agg_mode` with global normalisation (`
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from functools import partial
 
 import torch
 
 from megatron_grpo.loss.batch import BatchRequirements, LossBatch, validate_batch
+from megatron_grpo.loss.call import LossCall, PrevSource
 from megatron_grpo.loss.config import ClippedPGLossConfig
 from megatron_grpo.loss.fused_head import loss_fused_linear
 from megatron_grpo.loss.importance import ImportanceWeights, finite_or_zero, importance_weights
 from megatron_grpo.loss.kl import kl_estimate
 from megatron_grpo.loss.metrics import METRIC_AGGREGATION, Aggregation
 from megatron_grpo.loss.packing import SequenceLayout
-from megatron_grpo.loss.proximal import (
+from megatron_grpo.loss.prev_approximation import (
     VERSION_KEY,
-    ProximalApproximation,
+    PrevApproximation,
     StepVersions,
     approximate_prev,
     approximation_errors,
@@ -101,8 +103,8 @@ class ClippedPGLoss:
       `seq-mask-tis` the fraction of sequences rejected (then `is_oob_token_ratio` is the token fraction);
     - `curr_logprobs` `[B, S]`: the current logprobs (0 where a token is not trained or was filtered out);
       `prev_logprobs` `[B, S]` too when prev is approximated (`prev_approximation`);
-    - with `compare_approximations`: `prox_<method>_<kind>` for each approximation of `loss.proximal` against the
-      batch's computed prev (AReaL's `metrics` mode): `abs_error`, `rel_error`, `is_weight_abs_error`,
+    - with `compare_approximations`: `prox_<method>_<kind>` for each approximation of `loss.prev_approximation`
+      against the batch's computed prev (AReaL's `metrics` mode): `abs_error`, `rel_error`, `is_weight_abs_error`,
       `ratio_abs_error`, token means.
     The mismatch metrics always use the prev logprobs the ratio used, `curr.detach()` when the pass was skipped.
     With prev from the generation logprobs they would compare prev with itself, so they are absent.
@@ -129,41 +131,44 @@ class ClippedPGLoss:
         shard: VocabShard | None = None,
         distribution: SamplingDistribution | None = None,
         prev_logprobs_from_current: bool | None = None,
-        prev_approximation: ProximalApproximation | None = None,
+        prev_approximation: PrevApproximation | None = None,
         compare_approximations: StepVersions | None = None,
         curr_logprobs: torch.Tensor | None = None,
         curr_entropy: torch.Tensor | None = None,
         curr_unfiltered_logprobs: torch.Tensor | None = None,
-        inplace_backward: bool = False,
-        check_inputs: bool = True,
+        inplace_backward: bool | None = None,
+        check_inputs: bool | None = None,
         context: ContextShard | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This microbatch's globally normalised loss and its detached metrics (see the class docstring), from the
         model's logits `[B, S, V_local]` (the output tensor a Megatron `forward_step` hands its loss function).
 
-        `shard`: where the logits' vocab columns sit (`megatron_grpo.ops.VocabShard`); None: unsharded.
+        The keywords are the fields of `LossCall`, each None for its default there:
+        `shard`: where the logits' vocab columns sit (`megatron_grpo.ops.VocabShard`); default unsharded.
         `distribution`: the policy trained, the distribution the rollouts were sampled from
         (`megatron_grpo.ops.SamplingDistribution`: 1 / temperature applied inside the kernels, the top-k / top-p
-        filter); None: softmax(logits). The policy term trains the filtered distribution; the KL to the
+        filter); default softmax(logits). The policy term trains the filtered distribution; the KL to the
         (unfiltered) reference reads unfiltered current logprobs, as NeMo-RL does.
-        Where prev comes from: `batch['prev_logprobs']` (a prev pass); `curr.detach()` when
+        Where prev comes from (`PrevSource`): `batch['prev_logprobs']` (a prev pass); `curr.detach()` when
         `prev_logprobs_from_current` is true, and by default (None) exactly when `loss_fn.force_on_policy_ratio` is
         set, as in NeMo-RL (an explicit False with that key set is a contradiction, a ValueError); or, with
-        `prev_approximation`, the generation logprobs or AReaL's interpolation (`loss.proximal`), which needs
-        `batch['rollout_weight_version']` `[B]` for the interpolations. `compare_approximations` (the step's
+        `prev_approximation`, the generation logprobs or AReaL's interpolation (`loss.prev_approximation`), which
+        needs `batch['rollout_weight_version']` `[B]` for the interpolations. `compare_approximations` (the step's
         versions), with prev from the batch, adds the approximations' errors against it to the metrics.
-        `inplace_backward`: the logits are this loss's alone (nothing reads them after it, as in a Megatron forward
-        step): backward writes their gradient into their buffer (`vocab_parallel_logprobs`), guarded by autograd's
-        version counter.
+        `inplace_backward` (default False): the logits are this loss's alone (nothing reads them after it, as in a
+        Megatron forward step): backward writes their gradient into their buffer (`vocab_parallel_logprobs`), guarded
+        by autograd's version counter; taken where one op reads the logits (not with a KL under a filter, which
+        reads them twice).
 
         `logits=None` with `curr_logprobs` and `curr_entropy` (`[B, S]`, differentiable, aligned with `input_ids`
         as the ops' `shift=True` aligns them, e.g. from `megatron_grpo.ops.current_logprobs`): the current logprobs
         and entropies are taken as given (and zeroed off the trained-token mask) instead of computed; everything
         after is the same code. `distribution` then says which one they are of: with a filter and a KL in the loss,
         `curr_unfiltered_logprobs` are required (the KL to the unfiltered reference reads them).
-        `check_inputs=False` skips the checks of values that cost a host sync (target ids within the vocab, finite
-        advantages and rewards), for a caller that checked its batch once (the Megatron train step); keys, shapes and
-        dtypes are always checked.
+        `check_inputs=False` (default True) skips the checks of values that cost a host sync (target ids within the
+        vocab, finite advantages and rewards, the counts against the batch), for a caller that checked its batch
+        once (the Megatron train step); keys, shapes, dtypes and the counts' signs are always checked. A negative or
+        non-finite count is a ValueError naming it; so is a count of 0 for a microbatch that has something to train.
 
         `context` (`ops.ContextShard`, context parallelism): the batch is this CP rank's row-aligned share of every
         sequence (targets shifted before the split: `batch['labels']`, Megatron's convention; `logits` and the
@@ -173,15 +178,12 @@ class ClippedPGLoss:
         `megatron_grpo.megatron.split_for_context_parallel`, padded or packed (a packed share carries its own
         `cu_seqlens`, each sequence `1 / CP` of its tokens).
         """
-        distribution = SamplingDistribution() if distribution is None else distribution
+        call = LossCall.of(global_valid_tokens, global_valid_seqs, shard=shard, distribution=distribution,
+                           prev=PrevSource(prev_logprobs_from_current, prev_approximation, compare_approximations),
+                           inplace_backward=inplace_backward, check_inputs=check_inputs, context=context)
         precomputed = self._check_precomputed(logits, curr_logprobs, curr_entropy, curr_unfiltered_logprobs,
-                                              filtered=distribution.filtered)
-        return self._evaluate(logits, batch, global_valid_tokens=global_valid_tokens,
-                              global_valid_seqs=global_valid_seqs, shard=shard, distribution=distribution,
-                              prev_logprobs_from_current=prev_logprobs_from_current,
-                              prev_approximation=prev_approximation, compare_approximations=compare_approximations,
-                              precomputed=precomputed, inplace_backward=inplace_backward, check_inputs=check_inputs,
-                              context=context)
+                                              filtered=call.distribution.filtered)
+        return self._evaluate(logits, batch, call, precomputed=precomputed)
 
     def on_hidden_states(
         self,
@@ -194,76 +196,75 @@ class ClippedPGLoss:
         shard: VocabShard | None = None,
         distribution: SamplingDistribution | None = None,
         prev_logprobs_from_current: bool | None = None,
-        prev_approximation: ProximalApproximation | None = None,
+        prev_approximation: PrevApproximation | None = None,
         compare_approximations: StepVersions | None = None,
-        loss_fused: bool = True,
+        loss_fused: bool | None = None,
         chunk_rows: int | None = None,
-        implementation: Implementation = "auto",
-        check_inputs: bool = True,
+        implementation: Implementation | None = None,
+        check_inputs: bool | None = None,
         context: ContextShard | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The same loss and metrics from final hidden states `[B, S, H]` and this rank's `[V_local, H]` output
         weight shard (logits `hidden @ weight.T`, under `distribution`), without materialising the logits. `hidden`'s
         gradient is this rank's partial sum over its vocab shard (the caller reduces it over TP).
 
-        `loss_fused=True`: the loss-fused linear path (`megatron_grpo.loss.fused_head`), the loss's gradient
+        `loss_fused` (default True): the loss-fused head (`megatron_grpo.loss.fused_head`), the loss's gradient
         computed chunk by chunk in forward, 3 GEMMs instead of 4, exact for every setting of this loss because it is
         sequence-additive; no top-k / top-p. `loss_fused=False`: the current logprobs from
         `vocab_parallel_linear_logprobs` (backward recomputes each chunk's logits; any distribution). The other
-        arguments as for `__call__`; the batch's values are checked once here, never per chunk."""
-        distribution = SamplingDistribution() if distribution is None else distribution
-        output = HiddenStates(hidden, weight)
-        prev = dict(prev_logprobs_from_current=prev_logprobs_from_current, prev_approximation=prev_approximation,
-                    compare_approximations=compare_approximations)
-        counts = dict(global_valid_tokens=global_valid_tokens, global_valid_seqs=global_valid_seqs, context=context)
-        if not loss_fused:
-            return self._evaluate(output, batch, **counts, shard=shard, distribution=distribution, **prev,
-                                  chunk_rows=chunk_rows, implementation=implementation, check_inputs=check_inputs)
-        inputs = validate_batch(batch, output, self._requirements(self._prev_from_current(
-            prev_logprobs_from_current, prev_approximation, compare_approximations), prev_approximation,
-            compare_approximations), check_values=check_inputs, row_aligned=context is not None)
+        keywords as for `__call__` (the fields of `LossCall`); the batch's values are checked once here, never per
+        chunk."""
+        call = LossCall.of(global_valid_tokens, global_valid_seqs, shard=shard, distribution=distribution,
+                           prev=PrevSource(prev_logprobs_from_current, prev_approximation, compare_approximations),
+                           loss_fused=loss_fused, chunk_rows=chunk_rows, implementation=implementation,
+                           check_inputs=check_inputs, context=context)
+        return self.step_loss(HiddenStates(hidden, weight), batch, call)
+
+    def step_loss(self, output: ModelOutput, batch: Mapping[str, torch.Tensor],
+                  call: LossCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The `StepLoss` entry the Megatron step calls: the loss of the model's `output` (its logits, or
+        `HiddenStates`) on `batch`, as `call` says."""
+        if isinstance(output, HiddenStates) and call.loss_fused:
+            return self._loss_fused(output, batch, call)
+        return self._evaluate(output, batch, call)
+
+    def _loss_fused(self, output: HiddenStates, batch: Mapping[str, torch.Tensor],
+                    call: LossCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss-fused head: the batch checked once, then each chunk of sequences' loss on its current tensors."""
+        inputs = validate_batch(batch, output, self._requirements(self._prev_from_current(call.prev), call.prev),
+                                check_values=call.check_inputs, row_aligned=call.context is not None)
+        self._check_counts(call, inputs)
+        per_chunk = dataclasses.replace(call, check_inputs=False)
 
         def sequence_loss(sequences: Mapping[str, torch.Tensor], curr: torch.Tensor, entropy: torch.Tensor):
-            return self._evaluate(None, sequences, **counts, shard=shard, distribution=distribution, **prev,
-                                  precomputed=CurrentLogprobs(logprobs=curr, entropy=entropy), check_inputs=False)
+            return self._evaluate(None, sequences, per_chunk,
+                                  precomputed=CurrentLogprobs(logprobs=curr, entropy=entropy))
 
-        return loss_fused_linear(sequence_loss, hidden, weight, inputs.targets, batch, shard=shard,
-                                 distribution=distribution, chunk_rows=chunk_rows, check_inputs=check_inputs,
-                                 implementation=implementation, shift=context is None, context=context)
+        return loss_fused_linear(sequence_loss, output.hidden, output.weight, inputs.targets, batch,
+                                 shard=call.shard, distribution=call.distribution, chunk_rows=call.chunk_rows,
+                                 check_inputs=call.check_inputs, implementation=call.implementation,
+                                 shift=call.context is None, context=call.context)
 
     def _evaluate(
         self,
         output: ModelOutput | None,
         batch: Mapping[str, torch.Tensor],
-        *,
-        global_valid_tokens: Count,
-        global_valid_seqs: Count,
-        shard: VocabShard | None,
-        distribution: SamplingDistribution,
-        prev_logprobs_from_current: bool | None,
-        prev_approximation: ProximalApproximation | None,
-        compare_approximations: StepVersions | None,
+        call: LossCall,
         precomputed: CurrentLogprobs | None = None,
-        inplace_backward: bool = False,
-        chunk_rows: int | None = None,
-        implementation: Implementation = "auto",
-        check_inputs: bool = True,
-        context: ContextShard | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss of every entry: the current tensors of the model's `output` (`ops.current_logprobs`) or the
         `precomputed` ones, then the per-token terms, the reduction and the metrics."""
-        cfg = self.config
-        prev_from_current = self._prev_from_current(prev_logprobs_from_current, prev_approximation,
-                                                    compare_approximations)
+        cfg, prev_source, context = self.config, call.prev, call.context
+        prev_from_current = self._prev_from_current(prev_source)
         given = None if precomputed is None else {"curr_logprobs": precomputed.logprobs,
                                                   "curr_entropy": precomputed.entropy}
-        inputs = validate_batch(batch, output, self._requirements(prev_from_current, prev_approximation,
-                                                                  compare_approximations), current=given,
-                                check_values=check_inputs, row_aligned=context is not None)
+        inputs = validate_batch(batch, output, self._requirements(prev_from_current, prev_source), current=given,
+                                check_values=call.check_inputs, row_aligned=context is not None)
+        self._check_counts(call, inputs)
         current = precomputed if precomputed is not None else current_logprobs(
-            output, inputs.targets, shard=shard, distribution=distribution, shift=context is None,
-            with_unfiltered=cfg.kl_in_loss, inplace_backward=inplace_backward, check_inputs=check_inputs,
-            chunk_rows=chunk_rows, implementation=implementation)
+            output, inputs.targets, shard=call.shard, distribution=call.distribution, shift=context is None,
+            with_unfiltered=cfg.kl_in_loss, inplace_backward=call.inplace_backward, check_inputs=call.check_inputs,
+            chunk_rows=call.chunk_rows, implementation=call.implementation)
         trained = inputs.mask.bool()
         zero = torch.zeros((), dtype=torch.float32, device=trained.device)
         curr, entropy = (torch.where(trained, in_compute_dtype(values), zero)
@@ -271,14 +272,15 @@ class ClippedPGLoss:
         curr_unfiltered = None  # the KL's current logprobs, where a sampling filter makes them differ
         if cfg.kl_in_loss and current.unfiltered_logprobs is not None:
             curr_unfiltered = torch.where(trained, in_compute_dtype(current.unfiltered_logprobs), zero)
-        alpha = self._interpolation_weights(batch, inputs, prev_approximation, compare_approximations)
-        if prev_approximation is not None:
-            prev = approximate_prev(prev_approximation.method, curr, inputs.generation_logprobs, inputs.mask, alpha,
+        approximation, compare = prev_source.approximation, prev_source.compare_with
+        alpha = self._interpolation_weights(batch, inputs, approximation, compare)
+        if approximation is not None:
+            prev = approximate_prev(approximation.method, curr, inputs.generation_logprobs, inputs.mask, alpha,
                                     inputs.layout)
         else:
             prev = curr.detach() if prev_from_current else inputs.prev_logprobs
         errors = None
-        if compare_approximations is not None:
+        if compare is not None:
             errors = approximation_errors(prev, curr, inputs.generation_logprobs, inputs.mask, alpha, inputs.layout)
         kept = ~(torch.isneginf(curr) | torch.isneginf(prev))  # -inf: target outside a top-k / top-p kept set
         zero = torch.zeros((), dtype=curr.dtype, device=curr.device)
@@ -294,8 +296,8 @@ class ClippedPGLoss:
         aggregate = partial(
             aggregate_loss,
             mode=cfg.loss_agg_mode,
-            global_valid_tokens=global_valid_tokens,
-            global_valid_seqs=global_valid_seqs,
+            global_valid_tokens=call.global_valid_tokens,
+            global_valid_seqs=call.global_valid_seqs,
             max_response_length=cfg.max_response_length,
             layout=inputs.layout,
             context=context,
@@ -310,17 +312,36 @@ class ClippedPGLoss:
             loss = loss + cfg.reference_policy_kl_penalty * aggregate(kl, kl_mask)
         nll = None
         if cfg.positive_example_nll_weight > 0:
-            nll = self._positive_example_nll(curr, inputs.rewards, mask, global_valid_tokens, inputs.layout)
+            nll = self._positive_example_nll(curr, inputs.rewards, mask, call.global_valid_tokens, inputs.layout)
             loss = loss + cfg.positive_example_nll_weight * nll
         with torch.no_grad():
             metrics = self._metrics(loss, curr, prev, inputs, mask, policy, weights, kl, kl_mask, entropy, nll, context,
-                                    prev_is_generation=prev_approximation is not None
-                                    and prev_approximation.method == "generation")
-            if prev_approximation is not None:
+                                    prev_is_generation=approximation is not None
+                                    and approximation.method == "generation")
+            if approximation is not None:
                 metrics["prev_logprobs"] = prev.detach()
             if errors is not None:
                 metrics.update({name: token_mean(value.to(torch.float32), mask) for name, value in errors.items()})
         return loss, metrics
+
+    @staticmethod
+    def _check_counts(call: LossCall, inputs: LossBatch) -> None:
+        """With `check_inputs` (one host sync): each global count is finite, and at least what this microbatch alone
+        holds (0 is an empty step, where this microbatch has nothing to train either)."""
+        if not call.check_inputs:
+            return
+        mask = inputs.mask
+        here = (mask.sum(), (inputs.layout.sum(mask) > 0).sum())
+        given = (call.global_valid_tokens, call.global_valid_seqs)
+        values = torch.stack([torch.as_tensor(v, device=mask.device).to(torch.float64).reshape(())
+                              for v in (*given, *here)]).tolist()
+        for name, what, count, local in (("global_valid_tokens", "trained tokens", values[0], values[2]),
+                                         ("global_valid_seqs", "sequences with a trained token", values[1], values[3])):
+            if not math.isfinite(count) or count < 0:
+                raise ValueError(f"{name}: must be a finite count >= 0 over the whole optimizer step, got {count:g}")
+            if count < local:
+                raise ValueError(f"{name}: {count:g} is less than this microbatch's own {local:.0f} {what}; pass "
+                                 "the count over every microbatch and data-parallel rank of the optimizer step")
 
     def _check_precomputed(
         self, logits: torch.Tensor | None, curr_logprobs: torch.Tensor | None, curr_entropy: torch.Tensor | None,
@@ -347,10 +368,10 @@ class ClippedPGLoss:
         return CurrentLogprobs(logprobs=curr_logprobs, entropy=curr_entropy,
                                unfiltered_logprobs=curr_unfiltered_logprobs)
 
-    def _prev_from_current(self, given: bool | None, approximation: ProximalApproximation | None,
-                           compare: StepVersions | None) -> bool:
-        """Whether prev is curr.detach(): as `given`, or by default as `loss_fn.force_on_policy_ratio` says (NeMo-RL's
-        meaning of the key). Contradictory requests are a ValueError naming both."""
+    def _prev_from_current(self, prev: PrevSource) -> bool:
+        """Whether prev is curr.detach(): as `prev.from_current` says, or by default as `loss_fn.force_on_policy_ratio`
+        says (NeMo-RL's meaning of the key). Contradictory requests are a ValueError naming both."""
+        given, approximation, compare = prev.from_current, prev.approximation, prev.compare_with
         forced = self.config.force_on_policy_ratio
         if forced and given is False:
             raise ValueError("loss_fn.force_on_policy_ratio is true but prev_logprobs_from_current=False: the key "
@@ -373,7 +394,7 @@ class ClippedPGLoss:
         return from_current
 
     def _interpolation_weights(self, batch: Mapping[str, torch.Tensor], inputs: LossBatch,
-                               approximation: ProximalApproximation | None,
+                               approximation: PrevApproximation | None,
                                compare: StepVersions | None) -> torch.Tensor | None:
         """`[B]` float64 alpha of each sample when an interpolation (or a comparison with them) needs it."""
         versions = compare if compare is not None else (approximation.versions if approximation else None)
@@ -393,10 +414,9 @@ class ClippedPGLoss:
             check_generation_logprobs(inputs.generation_logprobs, inputs.mask, user)
         return interpolation_weights(behave, versions)
 
-    def _requirements(self, prev_from_current: bool, approximation: ProximalApproximation | None = None,
-                      compare: StepVersions | None = None) -> BatchRequirements:
+    def _requirements(self, prev_from_current: bool, prev: PrevSource) -> BatchRequirements:
         """Which optional batch keys this call needs, each with the reason a missing one's error gives."""
-        cfg = self.config
+        cfg, approximation, compare = self.config, prev.approximation, prev.compare_with
         generation_users = []
         if cfg.use_importance_sampling_correction:
             generation_users.append("loss_fn.use_importance_sampling_correction")

@@ -19,7 +19,7 @@ LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
 KLType = Literal["k1", "k2", "k3"]
 TruncationType = Literal["tis", "icepop", "seq-mask-tis"]
 SequenceWeight = Literal["product", "geometric_mean"]
-# Where the loss can take prev without a pass (`megatron_grpo.loss.proximal`): the generation logprobs (verl's
+# Where the loss can take prev without a pass (`megatron_grpo.loss.prev_approximation`): the generation logprobs (verl's
 # bypass), or AReaL's log-linear / linear interpolation between them and curr.detach().
 ApproximationMethod = Literal["generation", "loglinear", "linear"]
 APPROXIMATIONS: tuple[str, ...] = get_args(ApproximationMethod)
@@ -102,9 +102,11 @@ class ClippedPGLossConfig(StrictSection):
 
     def _clipping_conflicts(self) -> list[str]:
         problems = []
-        for key in ("ratio_clip_min", "ratio_clip_max"):
-            if getattr(self, key) < 0:
-                problems.append(f"loss_fn.{key}: must be >= 0, got {getattr(self, key)}")
+        if not 0 <= self.ratio_clip_min < 1:
+            problems.append(f"loss_fn.ratio_clip_min: must be in [0, 1) (the ratio's lower bound 1 - ratio_clip_min "
+                            f"is then in (0, 1]), got {self.ratio_clip_min}")
+        if self.ratio_clip_max < 0:
+            problems.append(f"loss_fn.ratio_clip_max: must be >= 0, got {self.ratio_clip_max}")
         if self.ratio_clip_c is not None and self.ratio_clip_c <= 1:
             problems.append(f"loss_fn.ratio_clip_c: dual clipping needs a value > 1 (or null), got {self.ratio_clip_c}")
         if self.force_on_policy_ratio and self.disable_ppo_ratio:

@@ -16,7 +16,7 @@ from types import MappingProxyType
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.loss.proximal import error_metric_names
+from megatron_grpo.loss.prev_approximation import error_metric_names
 
 
 class Aggregation(enum.Enum):

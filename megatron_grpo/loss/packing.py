@@ -149,6 +149,10 @@ class SequenceLayout:
     def check_per_sequence(self, key: str, tensor: torch.Tensor) -> None:
         """A per-sequence batch tensor must be `[N]`: a ValueError naming `key` otherwise."""
         if tuple(tensor.shape) != (self.num_sequences,):
+            if not self.is_packed and self.token_shape[0] == 1 and tensor.dim() == 1 and tensor.numel() > 1:
+                raise ValueError(f"batch['cu_seqlens'] is missing: batch[{key!r}] holds {tensor.numel()} values, one "
+                                 f"per sequence, but the per-token tensors are one row {list(self.token_shape)}; a "
+                                 "packed batch says where its sequences lie with cu_seqlens (int32 [N + 1])")
             what = "sequences (cu_seqlens)" if self.is_packed else "rows"
             raise ValueError(f"batch[{key!r}]: expected shape [{self.num_sequences}] (one value per sequence: "
                              f"{self.num_sequences} {what}), got {list(tensor.shape)}")

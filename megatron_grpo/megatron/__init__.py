@@ -12,6 +12,7 @@ from megatron_grpo._lazy import lazy_exports
 # Names load lazily: `megatron_grpo.megatron.notices` (quieting Megatron-Core before it is imported) must not
 # import megatron.core itself.
 _EXPORTS = {
+    "AdamOverMainGrad": "megatron_grpo.megatron.optimizer",
     "AdamParams": "megatron_grpo.megatron.optimizer",
     "apply_cpu_support": "megatron_grpo.megatron.cpu_support",
     "build_gpt_model": "megatron_grpo.megatron.model",

@@ -28,7 +28,6 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 from megatron_grpo.loss.packing import CU_SEQLENS, POSITION_IDS, SequenceLayout
 from megatron_grpo.megatron.model import transformer_engine_usable
 from megatron_grpo.ops.context_shard import ContextShard
-from megatron_grpo.ops.core.rows import aligned_with_tokens
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -170,7 +169,7 @@ def gather_from_context_parallel(local: torch.Tensor, cu_seqlens: torch.Tensor |
     chunks: list[torch.Tensor | None] = [None] * (2 * size)
     for rank, share in enumerate(shares):
         chunks[rank], chunks[2 * size - 1 - rank] = share[:, :chunk], share[:, chunk:]
-    return aligned_with_tokens(torch.cat(chunks, dim=1))
+    return _aligned_with_tokens(torch.cat(chunks, dim=1))
 
 
 def _gather_packed(shares: list[torch.Tensor], cu_seqlens: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -183,4 +182,10 @@ def _gather_packed(shares: list[torch.Tensor], cu_seqlens: torch.Tensor, group: 
     rows = shares[0].new_zeros((1, num_tokens, *shares[0].shape[2:]))
     rows[:, torch.cat(indices)] = torch.cat(shares, dim=1)
     starts = SequenceLayout.packed(cu_seqlens, num_tokens).sequence_starts
-    return aligned_with_tokens(rows).masked_fill(starts.view(*starts.shape, *[1] * (rows.dim() - 2)), 0)
+    return _aligned_with_tokens(rows).masked_fill(starts.view(*starts.shape, *[1] * (rows.dim() - 2)), 0)
+
+
+def _aligned_with_tokens(rows: torch.Tensor) -> torch.Tensor:
+    """Row `t` (about token `t + 1`) moved to position `t + 1` along the sequence dim (dim 1), position 0 zero: the
+    ops' `aligned_with_tokens` for tensors `[B, S, ...]` with trailing dims."""
+    return torch.cat([torch.zeros_like(rows[:, :1]), rows[:, :-1]], dim=1)

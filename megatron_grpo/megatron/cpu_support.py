@@ -16,8 +16,8 @@ Handled where they arise rather than by patching:
 6. `sequence_parallel` needs TE's LayerNorm: `model.build_gpt_model` keeps it off (its local spec has torch's);
    a script's own GPTModel with TE can turn it on, and the fused paths then gather its hidden states
    (`hidden_states.py`).
-7. `megatron.core.optimizer` allocates on "cuda" in its constructor: on the CPU the policy's optimizer is
-   `AdamOverMainGrad`, torch's AdamW reading the gradients Megatron's DDP reduced into `main_grad`.
+7. `megatron.core.optimizer` allocates on "cuda" in its constructor: on the CPU the policy's optimizer is a torch
+   one over the gradients Megatron's DDP reduced into `main_grad` (`optimizer.py`).
 """
 
 from __future__ import annotations
@@ -91,25 +91,3 @@ def _on_cpu(factory):
 
     build.__name__ = factory.__name__
     return build
-
-
-class AdamOverMainGrad(torch.optim.AdamW):
-    """torch's AdamW over the gradients DDP reduced: each parameter's `.grad` is pointed at its `main_grad`
-    (a view, no copy) for the step, as Megatron's own FP32 optimizer does. Unwrapped models keep `.grad`.
-
-    After the step the views are dropped again: left in place, the next backward would accumulate into
-    `main_grad` through `.grad` and DDP's hook would then add that sum to itself."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        wrapped = []
-        for group in self.param_groups:
-            for param in group["params"]:
-                if getattr(param, "main_grad", None) is not None:
-                    param.grad = param.main_grad
-                    wrapped.append(param)
-        try:
-            return super().step(closure)
-        finally:
-            for param in wrapped:
-                param.grad = None

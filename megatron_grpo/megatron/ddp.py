@@ -13,6 +13,9 @@ loss it hands to the schedule by the DP size, and the average is the global loss
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
+
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.utils import unwrap_model
@@ -56,3 +59,32 @@ def gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
     """The reduced gradient of `param`: DDP's `main_grad` when wrapped, else `.grad`."""
     main_grad = getattr(param, "main_grad", None)
     return main_grad if main_grad is not None else param.grad
+
+
+@contextlib.contextmanager
+def main_grad_as_grad(params: Iterable[torch.nn.Parameter]) -> Iterator[int]:
+    """While the block runs, each parameter's `.grad` is its DDP `main_grad` (a view, no copy), so that any torch
+    optimizer's `step()` reads the gradients DDP reduced, as Megatron's own FP32 optimizer does; yields how many
+    parameters had one. The views are dropped after: left in place, the next backward would accumulate into
+    `main_grad` through `.grad`, and DDP's hook would then add that sum to itself.
+
+    A parameter whose `main_grad` has another dtype than its own (bf16 weights over DDP's fp32 buffers) cannot take
+    the view, and an update of bf16 weights would need fp32 master weights anyway: a ValueError names Megatron's
+    optimizer, which keeps them."""
+    viewed = []
+    try:
+        for param in params:
+            main_grad = getattr(param, "main_grad", None)
+            if main_grad is None:
+                continue
+            if main_grad.dtype != param.dtype:
+                raise ValueError(
+                    f"optimizer: a {param.dtype} parameter's gradient is in DDP's {main_grad.dtype} main_grad, which a "
+                    "torch optimizer cannot step it with; use Megatron's optimizer (fp32 master weights: "
+                    "megatron.core.optimizer.get_megatron_optimizer, or megatron_grpo.megatron.build_optimizer)")
+            param.grad = main_grad
+            viewed.append(param)
+        yield len(viewed)
+    finally:
+        for param in viewed:
+            param.grad = None

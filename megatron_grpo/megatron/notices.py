@@ -69,11 +69,16 @@ class _DropKnownRecords(logging.Filter):
         return record.getMessage() not in self.texts
 
 
-def quiet_megatron_notices(*, verbose: bool = False, cuda_available: bool = False) -> None:
+def quiet_megatron_notices(*, verbose: bool = False, cuda_available: bool | None = None) -> None:
     """Filters Megatron-Core's known notices in this process (call before importing megatron.core); with
-    `verbose`, nothing is filtered."""
+    `verbose`, nothing is filtered. `cuda_available` (None: whether torch sees CUDA) keeps the notices that matter
+    on a CUDA machine (Transformer Engine or Apex missing there)."""
     if verbose:
         return
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
     texts = KNOWN_WARNINGS if cuda_available else KNOWN_WARNINGS + CPU_ONLY_WARNINGS
     for category, text in texts:
         warnings.filterwarnings("ignore", message=re.escape(text) + r"\Z", category=category)

@@ -5,6 +5,11 @@ DP rank keeps the Adam state of its slice of DDP's buffers), as Megatron trainin
 inside its `step()`. On the CPU, where Megatron's optimizer cannot be built (cpu_support, item 7), it is
 `AdamOverMainGrad`, torch's AdamW over the gradients DDP reduced, clipped here by `clip_grad_norm`. Both use
 Megatron's parameter groups: no weight decay on biases and other 1-D parameters (norms).
+
+Under Megatron's DDP the gradients are in each parameter's `main_grad`, not in `.grad`, so a plain torch optimizer's
+`step()` would see none and silently change nothing. `optimizer_step` therefore steps any torch optimizer over
+`main_grad` (`ddp.main_grad_as_grad`: views, no copy), and `AdamOverMainGrad` does the same in its own `step()` for
+scripts that call it themselves.
 """
 
 from __future__ import annotations
@@ -19,10 +24,20 @@ from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-from megatron_grpo.megatron.cpu_support import AdamOverMainGrad
-from megatron_grpo.megatron.ddp import gradient, zero_grads
+from megatron_grpo.megatron.ddp import gradient, main_grad_as_grad, zero_grads
 
 Optimizer = Union[torch.optim.Optimizer, MegatronOptimizer]
+
+
+class AdamOverMainGrad(torch.optim.AdamW):
+    """torch's AdamW over the gradients Megatron's DDP reduced: for the length of its `step()` each parameter's
+    `.grad` is its `main_grad` (`ddp.main_grad_as_grad`); a model outside DDP keeps its `.grad`. For scripts that
+    call `optimizer.step()` themselves; `optimizer_step` does the same for any torch optimizer."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with main_grad_as_grad(param for group in self.param_groups for param in group["params"]):
+            return super().step(closure)
 
 
 @dataclass(frozen=True)
@@ -69,10 +84,17 @@ def zero_optimizer_grads(model: torch.nn.Module, optimizer: Optimizer) -> None:
 
 def optimizer_step(model: torch.nn.Module, optimizer: Optimizer, clip_grad: float) -> float:
     """Clips the reduced gradients to total norm `clip_grad` (0: no clipping) and steps; returns the norm before
-    clipping. Megatron's optimizer clips to its own `config.clip_grad`, which must be `clip_grad`."""
+    clipping. Megatron's optimizer clips to its own `config.clip_grad`, which must be `clip_grad`. A torch optimizer
+    steps over DDP's `main_grad` where the model is wrapped in it (`ddp.main_grad_as_grad`); one whose parameters
+    have no gradient at all (built over other parameters) is a ValueError, never a silent no-op."""
     if not is_megatron_optimizer(optimizer):
         norm = clip_grad_norm(model, clip_grad)
-        optimizer.step()
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        with main_grad_as_grad(params) as in_main_grad:
+            if not in_main_grad and not any(param.grad is not None for param in params):
+                raise ValueError("optimizer: none of its parameters has a gradient after the backward (neither "
+                                 "DDP's main_grad nor .grad): build it over this model's parameters")
+            optimizer.step()
         return norm
     if optimizer.config.clip_grad != clip_grad:
         raise ValueError(f"clip_grad: the step clips to {clip_grad}, the Megatron optimizer to its "

@@ -26,7 +26,6 @@ length a multiple of 2·CP: packing pads each sequence to one under CP).
 
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -37,12 +36,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_grpo.loss import (
-    METRIC_AGGREGATION,
     aggregate_metrics,
     check_batch_values,
     count_valid,
     trained_token_mask,
 )
+from megatron_grpo.loss.call import LossCall, PrevSource, StepLoss
 from megatron_grpo.loss.packing import (
     CU_SEQLENS,
     POSITION_IDS,
@@ -50,7 +49,13 @@ from megatron_grpo.loss.packing import (
     SequenceLayout,
     next_token_targets_of,
 )
-from megatron_grpo.loss.proximal import VERSION_KEY, ProximalApproximation, StepVersions, check_generation_logprobs
+from megatron_grpo.loss.prev_approximation import (
+    VERSION_KEY,
+    PrevApproximation,
+    StepVersions,
+    check_generation_logprobs,
+)
+from megatron_grpo.loss.reductions import Count
 from megatron_grpo.megatron.context_parallel import (
     context_parallel_size,
     context_shard,
@@ -82,7 +87,6 @@ from megatron_grpo.timing import StepTimer
 
 log = logging.getLogger(__name__)
 
-LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 _HAS_TARGET = "has_target"  # compute_logprobs under CP: True on every row with a target, shifted with the tokens
 
 
@@ -121,123 +125,104 @@ class TrainStepResult:
 
 
 def make_forward_step(
-    loss_fn: LossFn,
+    loss_fn: StepLoss,
     plan: LogprobPlan,
     *,
     num_microbatches: int,
-    global_valid_tokens: torch.Tensor | float,
-    global_valid_seqs: torch.Tensor | float,
+    global_valid_tokens: Count,
+    global_valid_seqs: Count,
     vocab: VocabShard,
     distribution: SamplingDistribution | None = None,
     fused_linear: bool = False,
     fused_loss: bool = False,
     versions: StepVersions | None = None,
-    inplace_backward: bool = True,
-    check_inputs: bool = True,
+    check_inputs: bool | None = None,
 ) -> ForwardStep:
     """A `forward_step(data_iterator, model) -> (output_tensor, loss_func)` for one optimizer step.
 
-    Where the loss's prev comes from is the plan's (`prev_source_kwargs`); `versions` (this optimizer step's
-    proximal and current weight versions) are needed when the plan interpolates prev or compares with the
-    interpolations, together with the batch's per-sample `rollout_weight_version`.
+    `loss_fn` follows `megatron_grpo.loss.StepLoss` (`ClippedPGLoss` does): each microbatch's loss is
+    `loss_fn.step_loss(output, batch, call)`, where `call` is one `LossCall` that says everything else:
+    - the counts: `global_valid_*` count the whole optimizer step (all microbatches, all DP ranks); the loss is
+      normalised by them, so the per-microbatch losses sum to the step's loss;
+    - `vocab` (this rank's `VocabShard`) and `distribution` (`SamplingDistribution`, the policy trained: pass the
+      sampling settings', `SamplingDistribution.of_sampling`, so that it is the one the rollouts came from; None:
+      softmax(logits));
+    - where prev comes from, as the plan decided (`prev_source`); `versions` (this optimizer step's prev and current
+      weight versions) are needed when the plan interpolates prev or compares with the interpolations, together with
+      the batch's per-sample `rollout_weight_version`;
+    - `inplace_backward=True`: the logits are the loss's alone (GPTModel's forward returns a fresh `[b, s, V_local]`
+      tensor that no other autograd node saves, and Megatron's schedule hands it only to the loss function), so
+      backward may write their gradient into their buffer instead of a second one; autograd's version counter makes
+      any other reader fail loudly;
+    - `check_inputs=False`: the loss and the ops skip their checks of values that cost a host sync per microbatch
+      (target ids, finite advantages, the counts against the batch); pass it only for batches checked once already
+      (`train_step` does, with `loss.check_batch_values`). None: `LossCall`'s default (check);
+    - under context parallelism, this rank's `ContextShard`.
 
-    `distribution` (`SamplingDistribution`): the policy trained, softmax(logit_scale * logits) filtered by top-k /
-    top-p; pass the sampling settings' (`SamplingDistribution.of_sampling`) so that the trained policy is the one
-    the rollouts came from. None: softmax(logits). It is handed to the loss unchanged.
-
-    The loss reads the model's logits (`loss_fn(logits, batch, ...)`) with `inplace_backward` (default True): they
-    are the loss's alone (GPTModel's forward returns a fresh `[b, s, V_local]` tensor that no other autograd node
-    saves, and Megatron's schedule hands it only to the loss function), so backward writes their gradient into
-    their buffer instead of a second one; autograd's version counter makes any other reader fail loudly. A loss
-    that takes no `inplace_backward` keyword is called without it.
-
-    `fused_linear` (`policy.fused_linear_logprobs`): the model runs without its output layer
+    `fused_linear` (`StepConfig.fused_linear_logprobs`): the model runs without its output layer
     (`hidden_states.without_output_layer`), and the loss reads the final hidden states and the output weight shard
-    (`loss_fn.on_hidden_states(hidden, weight, batch, ...)`, `ClippedPGLoss`'s): no logits are materialised.
-    `fused_loss` (`policy.fused_linear_loss`, with `fused_linear`): the loss-fused path, which computes the loss's
+    (`ops.HiddenStates`, in the model's compute dtype: bf16 under bf16 autocast): no logits are materialised.
+    `fused_loss` (`StepConfig.fused_linear_loss`, with `fused_linear`): the loss-fused head, which computes the loss's
     gradient chunk by chunk in forward; no top-k / top-p then. Otherwise `vocab_parallel_linear_logprobs`
     recomputes each chunk in backward.
 
-    `global_valid_*` count the whole optimizer step (all microbatches, all DP ranks); the loss is already
-    normalised by them, so the per-microbatch losses sum to the step's loss. The loss handed to the schedule is
-    scaled by `num_microbatches` × the DP size, undoing the schedule's division by the number of microbatches
-    and the average over DP ranks of Megatron's DDP (`megatron.ddp`): with DP > 1 the model must be wrapped in
-    it. With pipeline parallelism the schedule calls `loss_func` on the last stage only. `loss_fn`'s metrics
-    carry its loss as a detached `"loss"` (as ClippedPGLoss's do).
+    The loss handed to the schedule is scaled by `num_microbatches` × the DP size, undoing the schedule's division by
+    the number of microbatches and the average over DP ranks of Megatron's DDP (`megatron.ddp`): with DP > 1 the
+    model must be wrapped in it, and its gradients are then in DDP's `main_grad`, which only Megatron's optimizer, or
+    `optimizer_step` over any torch optimizer, reads (a plain `optimizer.step()` sees no `.grad`). With pipeline
+    parallelism the schedule calls `loss_func` on the last stage only.
 
     Context parallelism (CP > 1 in parallel_state): each microbatch is the full batch, the same on every CP rank;
-    the forward step splits it (`split_for_context_parallel`) and the loss takes this rank's `ContextShard`
-    (`context=`; ClippedPGLoss's), so its per-token metrics (`curr_logprobs`) are this rank's row-aligned share
-    (`gather_from_context_parallel` makes them whole). `global_valid_*` still count the whole sequences. The loss
-    of each CP rank is its share; Megatron's DDP averages over DP × CP and its schedule multiplies the loss by the
-    CP size (Megatron-Core 0.16 and 0.19, for a `loss_func` returning two values), so the scale above is unchanged.
-    A packed microbatch is split sequence by sequence (each sequence's length a multiple of 2·CP); its per-token
-    metrics are then this rank's share of the packed row (`gather_from_context_parallel(..., cu_seqlens)`).
-
-    The fused GEMMs run in the model's compute dtype (`hidden_states.compute_dtype`: bf16 under bf16 autocast).
-    `check_inputs=False`: the loss and the ops skip their checks of values that cost a host sync per microbatch
-    (target ids, finite advantages); pass it only for batches checked once already (`train_step` does, with
-    `loss.check_batch_values`). A loss without a `check_inputs` argument is called without it.
+    the forward step splits it (`split_for_context_parallel`) and the loss takes this rank's `ContextShard`, so its
+    per-token metrics (`curr_logprobs`) are this rank's row-aligned share (`gather_from_context_parallel` makes them
+    whole). `global_valid_*` still count the whole sequences. The loss of each CP rank is its share; Megatron's DDP
+    averages over DP × CP and its schedule multiplies the loss by the CP size (Megatron-Core 0.16 and 0.19, for a
+    `loss_func` returning two values), so the scale above is unchanged. A packed microbatch is split sequence by
+    sequence (each sequence's length a multiple of 2·CP); its per-token metrics are then this rank's share of the
+    packed row (`gather_from_context_parallel(..., cu_seqlens)`).
     """
-
-    # Megatron divides the returned loss in place by num_microbatches, and DDP averages over the DP ranks: hand
-    # it a scaled copy (a new tensor, so `metrics["loss"]`, ClippedPGLoss's own detached clone, stays unscaled).
-    loss_scale = num_microbatches * parallel_state.get_data_parallel_world_size()
-    distribution = SamplingDistribution() if distribution is None else distribution
-    # The default distribution is not passed on, so a loss that knows none still works with softmax(logits).
-    trained = {} if distribution == SamplingDistribution() else {"distribution": distribution}
-    unchecked = {} if check_inputs or not _takes_keyword(loss_fn, "check_inputs") else {"check_inputs": False}
-    in_place = {"inplace_backward": True} if inplace_backward and _takes_keyword(loss_fn, "inplace_backward") else {}
-    if fused_linear and not hasattr(loss_fn, "on_hidden_states"):
-        raise ValueError("fused_linear: needs a loss with on_hidden_states (ClippedPGLoss)")
+    if not callable(getattr(loss_fn, "step_loss", None)):
+        raise TypeError(f"loss_fn: {type(loss_fn).__name__} has no step_loss(output, batch, call); the step takes a "
+                        "loss that follows megatron_grpo.loss.StepLoss, as ClippedPGLoss does")
     if fused_loss and not fused_linear:
         raise ValueError("fused_loss: needs fused_linear=True")
-    if fused_loss and distribution.filtered:
+    call = LossCall.of(global_valid_tokens, global_valid_seqs, shard=vocab, distribution=distribution,
+                       prev=prev_source(plan, versions), context=context_shard(), inplace_backward=True,
+                       check_inputs=check_inputs, loss_fused=fused_loss)
+    if fused_loss and call.distribution.filtered:
         raise ValueError("fused_loss: no top-k / top-p on the loss-fused path (use fused_linear alone)")
-    prev_source = prev_source_kwargs(plan, versions)
-    context = context_shard()
-    if context is not None and not _takes_keyword(loss_fn, "context"):
-        raise ValueError("loss_fn: context parallelism needs a loss that takes this rank's share of each sequence "
-                         "(a `context` keyword, as ClippedPGLoss's)")
-    split = {} if context is None else {"context": context}
+    # Megatron divides the returned loss in place by num_microbatches, and DDP averages over the DP ranks: hand
+    # it a scaled copy (a new tensor, so `metrics["loss"]`, the loss's own detached value, stays unscaled).
+    loss_scale = num_microbatches * parallel_state.get_data_parallel_world_size()
 
     def loss_func(batch: Batch, model: torch.nn.Module,
                   output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        counts = dict(global_valid_tokens=global_valid_tokens, global_valid_seqs=global_valid_seqs, shard=vocab,
-                      **split)
-        if fused_linear:
-            hidden, weight = _in_compute_dtype(model, output_tensor)
-            loss, metrics = loss_fn.on_hidden_states(hidden, weight, batch, **counts, **trained, **prev_source,
-                                                     loss_fused=fused_loss, **unchecked)
-        else:
-            loss, metrics = loss_fn(output_tensor, batch, **counts, **trained, **prev_source, **unchecked, **in_place)
+        output = HiddenStates(*_in_compute_dtype(model, output_tensor)) if fused_linear else output_tensor
+        loss, metrics = loss_fn.step_loss(output, batch, call)
         return loss * loss_scale, metrics
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
         batch = next(data_iterator)
-        if context is not None:
+        if call.context is not None:
             batch = split_for_context_parallel(batch)
         return batch_forward(model, batch, hidden_states=fused_linear), partial(loss_func, batch, model)
 
     return forward_step
 
 
-def prev_source_kwargs(plan: LogprobPlan, versions: StepVersions | None = None) -> dict:
-    """The loss's keyword arguments that say where its prev comes from, as the plan decided: from current
-    (`prev_logprobs_from_current`), approximated (`prev_approximation`), or the batch's pass, possibly compared with
-    the approximations (`compare_approximations`). Only what is set is passed, so a loss that knows no
-    approximation still works without one."""
+def prev_source(plan: LogprobPlan, versions: StepVersions | None = None) -> PrevSource:
+    """Where the loss's prev comes from, as the plan decided: from current, approximated, or the batch's pass,
+    possibly compared with the approximations (which, like the interpolations, need the step's `versions`)."""
     if plan.needs_versions and versions is None:
         raise ValueError(f"versions: the plan's prev ({plan.prev_source}"
                          f"{', compared with its approximations' if plan.compare_approximations else ''}) needs this "
                          "optimizer step's weight versions (StepVersions)")
-    kwargs: dict = {"prev_logprobs_from_current": plan.prev_from_current}
+    approximation = None
     if plan.prev_approximation is not None:
-        kwargs["prev_approximation"] = ProximalApproximation(
-            plan.prev_approximation, versions if plan.prev_approximation != "generation" else None)
-    if plan.compare_approximations:
-        kwargs["compare_approximations"] = versions
-    return kwargs
+        approximation = PrevApproximation(plan.prev_approximation,
+                                          versions if plan.prev_approximation != "generation" else None)
+    return PrevSource(from_current=plan.prev_from_current, approximation=approximation,
+                      compare_with=versions if plan.compare_approximations else None)
 
 
 def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int, vocab: VocabShard,
@@ -334,21 +319,11 @@ def _in_compute_dtype(model: torch.nn.Module, hidden: torch.Tensor) -> tuple[tor
     return hidden.to(dtype), output_weight(model).to(dtype)
 
 
-def _takes_keyword(loss_fn: LossFn, name: str) -> bool:
-    """Whether `loss_fn` takes the keyword `name` (ClippedPGLoss takes `check_inputs` and `inplace_backward`; a
-    plain callable may not)."""
-    try:
-        parameters = inspect.signature(loss_fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
-
-
 def train_step(
     step: StepConfig,
     model: torch.nn.Module,
     optimizer: Optimizer,
-    loss_fn: LossFn,
+    loss_fn: StepLoss,
     plan: LogprobPlan,
     batch: Batch,
     *,
@@ -356,7 +331,7 @@ def train_step(
     reference_model: torch.nn.Module | None = None,
     prepare_batch: Callable[[Batch], Batch] | None = None,
     timer: StepTimer | None = None,
-    proximal_version: float | None = None,
+    prev_version: float | None = None,
 ) -> TrainStepResult:
     """Trains on one rollout batch (this DP rank's share): the planned logprob passes, then the optimizer steps.
 
@@ -369,9 +344,9 @@ def train_step(
     there.
 
     With prev from the generation logprobs (the plan's `prev_approximation`), they are the batch's prev from the
-    start. An interpolated prev (or the comparison with it) needs `proximal_version`, the weight version of the
+    start. An interpolated prev (or the comparison with it) needs `prev_version`, the weight version of the
     model as given (in the unit of the batch's per-sample `rollout_weight_version`); optimizer step k of the K
-    that train the rollout then has current version `proximal_version + k / K` (`StepVersions`).
+    that train the rollout then has current version `prev_version + k / K` (`StepVersions`).
 
     The batch's values (token ids within the model's vocab, finite advantages and rewards) are checked once here,
     in one host sync (`loss.check_batch_values`); the passes and the loss then skip their own checks of values in
@@ -379,13 +354,13 @@ def train_step(
     """
     if plan.compute_reference_logprobs and reference_model is None:
         raise ValueError("reference_model: the plan computes reference logprobs, but none was given")
-    if plan.needs_versions and (proximal_version is None or VERSION_KEY not in batch):
-        missing = " and ".join(name for name, absent in (("proximal_version", proximal_version is None),
+    if plan.needs_versions and (prev_version is None or VERSION_KEY not in batch):
+        missing = " and ".join(name for name, absent in (("prev_version", prev_version is None),
                                                          (f"batch[{VERSION_KEY!r}]", VERSION_KEY not in batch))
                                if absent)
         raise ValueError(f"{missing}: required by the plan's prev ({plan.prev_source}"
                          f"{', compared with its approximations' if plan.compare_approximations else ''}): the "
-                         "weight versions of the proximal policy and of each sample's generating policy")
+                         "weight versions of the prev policy and of each sample's generating policy")
     if vocab.true_vocab_size is not None:
         check_batch_values(batch, vocab.true_vocab_size)
     timer = timer if timer is not None else StepTimer()
@@ -432,7 +407,7 @@ def train_step(
     rows = batch["input_ids"].shape[0]
     for start in range(0, rows, step_rows):
         step_batch = {key: value[start:start + step_rows] for key, value in batch.items()}
-        versions = (StepVersions.of_optimizer_step(proximal_version, start // step_rows, rows // step_rows)
+        versions = (StepVersions.of_optimizer_step(prev_version, start // step_rows, rows // step_rows)
                     if plan.needs_versions else None)
         with timer.section("forward_backward"):
             packing = None if packed_tokens is None else _packed_microbatches(step_batch, packed_tokens)
@@ -468,7 +443,7 @@ def train_step(
 def _forward_backward(
     model: torch.nn.Module,
     optimizer: Optimizer,
-    loss_fn: LossFn,
+    loss_fn: StepLoss,
     plan: LogprobPlan,
     microbatches: list[Batch],
     vocab: VocabShard,
@@ -496,14 +471,14 @@ def _forward_backward(
     return run_schedule(forward_step, model, microbatches, forward_only=False)
 
 
-def _aggregate(microbatch_metrics: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
+def _aggregate(microbatch_metrics: list[dict[str, torch.Tensor]], loss_fn: StepLoss) -> dict[str, float]:
     """The loss's scalar metrics of one optimizer step, over its microbatches and the DP × CP ranks (each CP rank's
     metrics are its share's), aggregated as the loss says (`metric_aggregation`, e.g. ClippedPGLoss's `is_oob_ratio`
     is per sequence for seq-mask-tis)."""
     if not microbatch_metrics:  # a pipeline stage that is not the last
         return {}
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    aggregation = getattr(loss_fn, "metric_aggregation", METRIC_AGGREGATION)  # a plain callable has none
+    aggregation = loss_fn.metric_aggregation
     return aggregate_metrics(microbatch_metrics, group=group if group.size() > 1 else None, aggregation=aggregation)
 
 

@@ -29,16 +29,10 @@ class SamplingDistribution:
     top_p: float | None = None
 
     def __post_init__(self) -> None:
-        scale = self.logit_scale
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"logit_scale must be a finite number > 0 (1 / temperature), got {scale!r}")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
-                                       or self.top_k < 1):
-            raise ValueError(f"top_k must be None or an int >= 1, got {self.top_k!r}")
-        if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
-                                       or not 0.0 < float(self.top_p) <= 1.0):
-            raise ValueError(f"top_p must be None or a number in (0, 1], got {self.top_p!r}")
-        object.__setattr__(self, "logit_scale", float(scale))
+        problems = self.problems(logit_scale=self.logit_scale, top_k=self.top_k, top_p=self.top_p)
+        if problems:
+            raise ValueError("; ".join(f"{name} {problem}" for name, problem in problems.items()))
+        object.__setattr__(self, "logit_scale", float(self.logit_scale))
         if self.top_p is not None:
             object.__setattr__(self, "top_p", float(self.top_p))
 
@@ -46,10 +40,24 @@ class SamplingDistribution:
     def of_sampling(cls, temperature: float = 1.0, top_k: int | None = None,
                     top_p: float | None = None) -> SamplingDistribution:
         """The distribution a sampler with this temperature, top-k and top-p draws from."""
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-                or not (math.isfinite(temperature) and temperature > 0):
-            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+        problems = cls.problems(temperature=temperature, top_k=top_k, top_p=top_p)
+        if problems:
+            raise ValueError("; ".join(f"{name} {problem}" for name, problem in problems.items()))
         return cls(logit_scale=1.0 / temperature, top_k=top_k, top_p=top_p)
+
+    @staticmethod
+    def problems(**settings: object) -> dict[str, str]:
+        """What is wrong with these settings (any of `logit_scale`, `temperature`, `top_k`, `top_p`), by name: the
+        one owner of the rules, which a config reports under its own keys. Empty when they make a distribution."""
+        rules = {
+            "logit_scale": (_positive_number, "must be a finite number > 0 (1 / temperature)"),
+            "temperature": (_positive_number, "must be a finite number > 0"),
+            "top_k": (lambda k: k is None or (_integer(k) and k >= 1), "must be None or an int >= 1"),
+            "top_p": (lambda p: p is None or (_number(p) and 0.0 < float(p) <= 1.0),
+                      "must be None or a number in (0, 1]"),
+        }
+        return {name: f"{rules[name][1]}, got {value!r}" for name, value in settings.items()
+                if not rules[name][0](value)}
 
     @property
     def filtered(self) -> bool:
@@ -69,3 +77,15 @@ class SamplingDistribution:
 
     def uses_top_p(self) -> bool:
         return self.top_p is not None and self.top_p < 1.0
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_number(value: object) -> bool:
+    return _number(value) and math.isfinite(value) and value > 0

@@ -28,7 +28,7 @@ it (their count is the one data-dependent size). Under compilation the weight is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional, overload
 
 import torch
 
@@ -279,6 +279,38 @@ torch.library.register_autograd("megatron_grpo::vocab_parallel_linear_logprobs",
                                 setup_context=_setup_context)
 
 
+@overload
+def vocab_parallel_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    shard: VocabShard | None = ...,
+    distribution: SamplingDistribution | None = ...,
+    shift: bool = ...,
+    with_entropy: Literal[False] = ...,
+    chunk_rows: int | None = ...,
+    check_inputs: bool = ...,
+    implementation: Implementation = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def vocab_parallel_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    shard: VocabShard | None = ...,
+    distribution: SamplingDistribution | None = ...,
+    shift: bool = ...,
+    with_entropy: Literal[True],
+    chunk_rows: int | None = ...,
+    check_inputs: bool = ...,
+    implementation: Implementation = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def vocab_parallel_linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -324,7 +356,8 @@ def vocab_parallel_linear_logprobs(
         implementation: "auto" (fused kernels where available), "fused" or "torch" (the plain-torch kernels).
 
     Returns:
-        float32 logprobs `[...]` (float64 for float64 inputs), or `(logprobs, entropy)` with `with_entropy`.
+        With `with_entropy=False` (the default) one tensor, the float32 logprobs `[...]` (float64 for float64
+        inputs); with `with_entropy=True` the pair `(logprobs, entropy)`.
     """
     check_linear_inputs(hidden, weight, targets, chunk_rows)
     shard = VocabShard() if shard is None else shard

@@ -19,7 +19,7 @@ logits' own buffer as their gradient, which an op's output may not alias: they r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, overload
 
 import torch
 
@@ -256,6 +256,36 @@ def empty_with_alignment_of(logits: torch.Tensor) -> torch.Tensor:
 
 # ---- the functional API ----
 
+@overload
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    shard: VocabShard | None = ...,
+    distribution: SamplingDistribution | None = ...,
+    shift: bool = ...,
+    with_entropy: Literal[False] = ...,
+    inplace_backward: bool | Literal["exp"] = ...,
+    check_inputs: bool = ...,
+    implementation: Implementation = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    shard: VocabShard | None = ...,
+    distribution: SamplingDistribution | None = ...,
+    shift: bool = ...,
+    with_entropy: Literal[True],
+    inplace_backward: bool | Literal["exp"] = ...,
+    check_inputs: bool = ...,
+    implementation: Implementation = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def vocab_parallel_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -301,7 +331,8 @@ def vocab_parallel_logprobs(
         implementation: "auto" (fused kernels where available), "fused" or "torch" (the plain-torch kernels).
 
     Returns:
-        float32 logprobs `[...]` (float64 for float64 logits), or `(logprobs, entropy)` with `with_entropy`.
+        With `with_entropy=False` (the default) one tensor, the float32 logprobs `[...]` (float64 for float64
+        logits); with `with_entropy=True` the pair `(logprobs, entropy)`.
     """
     check_logits_inputs(logits, targets)
     check_inplace_backward(inplace_backward)

@@ -16,6 +16,7 @@ from typing import Any, Callable, ClassVar, Literal, Mapping
 import yaml
 
 from megatron_grpo.loss.config import ClippedPGLossConfig
+from megatron_grpo.ops.distribution import SamplingDistribution
 from megatron_grpo.runner.config_files import ConfigLoader, read_yaml, read_yaml_with_defaults
 from megatron_grpo.scheduler import PassMode, PrevMode
 from megatron_grpo.strict_config import ConfigError, StrictSection, build_section
@@ -221,12 +222,10 @@ class GenerationConfig(StrictSection):
     max_new_tokens: int
 
     def conflicts(self) -> list[str]:
-        problems = _failing(self, ("temperature", "max_new_tokens"), _positive, "must be > 0")
-        if self.top_k is not None and self.top_k < 1:
-            problems.append(f"{self.key('top_k')}: must be null or >= 1, got {self.top_k!r}")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            problems.append(f"{self.key('top_p')}: must be null or in (0, 1], got {self.top_p!r}")
-        return problems
+        """The sampling rules are `SamplingDistribution`'s (the one owner), named by this section's keys."""
+        problems = _failing(self, ("max_new_tokens",), _positive, "must be > 0")
+        sampling = SamplingDistribution.problems(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return problems + [f"{self.key(name)}: {problem.replace('None', 'null')}" for name, problem in sampling.items()]
 
 
 @dataclass(frozen=True, init=False)

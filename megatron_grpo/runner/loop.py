@@ -191,7 +191,7 @@ class Trainer:
             shaping = PrevLogprobShaping(self.cfg, rewards, dp_group)
         result = train_step(self.step_config, self.model, self.optimizer, self.loss_fn, self.plan, device_batch,
                             vocab=self.vocab, reference_model=self.reference_model, prepare_batch=shaping, timer=timer,
-                            proximal_version=step)  # the weights have done `step` steps
+                            prev_version=step)  # the weights have done `step` steps
         finished = time.perf_counter()
         record = {
             "step": step,

@@ -47,6 +47,7 @@ NEMO_RL_KEYS = PlanKeys(
     kl_penalty="loss_fn.reference_policy_kl_penalty",
     kl_in_reward="loss_fn.use_kl_in_reward",
     force_on_policy="loss_fn.force_on_policy_ratio",
+    importance_sampling="loss_fn.use_importance_sampling_correction",
     prev_mode="(prev pass: auto)",
     reference_mode="(reference pass: auto)",
     skip_reference="grpo.skip_reference_policy_logprobs_calculation",
@@ -174,7 +175,7 @@ def comparison_lines(view: NemoRlPlanView, ours_reference: bool | None, ours_pre
         lines.append("prev pass: same decision as NeMo-RL.")
     elif not ours_prev:
         stale = " (stale rollouts included)" if inputs.staleness > 0 else ""
-        lines.append(f"looser: we skip the prev pass because the training forward provably is the proximal policy: "
+        lines.append(f"looser: we skip the prev pass because the training forward provably is the prev policy: "
                      f"one optimizer step per rollout{stale}, no dropout; NeMo-RL skips it only with "
                      f"{keys.force_on_policy} (and then fills prev with zeros, where we use curr.detach()).")
     else:

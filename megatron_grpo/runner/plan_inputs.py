@@ -6,7 +6,23 @@ Torch-free, as the `plan` command and the runner's checks before any rank starts
 from __future__ import annotations
 
 from megatron_grpo.runner.config import Config
-from megatron_grpo.scheduler import LogprobPlan, PlanInputs, plan_logprob_passes
+from megatron_grpo.scheduler import LogprobPlan, PlanInputs, PlanKeys, plan_logprob_passes
+
+# The runner config's keys, as the plan's sentences and errors name them.
+RUNNER_KEYS = PlanKeys(
+    rollout_batch="grpo.num_prompts_per_step × grpo.num_generations_per_prompt",
+    global_batch="policy.train_global_batch_size",
+    staleness="grpo.max_rollout_staleness",
+    error_threshold="grpo.seq_logprob_error_threshold",
+    dropout="policy.model.hidden_dropout / policy.model.attention_dropout",
+    kl_penalty="loss_fn.reference_policy_kl_penalty",
+    kl_in_reward="loss_fn.use_kl_in_reward",
+    force_on_policy="loss_fn.force_on_policy_ratio",
+    importance_sampling="loss_fn.use_importance_sampling_correction",
+    prev_mode="logprob_passes.prev",
+    reference_mode="logprob_passes.reference",
+    skip_reference="grpo.skip_reference_policy_logprobs_calculation",
+)
 
 
 def plan_inputs(cfg: Config) -> PlanInputs:
@@ -22,6 +38,7 @@ def plan_inputs(cfg: Config) -> PlanInputs:
         reference_mode=cfg.logprob_passes.reference,
         prev_mode=cfg.logprob_passes.prev,
         skip_reference=cfg.grpo.skip_reference_policy_logprobs_calculation,
+        keys=RUNNER_KEYS,
     )
 
 

@@ -38,8 +38,8 @@ TIMING_SUFFIX = "_time_s"  # as megatron_grpo.runner.reporting.TIMING_SUFFIX
 STEP_KEY = "step"
 GROUPS = ("train", "rollout", "loss", "timing", "passes")
 
-# The errors of prev's approximations that `logprob_passes.prev: compute_and_compare` logs (loss/proximal.py).
-PROXIMAL_ERROR_METRICS = frozenset(f"prox_{method}_{kind}" for method in ("generation", "loglinear", "linear")
+# The errors of prev's approximations that `logprob_passes.prev: compute_and_compare` logs (loss/prev_approximation.py).
+PREV_APPROXIMATION_ERROR_METRICS = frozenset(f"prox_{method}_{kind}" for method in ("generation", "loglinear", "linear")
                                    for kind in ("abs_error", "rel_error", "is_weight_abs_error", "ratio_abs_error"))
 # The loss's metric names, as megatron_grpo.loss.metrics.METRIC_AGGREGATION declares them (kept here so that this
 # module imports neither torch nor the loss; tests/runner/test_grpo_logging.py checks the two lists agree).
@@ -49,7 +49,7 @@ LOSS_METRICS = frozenset({
     "probs_ratio_clamped_min", "probs_ratio_clamped_max", "clip_fraction_lower", "clip_fraction_upper",
     "kl_penalty", "entropy", "approx_entropy", "token_mult_prob_error", "gen_kl_error",
     "sampling_importance_ratio", "is_oob_ratio", "is_oob_token_ratio", "reward_kl_penalty",
-    *PROXIMAL_ERROR_METRICS,
+    *PREV_APPROXIMATION_ERROR_METRICS,
 })
 PASS_METRICS = frozenset({"reference_pass_ran", "prev_pass_ran", "reference_passes_skipped", "prev_passes_skipped"})
 ROLLOUT_PREFIXES = ("reward_", "advantages_", "response_", "rollout_")
@@ -212,7 +212,7 @@ class MetricWriters:
 # The loss's metrics that exist only with truncated importance sampling, a KL, VAPO's NLL term or a comparison of
 # prev's approximations: not the demo's.
 CONDITIONAL_LOSS_METRICS = frozenset({"is_oob_ratio", "is_oob_token_ratio", "kl_penalty", "reward_kl_penalty",
-                                      "positive_nll_loss", *PROXIMAL_ERROR_METRICS})
+                                      "positive_nll_loss", *PREV_APPROXIMATION_ERROR_METRICS})
 
 
 def demo_record(step: int) -> dict[str, Any]:

@@ -154,10 +154,22 @@ def test_all_key_and_type_problems_come_in_one_error(construct):
     ]
 
 
+def test_range_problems_come_with_the_key_and_type_problems(construct):
+    """A misspelt key, a wrong value and an out-of-range one are all named at once (the ranges are checked on the
+    well-typed keys even while others are malformed), the misspelt key with its nearest known one."""
+    section = {**exemplar_loss_section(), "ratio_clip_hi": 0.3, "loss_agg_mode": "token_mean",
+               "reference_policy_kl_penalty": -1.0}
+    problems = problems_of(construct, section)
+    assert sorted(p.split(":")[0] for p in problems) == [
+        "loss_fn.loss_agg_mode", "loss_fn.ratio_clip_hi", "loss_fn.reference_policy_kl_penalty"]
+    assert any("did you mean ratio_clip_min?" in p or "did you mean ratio_clip_max?" in p for p in problems)
+
+
 IS_ON = dict(use_importance_sampling_correction=True)
 CONFLICTS = {
     "dual_clip_at_most_one": (dict(ratio_clip_c=1.0), ["loss_fn.ratio_clip_c"]),
     "negative_clip_min": (dict(ratio_clip_min=-0.1), ["loss_fn.ratio_clip_min"]),
+    "clip_min_at_least_one": (dict(ratio_clip_min=1.5), ["loss_fn.ratio_clip_min"]),
     "negative_clip_max": (dict(ratio_clip_max=-0.1), ["loss_fn.ratio_clip_max"]),
     "truncation_without_is": (
         dict(truncated_importance_sampling=dict(type="tis", ratio_max=2.0)),

@@ -190,3 +190,34 @@ def test_aggregate_metrics_needs_the_sequence_count_for_sequence_means():
         aggregation=per_sequence,
     )
     assert combined["is_oob_ratio"] == pytest.approx(1 / 4)  # weighted by sequences, not by tokens
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("global_valid_tokens", 0, r"global_valid_tokens: 0 is less than this microbatch's own \d+ trained tokens"),
+    ("global_valid_tokens", -5, r"global_valid_tokens: must be a finite count >= 0 .*got -5"),
+    ("global_valid_tokens", torch.tensor(-5.0), r"global_valid_tokens: must be a finite count >= 0 .*got -5"),
+    ("global_valid_tokens", torch.tensor(1), r"global_valid_tokens: 1 is less than this microbatch's own"),
+    ("global_valid_seqs", float("nan"), r"global_valid_seqs: must be a finite count >= 0 .*got nan"),
+    ("global_valid_seqs", float("inf"), r"global_valid_seqs: must be a finite count >= 0 .*got inf"),
+    ("global_valid_seqs", 0, r"global_valid_seqs: 0 is less than this microbatch's own \d+ sequences"),
+    ("global_valid_seqs", "3", r"global_valid_seqs: expected a number"),
+    ("global_valid_tokens", torch.ones(2), r"global_valid_tokens: expected a number or a one-element real tensor"),
+])
+def test_a_global_count_that_cannot_normalise_the_step_is_named(batch, name, value, message):
+    counts = {"global_valid_tokens": 50, "global_valid_seqs": 3, name: value}
+    with pytest.raises(ValueError, match=message):
+        ClippedPGLoss(loss_config())(torch.randn(B, S, V), batch, **counts)
+
+
+def test_an_empty_step_with_zero_counts_has_a_zero_loss(batch):
+    batch["sample_mask"] = torch.zeros(B)
+    loss, metrics = ClippedPGLoss(loss_config())(torch.randn(B, S, V, requires_grad=True), batch,
+                                                 global_valid_tokens=0, global_valid_seqs=0)
+    assert float(loss.detach()) == 0.0 and float(metrics["num_valid_tokens"]) == 0.0
+
+
+def test_a_packed_looking_batch_without_cu_seqlens_names_cu_seqlens(batch):
+    packed = {key: value.reshape(1, B * S) for key, value in batch.items() if value.dim() == 2}
+    packed.update(sample_mask=torch.ones(B), advantages=torch.randn(B))  # [N] per sequence: three sequences
+    with pytest.raises(ValueError, match=r"batch\['cu_seqlens'\] is missing: batch\['sample_mask'\] holds 3 values"):
+        ClippedPGLoss(loss_config())(torch.randn(1, B * S, V), packed, global_valid_tokens=50, global_valid_seqs=3)

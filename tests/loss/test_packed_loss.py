@@ -12,7 +12,7 @@ from _loss_inputs import loss_config, random_inputs
 
 from megatron_grpo.loss import ClippedPGLoss, count_valid
 from megatron_grpo.loss.packing import PackedMicrobatches
-from megatron_grpo.loss.proximal import ProximalApproximation, StepVersions
+from megatron_grpo.loss.prev_approximation import PrevApproximation, StepVersions
 from megatron_grpo.ops import VocabShard
 
 TOL = dict(rtol=1e-12, atol=1e-12)  # same sums in another order: float64 ulps × a few tens of terms
@@ -115,8 +115,8 @@ def test_packed_prev_approximations_equal_padded(method):
     for key in ("generation_logprobs",):  # the approximations need finite generation logprobs on trained tokens
         batch[key] = torch.where(batch["token_mask"] != 0, batch[key], torch.zeros(()))
     cfg = loss_config()
-    versions = StepVersions(proximal=2.0, current=2.5)
-    approx = ProximalApproximation(method, None if method == "generation" else versions)
+    versions = StepVersions(prev=2.0, current=2.5)
+    approx = PrevApproximation(method, None if method == "generation" else versions)
     loss, metrics, grad, _ = _run(cfg, batch, prev_approximation=approx)
     packing, packed = _packed(batch)
     p_loss, p_metrics, p_grad, _ = _run(cfg, packed, prev_approximation=approx)

@@ -287,9 +287,17 @@ def _split_checks(rank: int, world_size: int) -> dict:
     share.backward()
     x_ref = x_all.clone().requires_grad_()
     (w_all * torch.exp(x_ref.sum())).sum().backward()
+    # A tensor with trailing dims ([B, S / CP, 3]) gathers as each of its channels does alone, padded and packed.
+    trailing = {}
+    for name, labels, cu_seqlens in (("padded", local["labels"], None),
+                                      ("packed", local_packed["labels"], packed["cu_seqlens"])):
+        channels = torch.stack([labels.to(torch.float32) * (c + 1) for c in range(3)], dim=-1)
+        trailing[name] = (gather_from_context_parallel(channels, cu_seqlens),
+                          torch.stack([gather_from_context_parallel(channels[..., c].contiguous(), cu_seqlens)
+                                       for c in range(3)], dim=-1))
     parallel_state.destroy_model_parallel()
     return {"local": local, "rolled": rolled, "grad": x.grad, "grad_expected": x_ref.grad[cp_rank],
-            "packed": packed, "local_packed": local_packed, "labels_back": labels_back}
+            "packed": packed, "local_packed": local_packed, "labels_back": labels_back, "trailing": trailing}
 
 
 def _refusals() -> dict[str, str]:
@@ -457,6 +465,13 @@ def test_packed_split_takes_targets_from_the_same_sequence(ranks):
         starts[packed["cu_seqlens"][:-1].long()] = True
         expected = packed["input_ids"][0].masked_fill(starts, 0).to(torch.float32)
         assert torch.equal(split["labels_back"][0], expected)
+
+
+def test_a_gathered_tensor_with_trailing_dims_keeps_them_and_shifts_the_sequence(ranks):
+    for rank in ranks:
+        for name, (wide, per_channel) in rank["split"]["trailing"].items():
+            assert wide.shape[-1] == 3 and torch.equal(wide, per_channel), name
+            assert torch.equal(wide[..., 1], 2 * wide[..., 0]), name  # the channels were not shifted into each other
 
 
 def test_sum_over_context_sends_each_rank_the_whole_gradient_for_its_own_tokens(ranks):

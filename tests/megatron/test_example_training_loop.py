@@ -49,7 +49,7 @@ def test_the_example_loop_runs_train_step_at_tp2_and_its_loss_falls_every_step(o
     assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
     assert losses[-1] < losses[0] - 0.1, losses
     # The rollout is reused with one update per use: the plan skips the prev pass (the training forward is the
-    # proximal policy); at step 1 curr is the sampler's policy itself, so the importance weights are 1.
+    # prev policy); at step 1 curr is the sampler's policy itself, so the importance weights are 1.
     assert "prev logprobs skipped" in output and "stale rollouts" in output, output
     assert {prev for *_, prev in steps} == {"skipped"}, output
     assert float(steps[0][3]) == 1.0, output

@@ -224,10 +224,20 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+class OutOfPlace:
+    """A `StepLoss` that declines the step's permission to write the logits' gradient in place."""
+
+    def __init__(self, loss) -> None:
+        self.loss, self.metric_aggregation = loss, loss.metric_aggregation
+
+    def step_loss(self, output, batch, call):
+        return self.loss.step_loss(output, batch, dataclasses.replace(call, inplace_backward=False))
+
+
 def scenario_inplace_backward(cfg) -> dict:
-    """make_forward_step through Megatron's schedule with the loss's in-place backward (the default) and without:
-    the model's output logits after backward (their version counter: bumped once by the in-place write), and the
-    gradients both ways."""
+    """make_forward_step through Megatron's schedule with the loss's in-place backward (the step's `LossCall` allows
+    it) and without (a loss that declines it): the model's output logits after backward (their version counter:
+    bumped once by the in-place write), and the gradients both ways."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_grpo.loss import ClippedPGLoss, count_valid
@@ -241,9 +251,10 @@ def scenario_inplace_backward(cfg) -> dict:
         model = build(cfg)
         outputs = []
         model.register_forward_hook(lambda module, args, output: outputs.append(output))
-        forward_step = make_forward_step(ClippedPGLoss(cfg.loss_fn), plan_for(cfg), num_microbatches=1,
+        loss = ClippedPGLoss(cfg.loss_fn)
+        forward_step = make_forward_step(loss if inplace else OutOfPlace(loss), plan_for(cfg), num_microbatches=1,
                                          global_valid_tokens=tokens, global_valid_seqs=seqs,
-                                         vocab=vocab_shard_of(model, VOCAB), inplace_backward=inplace)
+                                         vocab=vocab_shard_of(model, VOCAB))
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([batch]), model=model,
                                     num_microbatches=1, seq_length=SEQ, micro_batch_size=ROWS, forward_only=False)
         (logits,) = outputs
@@ -469,9 +480,9 @@ def test_train_step_without_the_planned_reference_model_names_it():
 
 
 @pytest.mark.parametrize("mode, batch_versions, message", [
-    ("loglinear", False, r"proximal_version and batch\['rollout_weight_version'\]: required by the plan's prev "
+    ("loglinear", False, r"prev_version and batch\['rollout_weight_version'\]: required by the plan's prev "
                          r"\(loglinear\)"),
-    ("compute_and_compare", True, r"proximal_version: required by the plan's prev \(prev pass, compared with its "
+    ("compute_and_compare", True, r"prev_version: required by the plan's prev \(prev pass, compared with its "
                                   r"approximations\)"),
 ])
 def test_train_step_without_the_versions_an_interpolation_needs_names_them(mode, batch_versions, message):
@@ -489,24 +500,24 @@ def test_train_step_without_the_versions_an_interpolation_needs_names_them(mode,
                    vocab=VocabShard(true_vocab_size=VOCAB))
 
 
-def test_the_plans_prev_source_becomes_the_losss_arguments():
-    from megatron_grpo.loss.proximal import ProximalApproximation, StepVersions
-    from megatron_grpo.megatron.step import prev_source_kwargs
+def test_the_plans_prev_source_becomes_the_losss_call():
+    from megatron_grpo.loss.call import PrevSource
+    from megatron_grpo.loss.prev_approximation import PrevApproximation, StepVersions
+    from megatron_grpo.megatron.step import prev_source
     from megatron_grpo.runner.plan_inputs import plan_for
 
     def plan(mode):
         return plan_for(config_with({**TINY_MODEL, "logprob_passes.prev": mode}))
 
     versions = StepVersions(2, 2.5)
-    assert prev_source_kwargs(plan("auto")) == {"prev_logprobs_from_current": True}
-    assert prev_source_kwargs(plan("compute")) == {"prev_logprobs_from_current": False}
-    assert prev_source_kwargs(plan("generation")) == {
-        "prev_logprobs_from_current": False, "prev_approximation": ProximalApproximation("generation")}
-    assert prev_source_kwargs(plan("linear"), versions)["prev_approximation"] == ProximalApproximation("linear",
-                                                                                                        versions)
-    assert prev_source_kwargs(plan("compute_and_compare"), versions)["compare_approximations"] == versions
+    assert prev_source(plan("auto")) == PrevSource(from_current=True)
+    assert prev_source(plan("compute")) == PrevSource(from_current=False)
+    assert prev_source(plan("generation")) == PrevSource(from_current=False,
+                                                         approximation=PrevApproximation("generation"))
+    assert prev_source(plan("linear"), versions).approximation == PrevApproximation("linear", versions)
+    assert prev_source(plan("compute_and_compare"), versions).compare_with == versions
     with pytest.raises(ValueError, match=r"versions: the plan's prev \(loglinear\) needs"):
-        prev_source_kwargs(plan("loglinear"))
+        prev_source(plan("loglinear"))
 
 
 @pytest.mark.parametrize("rows, dp_size, expected", [

@@ -99,6 +99,6 @@ def test_the_runner_at_dp2_hands_no_host_tensor_to_any_collective(tmp_path, monk
         assert seen["host_tensors"] == [], seen["host_tensors"]
         checked = " ".join(seen["checked"])
         for site in ("loop.py:_reward_metrics all_reduce", "statistics.py:rollout_statistics all_gather",
-                     "shaping.py:_reduced all_reduce", "train_step.py:_sum_over_data_parallel all_reduce",
+                     "shaping.py:_reduced all_reduce", "megatron/step.py:_sum_over_data_parallel all_reduce",
                      "metrics.py:_all_reduced all_reduce"):
             assert site in checked, (site, seen["checked"])

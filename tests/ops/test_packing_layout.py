@@ -48,10 +48,10 @@ def test_per_sequence_tensor_of_the_wrong_length_is_a_value_error_naming_it(key)
     batch[key] = torch.ones(3)  # 3 values for 2 sequences
     from _loss_inputs import loss_config
 
-    from megatron_grpo.loss.proximal import ProximalApproximation, StepVersions
+    from megatron_grpo.loss.prev_approximation import PrevApproximation, StepVersions
     batch["generation_logprobs"] = torch.zeros(1, 5)
     cfg = loss_config(positive_example_nll_weight=0.1)
-    approx = ProximalApproximation("loglinear", StepVersions(proximal=1.0, current=1.5))
+    approx = PrevApproximation("loglinear", StepVersions(prev=1.0, current=1.5))
     with pytest.raises(ValueError, match=rf"batch\['{key}'\]: expected shape \[2\] \(one value per sequence"):
         ClippedPGLoss(cfg)(torch.zeros(1, 5, 3), batch, global_valid_tokens=3, global_valid_seqs=2,
                            prev_approximation=approx)

@@ -25,7 +25,7 @@ def run_plan(name: str, capsys) -> tuple[int, str, str]:
 # (file, reference computed, prev computed, words in the comparison with NeMo-RL)
 RECIPES = [
     ("dapo_reference_skip.yaml", False, False,
-     ["reference pass: same decision", "looser", "the training forward provably is the proximal policy"]),
+     ["reference pass: same decision", "looser", "the training forward provably is the prev policy"]),
     ("async_reference_skip.yaml", False, False,
      ["reference pass: same decision", "looser", "(stale rollouts included)"]),
     ("async_force_on_policy.yaml", False, False, ["reference pass: same decision", "prev pass: same decision"]),

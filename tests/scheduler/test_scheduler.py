@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import yaml
@@ -36,7 +37,7 @@ PLANS = [
     ("two-steps-per-rollout", ROLLOUT_X2, False, True, ["policy.train_global_batch_size"]),
     ("stale-rollouts-one-update", STALE, False, False,
      ["stale rollouts (grpo.max_rollout_staleness = 1) with one update per rollout",
-      "the proximal policy is the training forward's; the IS weights use curr against generation"]),
+      "the prev policy is the training forward's; the IS weights use curr against generation"]),
     ("stale-rollouts-two-updates", {**STALE, **ROLLOUT_X2}, False, True, ["policy.train_global_batch_size"]),
     ("stale-rollouts-dropout", {**STALE, **DROPOUT}, False, True, ["policy.model.hidden_dropout"]),
     ("stale-rollouts-threshold", {**STALE, **THRESHOLD}, False, True, ["grpo.seq_logprob_error_threshold"]),
@@ -200,12 +201,12 @@ AUTO_SETTINGS = [
 def test_auto_never_errors_and_skips_exactly_the_redundant_passes(setting):
     plan = plan_for(config_with(setting))
     kl_on = setting["loss_fn.reference_policy_kl_penalty"] > 0
-    # staleness has no say: with one update per rollout the training forward is the proximal policy
-    forward_is_proximal = (setting["grpo.num_prompts_per_step"] == 16
+    # staleness has no say: with one update per rollout the training forward is the prev policy
+    forward_is_prev = (setting["grpo.num_prompts_per_step"] == 16
                            and setting["policy.model.attention_dropout"] == 0)
     read_before_loss = setting["grpo.seq_logprob_error_threshold"] is not None or setting["loss_fn.use_kl_in_reward"]
     assert plan.compute_reference_logprobs == plan.build_reference_model == kl_on
-    assert plan.compute_prev_logprobs == (not forward_is_proximal or read_before_loss)
+    assert plan.compute_prev_logprobs == (not forward_is_prev or read_before_loss)
     assert plan.prev_from_current == (not plan.compute_prev_logprobs)
     assert len(plan.reasons) == 2
 
@@ -316,7 +317,7 @@ def test_cli_skips_the_prev_pass_of_the_stale_demo_and_says_why(capsys, tmp_path
     out = capsys.readouterr().out
     assert "prev logprobs:      skip (loss uses curr.detach())" in out
     assert ("stale rollouts (grpo.max_rollout_staleness = 1) with one update per rollout" in out
-            and "the proximal policy is the training forward's; the IS weights use curr against generation" in out)
+            and "the prev policy is the training forward's; the IS weights use curr against generation" in out)
 
 
 def test_cli_reports_a_bad_config_cleanly_with_exit_2(tmp_path, capsys):
@@ -377,6 +378,33 @@ def test_plan_inputs_for_a_loss_read_its_kl_forced_ratio_and_is_correction():
     defaults = plan_logprob_passes(PlanInputs.for_loss(ClippedPGLossConfig(), rollout_batch=8, global_batch=8,
                                                        dropout=False))
     assert defaults.compute_reference_logprobs
+
+
+RUNNER_KEY = re.compile(r"\b(grpo|policy|logprob_passes)\.[a-z_]")  # a key of the runner's config
+
+
+@pytest.mark.parametrize("settings", [
+    dict(rollout_batch=8, global_batch=8, dropout=False),
+    dict(rollout_batch=8, global_batch=8, dropout=False, staleness=2),
+    dict(rollout_batch=16, global_batch=8, dropout=False),
+    dict(rollout_batch=8, global_batch=8, dropout=True, error_threshold=1.5),
+    dict(rollout_batch=8, global_batch=8, dropout=False, prev_mode="generation"),
+])
+def test_a_plan_for_a_loss_explains_itself_in_the_callers_names(settings):
+    """A script that calls `PlanInputs.for_loss` reads its own argument names and the loss config's keys, never the
+    runner's `grpo.` / `policy.` keys; conflicts too."""
+    from megatron_grpo.loss import ClippedPGLossConfig
+    from megatron_grpo.scheduler import PlanInputs, plan_logprob_passes
+
+    plan = plan_logprob_passes(PlanInputs.for_loss(ClippedPGLossConfig(), **settings))
+    words = " ".join(plan.reasons)
+    assert RUNNER_KEY.search(words) is None, words
+    assert "rollout_batch" in words or "ClippedPGLossConfig." in words or "prev_mode" in words
+    with pytest.raises(ConfigError) as err:
+        plan_logprob_passes(PlanInputs.for_loss(ClippedPGLossConfig(), rollout_batch=12, global_batch=8,
+                                                dropout=False, prev_mode="skip"))
+    assert "rollout_batch (12) must be a multiple of global_batch (8)" in str(err.value)
+    assert RUNNER_KEY.search(str(err.value)) is None, str(err.value)
 
 
 def test_the_runner_config_is_adapted_outside_the_scheduler():

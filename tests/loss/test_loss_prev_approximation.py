@@ -1,5 +1,6 @@
-"""prev without a pass (`loss.proximal`): verl's bypass (prev := generation) and AReaL's interpolation, against
-float64 formulas; AReaL's own unit-test numbers; and the comparison with a computed pass (AReaL's `metrics`)."""
+"""prev without a pass (`loss.prev_approximation`): verl's bypass (prev := generation) and AReaL's interpolation,
+against float64 formulas; AReaL's own unit-test numbers; and the comparison with a computed pass (AReaL's
+`metrics`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 from _loss_inputs import loss_config, random_inputs
 
 from megatron_grpo.loss import ClippedPGLoss, count_valid, trained_token_mask
-from megatron_grpo.loss.proximal import (
-    ProximalApproximation,
+from megatron_grpo.loss.prev_approximation import (
+    PrevApproximation,
     StepVersions,
     approximate_prev,
     interpolation_weights,
@@ -39,23 +40,23 @@ def call(data, *, cfg=None, logits=None, **kwargs):
     return loss, metrics, logits.grad
 
 
-def alpha_float64(versions: torch.Tensor, proximal: float, current: float) -> torch.Tensor:
+def alpha_float64(versions: torch.Tensor, prev: float, current: float) -> torch.Tensor:
     behave = versions.double()
-    return torch.tensor([1.0 if current == v else (proximal - v) / (current - v) for v in behave.tolist()],
+    return torch.tensor([1.0 if current == v else (prev - v) / (current - v) for v in behave.tolist()],
                         dtype=torch.float64)
 
 
 # --- AReaL's numbers (its tests/test_prox_approx.py), as (v_behave, v_prox, v_theta) ------------------------------
 
 
-@pytest.mark.parametrize("method, old, new, behave, proximal, current, expected", [
+@pytest.mark.parametrize("method, old, new, behave, prev, current, expected", [
     ("loglinear", [-1.0, -2.0, -3.0], [-1.5, -2.5, -3.5], [0], 1, 2, [-1.25, -2.25, -3.25]),  # alpha 0.5
     ("loglinear", [-1.0], [-2.0], [4], 4, 5, [-1.0]),  # alpha 0: the behaviour policy
     ("linear", [math.log(0.5)], [math.log(0.25)], [0], 1, 2, [math.log(0.375)]),  # p = 0.5 * 0.5 + 0.5 * 0.25
     ("generation", [-1.0, -2.0], [-5.0, -6.0], [0], 1, 5, [-1.0, -2.0]),  # AReaL's "rollout": old_logp as is
 ])
-def test_areal_single_sample_cases(method, old, new, behave, proximal, current, expected):
-    versions = StepVersions(proximal=proximal, current=current)
+def test_areal_single_sample_cases(method, old, new, behave, prev, current, expected):
+    versions = StepVersions(prev=prev, current=current)
     alpha = interpolation_weights(torch.tensor(behave), versions)
     prev = approximate_prev(method, torch.tensor([new]), torch.tensor([old]), torch.ones(1, len(old)), alpha)
     torch.testing.assert_close(prev, torch.tensor([expected]), rtol=ONE_ULP, atol=0)
@@ -63,7 +64,7 @@ def test_areal_single_sample_cases(method, old, new, behave, proximal, current, 
 
 def test_areal_mixed_versions_case():
     # v_prox 3, v_theta 4; samples from versions 0 and 2: alpha 0.75 and 0.5 -> -1.375 and -2.1.
-    alpha = interpolation_weights(torch.tensor([0, 2]), StepVersions(proximal=3, current=4))
+    alpha = interpolation_weights(torch.tensor([0, 2]), StepVersions(prev=3, current=4))
     prev = approximate_prev("loglinear", torch.tensor([[-1.5], [-2.2]]), torch.tensor([[-1.0], [-2.0]]),
                             torch.ones(2, 1), alpha)
     torch.testing.assert_close(prev, torch.tensor([[-1.375], [-2.1]]), rtol=ONE_ULP, atol=0)
@@ -75,7 +76,7 @@ def test_areal_mixed_versions_case():
 def test_bypass_ratio_is_exactly_exp_of_curr_minus_generation():
     data = inputs()
     cfg = loss_config(use_importance_sampling_correction=False)
-    loss, metrics, grad = call(data, cfg=cfg, prev_approximation=ProximalApproximation("generation"))
+    loss, metrics, grad = call(data, cfg=cfg, prev_approximation=PrevApproximation("generation"))
     mask = trained_token_mask(data.batch).bool()
     assert torch.equal(metrics["prev_logprobs"][mask], data.batch["generation_logprobs"][mask])
     # the same loss and gradient, bit for bit, as a prev pass that returned the generation logprobs
@@ -95,15 +96,15 @@ def test_bypass_ratio_is_exactly_exp_of_curr_minus_generation():
 
 
 @pytest.mark.parametrize("method", ["loglinear", "linear"])
-@pytest.mark.parametrize("proximal, current", [(3.0, 3.5), (3.0, 4.0), (3.0, 3.0)])
-def test_interpolation_equals_the_float64_formula_per_token_with_mixed_versions(method, proximal, current):
+@pytest.mark.parametrize("prev, current", [(3.0, 3.5), (3.0, 4.0), (3.0, 3.0)])
+def test_interpolation_equals_the_float64_formula_per_token_with_mixed_versions(method, prev, current):
     data = inputs()
-    versions = StepVersions(proximal=proximal, current=current)
-    loss, metrics, grad = call(data, prev_approximation=ProximalApproximation(method, versions))
+    versions = StepVersions(prev=prev, current=current)
+    loss, metrics, grad = call(data, prev_approximation=PrevApproximation(method, versions))
     mask = trained_token_mask(data.batch).bool()
     curr = metrics["curr_logprobs"].double()  # the loss's own current logprobs, so only the formula is tested
     gen = data.batch["generation_logprobs"].double()
-    alpha = alpha_float64(VERSIONS, proximal, current)[:, None]
+    alpha = alpha_float64(VERSIONS, prev, current)[:, None]
     if method == "loglinear":
         expected = gen + alpha * (curr - gen)
     else:
@@ -118,10 +119,10 @@ def test_interpolation_equals_the_float64_formula_per_token_with_mixed_versions(
 
 
 @pytest.mark.parametrize("method", ["loglinear", "linear"])
-def test_interpolation_is_curr_detached_when_the_proximal_policy_is_the_current_one(method):
+def test_interpolation_is_curr_detached_when_the_prev_policy_is_the_current_one(method):
     # The first optimizer step of a rollout (v_theta = v_prox): alpha = 1 for every sample, prev = curr bit for bit.
     data = inputs()
-    approximation = ProximalApproximation(method, StepVersions(proximal=3, current=3))
+    approximation = PrevApproximation(method, StepVersions(prev=3, current=3))
     loss, metrics, grad = call(data, prev_approximation=approximation)
     mask = trained_token_mask(data.batch).bool()
     assert torch.equal(metrics["prev_logprobs"][mask], metrics["curr_logprobs"][mask])
@@ -135,7 +136,7 @@ def test_interpolation_is_curr_detached_when_the_proximal_policy_is_the_current_
 
 def test_compare_approximations_logs_each_methods_errors_against_the_pass():
     data = inputs()
-    versions = StepVersions(proximal=3, current=3.5)
+    versions = StepVersions(prev=3, current=3.5)
     _, metrics, _ = call(data, compare_approximations=versions)
     mask = trained_token_mask(data.batch).bool()
     prev, gen = data.batch["prev_logprobs"].double(), data.batch["generation_logprobs"].double()
@@ -163,7 +164,7 @@ def test_compare_approximations_are_zero_where_the_pass_is_the_current_policy():
     _, first, _ = call(data, prev_logprobs_from_current=True)
     exact = dict(data.batch, prev_logprobs=first["curr_logprobs"])  # a pass that returned curr exactly
     _, metrics, _ = call(type(data)(data.logits, exact, data.true_vocab_size),
-                         compare_approximations=StepVersions(proximal=3, current=3))
+                         compare_approximations=StepVersions(prev=3, current=3))
     for method in ("loglinear", "linear"):
         for kind in ("abs_error", "rel_error", "is_weight_abs_error", "ratio_abs_error"):
             assert float(metrics[f"prox_{method}_{kind}"]) == 0.0, (method, kind)
@@ -175,9 +176,9 @@ def test_compare_approximations_are_zero_where_the_pass_is_the_current_policy():
 @pytest.mark.parametrize("versions, message", [
     (None, r"batch\['rollout_weight_version'\] is missing"),
     (torch.tensor([3.0, float("nan"), 0.0, 3.0, 1.0]), r"batch\['rollout_weight_version'\]: contains NaN"),
-    (torch.tensor([4, 2, 0, 3, 1]), r"version 4 is newer than the step's proximal version 3"),
+    (torch.tensor([4, 2, 0, 3, 1]), r"version 4 is newer than the step's prev version 3"),
     (torch.tensor([3, 2, 0]), r"batch\['rollout_weight_version'\]: expected shape \[5\] \(one value per sequence"),
-], ids=["missing", "nan", "newer-than-proximal", "wrong-shape"])
+], ids=["missing", "nan", "newer-than-prev", "wrong-shape"])
 def test_a_bad_version_is_a_named_error(versions, message):
     data = inputs()
     if versions is None:
@@ -185,7 +186,7 @@ def test_a_bad_version_is_a_named_error(versions, message):
     else:
         data.batch["rollout_weight_version"] = versions
     with pytest.raises(ValueError, match=message):
-        call(data, prev_approximation=ProximalApproximation("loglinear", StepVersions(3, 3.5)))
+        call(data, prev_approximation=PrevApproximation("loglinear", StepVersions(3, 3.5)))
 
 
 @pytest.mark.parametrize("method", ["generation", "loglinear", "linear"])
@@ -197,10 +198,10 @@ def test_a_non_finite_generation_logprob_on_a_trained_token_is_a_named_error(met
     cfg = loss_config(use_importance_sampling_correction=False)
     with pytest.raises(ValueError, match=rf"generation_logprobs'\]: 1 trained token\(s\) have a non-finite.*"
                                          rf"prev_approximation='{method}'"):
-        call(data, cfg=cfg, prev_approximation=ProximalApproximation(method, StepVersions(3, 3.5)))
+        call(data, cfg=cfg, prev_approximation=PrevApproximation(method, StepVersions(3, 3.5)))
     del data.batch["generation_logprobs"]
     with pytest.raises(ValueError, match=r"batch\['generation_logprobs'\] is missing"):
-        call(data, cfg=cfg, prev_approximation=ProximalApproximation(method, StepVersions(3, 3.5)))
+        call(data, cfg=cfg, prev_approximation=PrevApproximation(method, StepVersions(3, 3.5)))
 
 
 def test_an_interpolation_that_gives_nan_is_a_named_error():
@@ -210,11 +211,11 @@ def test_an_interpolation_that_gives_nan_is_a_named_error():
 
 
 @pytest.mark.parametrize("kwargs, cfg, message", [
-    (dict(prev_approximation=ProximalApproximation("generation")), dict(use_importance_sampling_correction=True),
+    (dict(prev_approximation=PrevApproximation("generation")), dict(use_importance_sampling_correction=True),
      "prev_approximation='generation' and loss_fn.use_importance_sampling_correction"),
-    (dict(prev_approximation=ProximalApproximation("generation")), dict(force_on_policy_ratio=True),
+    (dict(prev_approximation=PrevApproximation("generation")), dict(force_on_policy_ratio=True),
      "prev_approximation='generation' and loss_fn.force_on_policy_ratio"),
-    (dict(prev_approximation=ProximalApproximation("loglinear", StepVersions(3, 3)), prev_logprobs_from_current=True),
+    (dict(prev_approximation=PrevApproximation("loglinear", StepVersions(3, 3)), prev_logprobs_from_current=True),
      {}, "prev_approximation='loglinear' and prev_logprobs_from_current=True"),
     (dict(compare_approximations=StepVersions(3, 3), prev_logprobs_from_current=True), {},
      "compare_approximations: compares the approximations with a computed prev pass"),
@@ -227,9 +228,9 @@ def test_contradictory_prev_sources_are_named(kwargs, cfg, message):
 
 def test_approximation_settings_are_checked_when_built():
     with pytest.raises(ValueError, match="'loglinear' needs the step's versions"):
-        ProximalApproximation("loglinear")
+        PrevApproximation("loglinear")
     with pytest.raises(ValueError, match="method must be one of generation, loglinear, linear"):
-        ProximalApproximation("rollout")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="older than the proximal one"):
-        StepVersions(proximal=3, current=2)
+        PrevApproximation("rollout")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="older than the prev one"):
+        StepVersions(prev=3, current=2)
     assert StepVersions.of_optimizer_step(3, 1, 4) == StepVersions(3.0, 3.25)
