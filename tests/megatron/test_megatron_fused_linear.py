@@ -308,7 +308,7 @@ def test_loss_takes_either_logits_or_precomputed_logprobs():
     loss = ClippedPGLoss(cfg.loss_fn)
     batch = make_batch(seed=3)
     logprobs = torch.zeros(ROWS, SEQ)
-    counts = {"global_valid_tokens": 1.0, "global_valid_seqs": 1.0, "prev_logprobs_from_current": True}
+    counts = {"global_valid_tokens": 100.0, "global_valid_seqs": 100.0, "prev_logprobs_from_current": True}
     with pytest.raises(ValueError, match="curr_entropy"):
         loss(None, batch, curr_logprobs=logprobs, **counts)
     with pytest.raises(ValueError, match="not both"):

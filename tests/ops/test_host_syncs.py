@@ -80,9 +80,10 @@ def test_the_loss_fused_path_syncs_per_call_not_per_chunk(chunk_rows):
         loss_fn.on_hidden_states(hidden, weight, batch, global_valid_tokens=tokens, global_valid_seqs=seqs,
                                  shard=VocabShard(true_vocab_size=29), chunk_rows=chunk_rows, check_inputs=False)
     # The rows per sequence (tolist) and the trained rows (nonzero); checked, once: finite advantages (bool; the
-    # rewards are not read by this config) and the target ids (tolist).
+    # rewards are not read by this config), the global counts against the microbatch (tolist) and the target ids
+    # (tolist).
     assert unchecked.counts == Counter(tolist=1, nonzero=1)
-    assert checked.counts == Counter(tolist=2, nonzero=1, bool=1)
+    assert checked.counts == Counter(tolist=3, nonzero=1, bool=1)
 
 
 def test_the_loss_without_value_checks_reads_nothing_back():
