@@ -10,8 +10,9 @@ Forward: the trained rows (target >= 0) are gathered out first; per chunk, `logi
 (the real, non-padding columns only), then the existing kernels' partials, and the chunk buffer is reused. One
 all-gather of the partials of the whole call (`gather_partials`) and `combine_partials` give logprob, lse and
 entropy. Backward: per chunk, recompute the logits, run the existing backward kernel in place in the chunk
-buffer, then `dH = scale * dlogits @ W` and `dW += scale * dlogits.T @ h` (`chunks.WeightGradient`: into
-Megatron DDP's `main_grad` where the weight has one, with no fp32 accumulator of its own). No collective runs in
+buffer, then `dH = scale * dlogits @ W` and `dW += scale * dlogits.T @ h` (`gemm.WeightGradient`: into
+Megatron DDP's `main_grad` where the weight has one, else into the returned dW, with no fp32 accumulator of its own
+unless that is small next to the logits). No collective runs in
 backward: `dH` is a partial sum over the vocab shards, which the caller reduces across TP where Megatron's output
 layer does (see `vocab_parallel_linear_logprobs`).
 
@@ -230,8 +231,8 @@ def _linear_backward_op(hidden: torch.Tensor, hidden_rows: torch.Tensor, weight:
         rows_at(logprob, index) if call.filter_active else None)
     weight = weight.contiguous()
     grad_hidden_rows = hidden_rows.new_empty(hidden_rows.shape) if need_hidden else None
-    weight_gradient = WeightGradient(weight, call.valid_cols, len(call.chunks(index.numel())), main_grad) \
-        if need_weight else None
+    weight_gradient = WeightGradient(weight, call.valid_cols, index.numel(), len(call.chunks(index.numel())),
+                                     main_grad) if need_weight else None
     linear_backward(hidden_rows, weight, target_rows, lse, mean_x_rows, grad_logprob, grad_entropy,
                     threshold if call.filter_active else None, call, grad_hidden_rows, weight_gradient)
     grad_hidden = scattered(grad_hidden_rows, index, rows) if need_hidden else hidden_rows.new_empty(0)
@@ -348,7 +349,7 @@ def vocab_parallel_linear_logprobs(
             `vocab_parallel_logprobs`; the scale enters the chunk GEMMs. None: softmax(hidden @ weight.T).
         shift: next-token mode, as in `vocab_parallel_logprobs` (`megatron_grpo.ops.core.rows`).
         with_entropy: also return the exact entropy of each row's distribution.
-        chunk_rows: trained rows per chunk; None picks one (`chunk_rows_for`): at least 8 chunks of at least 256
+        chunk_rows: trained rows per chunk; None picks one (`chunk_rows_for`): at least 16 chunks of at least 64
             rows, each at most 256 MiB of logits.
         check_inputs: check target ids against the vocab (a host sync); pass False in hot loops. Gathering
             the trained rows is a host sync of its own whenever some rows are ignored (always with `shift`, whose

@@ -315,14 +315,10 @@ class Config(StrictSection):
     logging: LoggingConfig
 
     def conflicts(self) -> list[str]:
-        policy, model, generation = self.policy, self.policy.model, self.generation
+        policy, model = self.policy, self.policy.model
         problems = []
         if not 0 <= self.seed <= MAX_SEED:
             problems.append(f"seed: must be in [0, 2**63 - 1], got {self.seed!r}")
-        if policy.fused_linear_loss and (generation.top_k is not None or generation.top_p is not None):
-            problems.append(f"policy.fused_linear_loss: true does not support generation.top_k / generation.top_p "
-                            f"(got top_k {generation.top_k!r}, top_p {generation.top_p!r}): set "
-                            f"policy.fused_linear_loss: false (the fused op then applies the filter)")
         tp, pp = "policy.tensor_model_parallel_size", "policy.pipeline_model_parallel_size"
         return problems + _divisibility([
             (tp, policy.tensor_model_parallel_size, "policy.model.num_attention_heads", model.num_attention_heads),
