@@ -373,20 +373,27 @@ def _at_tokens(rows: torch.Tensor, positions: torch.Tensor, token_shape: torch.S
     return out.index_copy_(0, positions, rows).view(token_shape)
 
 
+def overlaps_chunks(device: torch.device) -> bool:
+    """Whether chunks overlap (two buffers, the next chunk's logits GEMM queued before this chunk's `dH` / `dW`): on
+    CUDA, where the small kernels then run on a side stream under that GEMM."""
+    return device.type == "cuda"
+
+
 class ChunkStreams:
-    """Where a chunk's work runs. On the CPU (or not `overlapped`) everything runs in order on the current stream. On
-    CUDA with `overlapped`, a chunk's small kernels go to a side stream once its logits GEMM is done, and its `dH` /
-    `dW` GEMMs wait for them on the main stream, after the next chunk's logits GEMM was queued: the two overlap
-    (written for CUDA, not yet run on a GPU)."""
+    """Where a chunk's work runs. Not `overlapped`, everything runs in order on the current stream. `overlapped`, the
+    next chunk's logits GEMM is queued before this chunk's `dH` / `dW` GEMMs, and on CUDA a chunk's small kernels go
+    to a side stream once its logits GEMM is done, and its `dH` / `dW` GEMMs wait for them on the main stream, so the
+    two overlap (the streams are written for CUDA and not yet run on a GPU; the order runs everywhere)."""
 
     def __init__(self, device: torch.device, overlapped: bool) -> None:
-        self.overlapped = overlapped and device.type == "cuda"
-        self.main = torch.cuda.current_stream(device) if self.overlapped else None
-        self.side_stream = torch.cuda.Stream(device) if self.overlapped else None
+        self.overlapped = overlapped
+        self.cuda = overlapped and device.type == "cuda"
+        self.main = torch.cuda.current_stream(device) if self.cuda else None
+        self.side_stream = torch.cuda.Stream(device) if self.cuda else None
 
     def logits_done(self) -> torch.cuda.Event | None:
-        """An event after the chunk's logits GEMM on the main stream (None when not overlapped)."""
-        if not self.overlapped:
+        """An event after the chunk's logits GEMM on the main stream (None off CUDA)."""
+        if not self.cuda:
             return None
         event = torch.cuda.Event()
         event.record(self.main)
@@ -395,7 +402,7 @@ class ChunkStreams:
     @contextlib.contextmanager
     def side(self, after: torch.cuda.Event | None):
         """Runs the block on the side stream once `after` is done; yields the event it records when it is done."""
-        if not self.overlapped:
+        if not self.cuda:
             yield None
             return
         self.side_stream.wait_event(after)
@@ -410,7 +417,7 @@ class ChunkStreams:
             self.main.wait_event(done)
 
     def join(self) -> None:
-        if self.overlapped:
+        if self.cuda:
             self.main.wait_stream(self.side_stream)
 
 
@@ -457,7 +464,7 @@ def loss_fused_linear(
         check_target_ids(targets, shard)
     trained = targets >= 0  # a trained row scores a token of its own sequence (shifting: token t + 1)
     index = trained.reshape(-1).nonzero().squeeze(1)  # the call's one host sync (two for whole-sequence chunks)
-    overlapped = hidden.device.type == "cuda"
+    overlapped = overlaps_chunks(hidden.device)
     second = loss.reads_unfiltered and distribution.active(shard.true_vocab_size)
     buffers = (2 if overlapped else 1) + (1 if second else 0)
     if loss.whole_sequences:

@@ -401,3 +401,17 @@ def test_a_backward_that_brings_another_gradient_than_the_bound_one_is_an_error(
                                                             shard=VocabShard(true_vocab_size=VOCAB), **_counts(batch))
     with pytest.raises(RuntimeError, match=r"upstream gradient other than the one bound in forward .* bound 2, got 3"):
         (loss * 3.0).backward()
+
+
+def test_overlapped_chunks_two_buffers_and_the_deferred_gemms_give_the_same_result(monkeypatch):
+    """The CUDA schedule (two chunk buffers, each chunk's dH / dW GEMMs queued after the next chunk's logits GEMM),
+    run in that order on the CPU, where no stream exists: the same gradients as the one-buffer order, bit for bit."""
+    cfg = loss_config(**SETTINGS["dual clip, k3 KL clamped, entropy, VAPO"][0])
+    hidden, weight, batch = make_problem(seed=3, dtype=torch.float32)
+    shard = VocabShard(true_vocab_size=VOCAB)
+    in_order = fused(cfg, {}, hidden, weight, batch, shard, chunk_rows=4, distribution=FILTERS["top-k"])
+    monkeypatch.setattr("megatron_grpo.loss.fused_head.overlaps_chunks", lambda device: True)
+    overlapped = fused(cfg, {}, hidden, weight, batch, shard, chunk_rows=4, distribution=FILTERS["top-k"])
+    for a, b in zip(in_order[2:], overlapped[2:]):
+        assert torch.equal(a, b)
+    assert float(in_order[0]) == float(overlapped[0])
