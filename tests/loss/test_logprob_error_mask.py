@@ -8,6 +8,8 @@ counts known beforehand, for every aggregation mode, with the mask dropping a wh
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from _loss_inputs import batch_for_logits, loss_config
@@ -82,6 +84,20 @@ def test_nemo_rl_unit_test_respects_the_existing_sample_mask():
     assert result.metrics["num_masked_seqs_by_logprob_error"] == 3  # the dropped one is not counted again
     assert result.metrics["masked_correct_pct"].item() == pytest.approx(2 / 3)
     assert result.mask.sum() == 0
+
+
+def test_an_infinite_generation_logprob_masks_its_sequence():
+    # Per-sequence mean exp(|gen - prev|): (e^0 + e^1) / 2 = 1.859, e^0.1 = 1.105, +inf (a -inf generation logprob),
+    # 1.0. With threshold 1.5, sequences 0 and 2 are masked: 2 of 4.
+    prev = torch.tensor([[0, -1.0, -1.0], [0, -1.0, -1.0], [0, -1.0, -1.0], [0, -2.0, -2.0]])
+    generation = torch.tensor([[0, -1.0, -2.0], [0, -1.1, -0.9], [0, -torch.inf, -1.0], [0, -2.0, -2.0]])
+    batch = dict(nemo_rl_batch(generation), prev_logprobs=prev)
+    result, kept = masked(batch, 1.5, torch.ones(4))
+    assert kept.tolist() == [False, True, False, True]
+    assert result.metrics["num_masked_seqs_by_logprob_error"] == 2
+    assert result.metrics["masked_seqs_by_logprob_error_fraction"] == 0.5
+    assert result.metrics["max_seq_mult_prob_error"] == torch.inf
+    assert result.metrics["max_seq_mult_prob_error_after_mask"].item() == pytest.approx(math.exp(0.1), rel=1e-6)
 
 
 def test_the_error_is_the_float64_per_sequence_mean_of_exp_abs_difference_padded_and_packed():
