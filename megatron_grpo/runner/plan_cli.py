@@ -3,8 +3,9 @@
 Prints which extra forward passes each step runs, why, and how many are saved, and writes the resolved config
 (every key, inherited and default values included) to `<run_dir>/config.yaml`, unless the run directory already
 holds a run (whose config `train` rewrites when it starts). With `--nemo-rl-config` it reads
-a NeMo-RL GRPO config in NeMo-RL's own layout (with its `defaults:` inheritance), prints our plan for it, the
-keys it did not map, and where NeMo-RL would decide otherwise. A bad or unreadable config prints its
+a NeMo-RL GRPO config in NeMo-RL's own layout (with its `defaults:` inheritance), prints the loop NeMo-RL runs for
+it, our plan for it, where NeMo-RL would decide otherwise, the keys with no say in the plan and, apart, the keys
+NeMo-RL does not know (with the nearest known one). A bad or unreadable config prints its
 ConfigError (every problem, each naming its key) and exits with status 2. Never imports torch or Megatron-Core.
 """
 
