@@ -15,7 +15,7 @@ What it reads:
   runner's outcome form with the other estimators);
 - every dropout a NeMo-RL policy applies (`DROPOUT_SOURCES`): any one > 0 makes the plan compute the prev pass;
 - `policy.router_replay.enabled` (MoE routing replay), read but with no say in this plan yet.
-Keys NeMo-RL does not know at that commit (`nemo_rl_known_keys.txt`, made by `tools/nemo_rl_known_keys.py`) are
+Keys NeMo-RL does not know at that commit (`nemo_rl_known_keys.txt`, made by `megatron_grpo/runner/nemo_rl_keys.py`) are
 reported apart, each with the nearest known key. Never imports torch.
 """
 

@@ -337,7 +337,7 @@ def test_the_nearest_known_key_of_each_kind_of_typo():
 
 
 def test_the_known_keys_list_names_its_nemo_rl_commit():
-    assert NEMO_RL_COMMIT == "7ea279abfbeb698b092856d0dab61e7cf39bc909"  # tools/nemo_rl_known_keys.py's header
+    assert NEMO_RL_COMMIT == "7ea279abfbeb698b092856d0dab61e7cf39bc909"  # megatron_grpo/runner/nemo_rl_keys.py's header
 
 
 def test_router_replay_is_read_with_no_say_in_the_plan_yet(capsys):

@@ -2,11 +2,11 @@
 path of its `examples` directory (the recipes' `defaults:` reach into `examples/nemo_gym` and `examples/modelopt`).
 
 NeMo-RL's files are not copied here (tests/nemo_rl_configs holds each situation in a small config of its own); this
-is the check to run when the known-keys list is regenerated (`tools/nemo_rl_known_keys.py`). On every file under
-`configs/recipes/llm`: no traceback; a config of another algorithm is one line; every GRPO recipe plans; wherever
-something reads prev before the loss, prev is there (the pass, or the training forward for the sequence mask
-alone where that forward is the prev policy), by an oracle read from the merged file here, not from the reader.
-At the known-keys list's commit, the counts of the run that checked it hold too.
+is the check to run when the known-keys list is regenerated (`megatron_grpo/runner/nemo_rl_keys.py`). On every file
+under `configs/recipes/llm`: no traceback; a config of another algorithm is one line; every GRPO recipe plans;
+wherever something reads prev before the loss, prev is there (the pass, or the training forward for the sequence mask
+alone where that forward is the prev policy), by an oracle read from the merged file here, not from the reader. At
+the known-keys list's commit, the counts of the run that checked it hold too.
 """
 
 from __future__ import annotations
