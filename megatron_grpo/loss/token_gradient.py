@@ -20,9 +20,11 @@ filter dropped its target or its prev is -inf: `kept`), `p` its prev, `A` its ad
 
 `obstacle` says where this does not hold: where the gradient at a token reads other tokens' current values (GSPO's
 sequence ratio, sequence-level weights of a prev read from curr or under a filter, a filter's kept counts in
-`seq-mean-token-mean`). The head then cuts chunks of whole sequences and takes the gradient by autograd over the
-loss itself. A new per-token term of the loss adds its derivative here (`tests/loss/test_linear_loss.py` checks this
-against autograd in every setting), or an obstacle.
+`seq-mean-token-mean`, NeMo-RL's sequence mask by logprob error read from curr). The head then cuts chunks of whole
+sequences and takes the gradient by autograd over the loss itself. The sequence mask read from the batch's prev, and
+deferred normalisation (the aggregation's counts then 1), keep the closed form. A new per-token term of the loss adds
+its derivative here (`tests/loss/test_linear_loss.py` checks this against autograd in every setting), or an
+obstacle.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from megatron_grpo.loss.call import LossCall
 from megatron_grpo.loss.config import ClippedPGLossConfig
 from megatron_grpo.loss.fused_head import Chunk, RowGradients, RowValues, Upstream
 from megatron_grpo.loss.importance import finite_or_zero, importance_weights
+from megatron_grpo.loss.logprob_error_mask import mask_by_logprob_error
 from megatron_grpo.loss.prev_approximation import interpolated_prev
 from megatron_grpo.loss.reductions import aggregation_weights
 
@@ -44,9 +47,13 @@ def prev_reads_current(call: LossCall, prev_from_current: bool) -> bool:
     return prev_from_current or (approximation is not None and approximation.method != "generation")
 
 
-def obstacle(config: ClippedPGLossConfig, call: LossCall, *, prev_from_current: bool,
-             filter_active: bool) -> str | None:
-    """Why the loss's gradient at a token reads other tokens' current values, or None (the closed form holds)."""
+def obstacle(config: ClippedPGLossConfig, call: LossCall, *, prev_from_current: bool, filter_active: bool,
+             prev_in_batch: bool) -> str | None:
+    """Why the loss's gradient at a token reads other tokens' current values, or None (the closed form holds).
+    `prev_in_batch`: the batch carries `prev_logprobs` (a prev pass), which the sequence mask then reads."""
+    if call.seq_logprob_error_threshold is not None and not prev_in_batch:
+        return ("the sequence mask by logprob error (seq_logprob_error_threshold) reads each sequence's current "
+                "logprobs, without a prev pass")
     if config.sequence_level_importance_ratio:
         return "GSPO's sequence-level ratio (loss_fn.sequence_level_importance_ratio) couples a sequence's tokens"
     sequence_weights = (config.use_importance_sampling_correction
@@ -77,6 +84,10 @@ class ClosedFormGradient:
             return values.reshape(-1).index_select(0, positions)
 
         mask = inputs.mask
+        if call.seq_logprob_error_threshold is not None:  # from the batch's prev (else an obstacle): known up front
+            mask = mask_by_logprob_error(inputs.prev_logprobs, inputs.generation_logprobs, mask,
+                                         call.seq_logprob_error_threshold, layout, context=call.context).mask
+        unmasked_by_filter = mask  # what the KL reads under a filter: every token's unfiltered logprob
         prev = None  # known up front: the batch's (a pass), or the generation logprobs
         if self.method == "generation":
             prev = torch.where(mask.bool(), inputs.generation_logprobs, 0.0)
@@ -90,23 +101,24 @@ class ClosedFormGradient:
         self.alpha = None if self.method in (None, "generation") else at(layout.broadcast(alpha))
         self.negative_advantage = -at(inputs.advantages)
         self.advantage = at(inputs.advantages)
-        weigh = dict(mode=cfg.loss_agg_mode, global_valid_tokens=call.global_valid_tokens,
-                     global_valid_seqs=call.global_valid_seqs, max_response_length=cfg.max_response_length,
-                     layout=layout, context=call.context, dtype=dtype)
+        # Deferred normalisation: the loss is a sum, divided once by the step (counts of 1 here).
+        tokens, sequences = (1, 1) if call.defer_normalisation else (call.global_valid_tokens, call.global_valid_seqs)
+        weigh = dict(mode=cfg.loss_agg_mode, global_valid_tokens=tokens, global_valid_seqs=sequences,
+                     max_response_length=cfg.max_response_length, layout=layout, context=call.context, dtype=dtype)
         self.policy_weight = at(aggregation_weights(mask, **weigh)) * upstream
         self.importance = None
         if cfg.use_importance_sampling_correction and prev is not None:  # else per chunk, from curr
             self.importance = at(self._importance_weights(prev, inputs.generation_logprobs, mask, layout, call))
         self.kl_weight = self.reference = None
         if cfg.kl_in_loss:
-            kl_mask = inputs.mask if self.filtered else mask
+            kl_mask = unmasked_by_filter if self.filtered else mask
             self.kl_weight = at(aggregation_weights(kl_mask, **weigh)) * (cfg.reference_policy_kl_penalty * upstream)
             self.reference = at(inputs.reference_policy_logprobs)
         self.nll_weight = None
         if cfg.positive_example_nll_weight > 0:
             positive = mask * layout.broadcast((inputs.rewards > 0).to(mask.dtype))
-            tokens = torch.as_tensor(call.global_valid_tokens, device=mask.device).to(dtype).clamp(min=1)
-            self.nll_weight = at(positive.to(dtype)) / tokens * (cfg.positive_example_nll_weight * upstream)
+            count = torch.as_tensor(tokens, device=mask.device).to(dtype).clamp(min=1)
+            self.nll_weight = at(positive.to(dtype)) / count * (cfg.positive_example_nll_weight * upstream)
 
     def _importance_weights(self, prev, generation, mask, layout, call: LossCall | None = None) -> torch.Tensor:
         cfg = self.config

@@ -61,8 +61,16 @@ SETTINGS = {
     "prev loglinear": ({}, {"prev_approximation": PrevApproximation("loglinear", VERSIONS)}),
     "prev linear, KL": ({"reference_policy_kl_penalty": 0.05},
                         {"prev_approximation": PrevApproximation("linear", VERSIONS)}),
+    # NeMo-RL's sequence mask by logprob error, with the normalisation deferred (the loss a sum): from the batch's
+    # prev (a pass), and from curr (no pass: it reads each sequence's current logprobs)
+    "sequence mask from prev, deferred": ({"entropy_coef": 0.01},
+                                          {"seq_logprob_error_threshold": 1.3, "defer_normalisation": True}),
+    "sequence mask from curr, deferred, seq-mean": ({"loss_agg_mode": "seq-mean-token-mean"},
+                                                    {"seq_logprob_error_threshold": 1.3, "defer_normalisation": True,
+                                                     "prev_logprobs_from_current": True}),
 }
-COUPLED = {"GSPO, seq-mean-token-mean"}  # the settings whose gradient couples a sequence's tokens
+# the settings whose gradient couples a sequence's tokens
+COUPLED = {"GSPO, seq-mean-token-mean", "sequence mask from curr, deferred, seq-mean"}
 FILTERS = {"top-k": SamplingDistribution(logit_scale=SCALE, top_k=6),
            "top-p": SamplingDistribution(logit_scale=SCALE, top_p=0.7)}
 # Under a filter: a KL (the second, unfiltered distribution), the closed form with an entropy bonus, and a kept count
@@ -89,7 +97,10 @@ def make_problem(seed: int, dtype: torch.dtype, grid: bool = False):
     return hidden.to(dtype), weight.to(dtype), batch
 
 
-def _counts(batch):
+def _counts(batch, call=None):
+    """The step's global counts, none where the normalisation is deferred."""
+    if call and call.get("defer_normalisation"):
+        return {}
     tokens, seqs = count_valid(batch)
     return {"global_valid_tokens": tokens, "global_valid_seqs": seqs}
 
@@ -100,7 +111,8 @@ def materialised(cfg, prev, hidden, weight, batch, shard, distribution=None):
     unscaled = None if distribution is None else SamplingDistribution(top_k=distribution.top_k,
                                                                       top_p=distribution.top_p)
     logits = (h @ w.t()) * SCALE
-    loss, metrics = ClippedPGLoss(cfg)(logits, batch, shard=shard, distribution=unscaled, **_counts(batch), **prev)
+    loss, metrics = ClippedPGLoss(cfg)(logits, batch, shard=shard, distribution=unscaled, **_counts(batch, prev),
+                                       **prev)
     loss.backward()
     return loss.detach(), metrics, h.grad, w.grad
 
@@ -110,7 +122,7 @@ def fused(cfg, prev, hidden, weight, batch, shard, chunk_rows, distribution=None
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     distribution = SamplingDistribution(logit_scale=SCALE) if distribution is None else distribution
     loss, metrics = ClippedPGLoss(cfg).on_hidden_states(h, w, batch, shard=shard, distribution=distribution,
-                                                        chunk_rows=chunk_rows, **_counts(batch), **prev)
+                                                        chunk_rows=chunk_rows, **_counts(batch, prev), **prev)
     (loss * upstream).backward()
     return loss.detach(), metrics, h.grad / upstream, w.grad / upstream
 
@@ -132,9 +144,11 @@ def assert_same(got, want, rtol, label):
 def _obstacle_of(setting: str, distribution: SamplingDistribution | None = None) -> str | None:
     overrides, prev = SETTINGS[setting]
     source = PrevSource(prev.get("prev_logprobs_from_current"), prev.get("prev_approximation"))
-    call = LossCall.of(1.0, 1.0, distribution=distribution, prev=source)
+    call = LossCall.of(None, None, distribution=distribution, prev=source, defer_normalisation=True,
+                       seq_logprob_error_threshold=prev.get("seq_logprob_error_threshold"))
     return obstacle(loss_config(**overrides), call, prev_from_current=bool(source.from_current),
-                    filter_active=distribution is not None and distribution.active(VOCAB))
+                    filter_active=distribution is not None and distribution.active(VOCAB),
+                    prev_in_batch=not source.from_current and source.approximation is None)
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -208,7 +222,7 @@ def bf16_bound(cfg, prev, hidden, weight, batch, shard, distribution, chunks: in
     logits = ((h64 @ w64.t()) * SCALE).requires_grad_(True)
     unscaled = None if distribution is None else SamplingDistribution(top_k=distribution.top_k,
                                                                       top_p=distribution.top_p)
-    loss, _ = ClippedPGLoss(cfg)(logits, batch, shard=shard, distribution=unscaled, **_counts(batch), **prev)
+    loss, _ = ClippedPGLoss(cfg)(logits, batch, shard=shard, distribution=unscaled, **_counts(batch, prev), **prev)
     (dx,) = torch.autograd.grad(loss, logits)
     dx = dx.abs().reshape(-1, PADDED)
     hidden_sum = (dx @ w64.abs()).reshape(hidden.shape) * SCALE
