@@ -37,8 +37,9 @@ def chunk_buffer(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
-    """`out = scale * a @ b` in one GEMM (fp32 accumulation), the scale applied before the single rounding."""
-    return torch.addmm(out.new_zeros(()), a, b, beta=0, alpha=scale, out=out)
+    """`out = scale * a @ b` in one GEMM (fp32 accumulation), the scale applied before the single rounding; with
+    beta=0 the GEMM ignores `out`'s old contents (NaN and inf included), so `out` is also its (unread) input."""
+    return torch.addmm(out, a, b, beta=0, alpha=scale, out=out)
 
 
 def chunk_logits(hidden_chunk: torch.Tensor, weight_valid: torch.Tensor, scale: float,
