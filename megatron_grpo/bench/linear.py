@@ -800,8 +800,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sequence-length", type=int, default=SEQUENCE_ROWS,
                         help="rows per sequence (prompt rows first), for the response rows and the loss candidates")
     parser.add_argument("--top-k", type=int, default=None,
-                        help="the sampling filter of our candidates (the peers have none and are skipped)")
-    parser.add_argument("--top-p", type=float, default=None, help="likewise, top-p in (0, 1]")
+                        help="the top-k filter of our candidates' distribution (the peers have none and are skipped; "
+                             "default: none)")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="likewise, a top-p in (0, 1] (default: none)")
     parser.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), default=list(CANDIDATES),
                         help="the candidates to run")
     parser.add_argument("--repeats", type=int, default=None,

@@ -504,8 +504,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                              "skips the reference pass)")
     parser.add_argument("--temperature", type=float, default=defaults.temperature,
                         help="the sampling temperature of the rollouts, which every configuration trains under")
-    parser.add_argument("--top-k", type=int, default=defaults.top_k, help="the rollouts' top-k filter (None: off)")
-    parser.add_argument("--top-p", type=float, default=defaults.top_p, help="the rollouts' top-p filter (None: off)")
+    parser.add_argument("--top-k", type=int, default=defaults.top_k,
+                        help="the rollouts' top-k filter, which every configuration trains (default: none)")
+    parser.add_argument("--top-p", type=float, default=defaults.top_p,
+                        help="the rollouts' top-p filter, likewise (default: none)")
     parser.add_argument("--no-fused-loss", dest="fused_loss", action="store_false",
                         help="configuration 3 recomputes the logits' chunks in backward instead of the loss-fused path")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam's learning rate")
