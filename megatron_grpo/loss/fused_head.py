@@ -18,7 +18,7 @@ as soon as the chunk's logprobs are known. So forward, per chunk of trained rows
    `dW += scale * dlogits.T @ h` (`gemm.WeightGradient`), two GEMMs.
 
 3 GEMMs instead of 4, one small all-gather per chunk, no host sync inside the loop (top-p's threshold search aside:
-it reads its candidates back once per chunk), and backward only hands `dH`, `dW` on.
+it reads its candidates back once per piece of 1/16 of a chunk), and backward only hands `dH`, `dW` on.
 
 **The upstream gradient.** The objective's gradient with respect to the loss, d(objective)/d(loss), scales every
 row's gradient. Bound up front (`upstream_gradient`: the Megatron step knows it, the loss scale it applies times
@@ -55,7 +55,7 @@ from megatron_grpo.loss.packing import SequenceLayout
 from megatron_grpo.ops.context_shard import ContextShard
 from megatron_grpo.ops.core.backends import Implementation
 from megatron_grpo.ops.core.checks import check_linear_inputs, check_target_ids
-from megatron_grpo.ops.core.chunking import chunk_rows_for, row_chunks, sequence_chunks
+from megatron_grpo.ops.core.chunking import chunk_rows_for, row_chunks, sequence_chunks, threshold_piece_rows
 from megatron_grpo.ops.core.dtypes import compute_dtype
 from megatron_grpo.ops.core.filtering import kept_threshold
 from megatron_grpo.ops.core.gemm import (
@@ -269,7 +269,7 @@ def run_head(hidden: torch.Tensor, weight: torch.Tensor, call: HeadCall, main_gr
             _hidden_and_weight_gradients(*pending, weight_valid, linear, grad_hidden, weight_gradient, streams)
         with streams.side(after=ready) as done:
             targets = call.targets.reshape(-1).index_select(0, index)
-            found = _chunk_stats(buffer, targets, linear, second, call.loss.reads_unfiltered)
+            found = _chunk_stats(buffer, targets, linear, second, call.loss.reads_unfiltered, largest)
             logprob_rows[sl], entropy_rows[sl] = found.values.logprob, found.values.entropy
             if second:
                 unfiltered_rows[sl] = found.values.unfiltered
@@ -292,12 +292,12 @@ def run_head(hidden: torch.Tensor, weight: torch.Tensor, call: HeadCall, main_gr
 
 
 def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, linear: LinearCall, second: bool,
-                 reads_unfiltered: bool) -> ChunkStats:
+                 reads_unfiltered: bool, chunk_rows: int) -> ChunkStats:
     """Each row's filter threshold, the kernels' partials, their all-gather over TP and the combine: the chunk's
     values under the distribution (and, with `second`, under its unfiltered twin as well)."""
     shard, valid, kernels = linear.shard, linear.valid_cols, linear.kernels
     threshold = kept_threshold(logits, linear.distribution, true_vocab_size=shard.true_vocab_size, group=shard.group,
-                               scaled=True)
+                               scaled=True, rows_per_piece=threshold_piece_rows(chunk_rows))
     stats = combine_partials(gather_partials(
         kernels.logprob_partials(logits, targets, shard.start_index, valid, True, threshold), shard.group),
         targets, True)

@@ -35,7 +35,7 @@ import torch
 
 from megatron_grpo.ops.core.backends import Implementation, Kernels, select_kernels
 from megatron_grpo.ops.core.checks import check_linear_inputs, check_target_ids
-from megatron_grpo.ops.core.chunking import chunk_rows_for
+from megatron_grpo.ops.core.chunking import chunk_rows_for, threshold_piece_rows
 from megatron_grpo.ops.core.dtypes import compute_dtype
 from megatron_grpo.ops.core.filtering import kept_threshold
 from megatron_grpo.ops.core.gemm import (
@@ -95,7 +95,8 @@ def linear_partials(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     for sl in call.chunks(rows):
         logits = chunk_logits(hidden[sl], weight_valid, call.distribution.logit_scale, buffer[:sl.stop - sl.start])
         threshold = kept_threshold(logits, call.distribution, true_vocab_size=shard.true_vocab_size,
-                                   group=shard.group, scaled=True)
+                                   group=shard.group, scaled=True,
+                                   rows_per_piece=threshold_piece_rows(call.chunk_rows))
         if filtered:
             thresholds.append(threshold)
         partials.append(call.kernels.logprob_partials(logits, targets[sl], shard.start_index, valid,

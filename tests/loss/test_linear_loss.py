@@ -429,3 +429,17 @@ def test_overlapped_chunks_two_buffers_and_the_deferred_gemms_give_the_same_resu
     for a, b in zip(in_order[2:], overlapped[2:]):
         assert torch.equal(a, b)
     assert float(in_order[0]) == float(overlapped[0])
+
+
+def test_top_p_searches_a_sixteenth_of_a_chunk_at_a_time(monkeypatch):
+    """Top-p's threshold search (some 20 bytes of temporaries per logit) runs on 1/16 of a chunk's rows at a time, so
+    that its temporaries stay near the size of a bf16 chunk buffer, whatever the vocab (`threshold_piece_rows`)."""
+    from megatron_grpo.ops.core import filtering
+
+    seen, select = [], filtering._select_top_p
+    monkeypatch.setattr(filtering, "_select_top_p", lambda x, *args: seen.append(x.shape[0]) or select(x, *args))
+    hidden, weight, batch = make_problem(seed=6, dtype=torch.float32)
+    ClippedPGLoss(loss_config()).on_hidden_states(hidden, weight, batch, distribution=FILTERS["top-p"], chunk_rows=32,
+                                                  shard=VocabShard(true_vocab_size=VOCAB), **_counts(batch))
+    trained = int(count_valid(batch)[0])  # one chunk of them all
+    assert seen and max(seen) == -(-trained // 16) < trained

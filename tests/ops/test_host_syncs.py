@@ -4,7 +4,7 @@
 - `vocab_parallel_linear_logprobs` gathers the trained rows (`nonzero`) only where some row is ignored: with
   `check_inputs=True` and every row trained, the target check's one sync says so and no `nonzero` runs.
 - The loss-fused path syncs a fixed number of times per call, however many chunks it cuts: its chunk loop reads
-  nothing back (top-p's threshold search aside, which reads its candidates back once per chunk).
+  nothing back (top-p's threshold search aside, which reads its candidates back once per piece of 1/16 of a chunk).
 - `check_inputs=False` removes the checks of values: the loss then reads nothing back per call;
   `check_batch_values` does those checks once, naming a bad key.
 """

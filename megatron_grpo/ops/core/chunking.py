@@ -12,6 +12,9 @@ cutting differently run different numbers and shapes of them, and gloo aborts, N
   place, which leaves room for the per-row vectors under the fused paths' 10% budget (docs/ops.md, "Memory").
 - *Sequence chunks* (`sequence_chunks`): where a loss term couples a sequence's tokens, the loss-fused head groups
   whole sequences into chunks of at most that many trained rows, so the term stays exact.
+- *Threshold pieces within a chunk* (`threshold_piece_rows`): top-p's search over a fused path's chunk works on
+  1/16 of the chunk's rows at a time, so its temporaries (some 20 bytes per logit) stay near a bf16 chunk buffer's
+  size, whatever the vocab.
 """
 
 from __future__ import annotations
@@ -63,6 +66,13 @@ def chunk_rows_for(rows: int, shard_cols: int, dtype: torch.dtype, budget_bytes:
     by_budget = max(1, budget // row_bytes)
     by_share = max(MIN_CHUNK_ROWS, -(-rows // (MIN_CHUNKS * buffers)))
     return max(1, min(by_budget, by_share))
+
+
+def threshold_piece_rows(chunk_rows: int) -> int:
+    """Rows per piece of top-p's threshold search over a chunk of `chunk_rows` rows: 1/16 of them (at least 1), so
+    that its some 20 bytes per logit come to about 1.25 bytes per logit of the chunk. The chunk's rows are the same
+    on every TP rank, so the pieces and their collectives are too."""
+    return max(1, -(-chunk_rows // MIN_CHUNKS))
 
 
 def row_chunks(rows: int, chunk_rows: int) -> list[slice]:

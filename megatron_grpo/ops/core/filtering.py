@@ -37,6 +37,7 @@ def kept_threshold(
     true_vocab_size: int,
     group: dist.ProcessGroup | None = None,
     scaled: bool = False,
+    rows_per_piece: int | None = None,
 ) -> torch.Tensor | None:
     """Per-row threshold `[rows]` such that the kept tokens are exactly `z >= threshold`; None = keep all.
 
@@ -45,6 +46,8 @@ def kept_threshold(
     dtype as the kernels round it; `scaled=True` says the logits are z already (the fused linear path forms them
     scaled). Every rank of `group` must call this with the same rows and distribution. The threshold has the
     logits' compute dtype (float64 for float64 logits, else float32); comparing it with z in that dtype is exact.
+    `rows_per_piece`: top-p's pieces of rows (the same on every rank), for a caller that bounds the search's
+    temporaries by its own chunk (`chunking.threshold_piece_rows`); None: `chunking.piece_rows` of the vocab share.
     """
     if not distribution.active(true_vocab_size):
         return None
@@ -53,7 +56,8 @@ def kept_threshold(
     floor = (_top_k_threshold(x, distribution.top_k, group, logit_scale)
              if distribution.uses_top_k(true_vocab_size) else None)
     if distribution.uses_top_p():
-        return _top_p_threshold(x, distribution.top_p, floor, group, logit_scale, true_vocab_size).contiguous()
+        return _top_p_threshold(x, distribution.top_p, floor, group, logit_scale, true_vocab_size,
+                                rows_per_piece).contiguous()
     return floor.contiguous()
 
 
@@ -132,7 +136,7 @@ def _histogram(index: torch.Tensor, mass: torch.Tensor, rows: int, bins: int,
 
 
 def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None, group: dist.ProcessGroup | None,
-                     logit_scale: float, true_vocab_size: int) -> torch.Tensor:
+                     logit_scale: float, true_vocab_size: int, rows_per_piece: int | None = None) -> torch.Tensor:
     """The smallest logit v of each row whose strictly larger kept logits hold a mass `< p` of the kept mass.
 
     mass(v) = the kept mass of the logits `> v` is non-increasing in v. After one all-reduce of the row max, each
@@ -156,7 +160,10 @@ def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None, grou
     shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     threshold = torch.empty(rows, dtype=dtype, device=x.device)
     # every rank cuts the same pieces: by its share of the true vocab, never its own (padded) width
-    for sl in pieces(rows, piece_rows(-(-true_vocab_size // _world(group)))):
+    per_piece = piece_rows(-(-true_vocab_size // _world(group)))
+    if rows_per_piece is not None:
+        per_piece = min(per_piece, rows_per_piece)
+    for sl in pieces(rows, per_piece):
         threshold[sl] = _select_top_p(x[sl], p, shift[sl], None if floor is None else floor[sl], group, logit_scale)
     threshold = torch.where(torch.isfinite(row_max), threshold, torch.full_like(threshold, float("-inf")))
     return threshold if floor is None else torch.maximum(threshold, floor)
