@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+NAMES = ("kept_set.offsets", "kept_set.ids")  # how errors call a KeptSet's two tensors (the batch: its keys)
+
 
 @dataclass(frozen=True)
 class KeptSet:
@@ -82,20 +84,21 @@ class KeptSet:
         source = self.offsets[at][owner] + torch.arange(total, device=self.device) - offsets[:-1][owner]
         return KeptSet(offsets, self.ids[source])
 
-    def check_form(self, positions: int, device: torch.device, name: str = "kept_set") -> None:
-        """The free checks (no host read): int64 1-D tensors, `positions + 1` offsets, on `device`."""
-        for field, value in (("offsets", self.offsets), ("ids", self.ids)):
+    def check_form(self, positions: int, device: torch.device, names: tuple[str, str] = NAMES) -> None:
+        """The free checks (no host read): int64 1-D tensors, `positions + 1` offsets, on `device`. `names`: how the
+        errors call the offsets and the ids."""
+        for name, value in zip(names, (self.offsets, self.ids)):
             if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 1:
                 got = f"{value.dtype} of shape {list(value.shape)}" if isinstance(value, torch.Tensor) \
                     else type(value).__name__
-                raise ValueError(f"{name}.{field}: expected a 1-D int64 tensor, got {got}")
+                raise ValueError(f"{name}: expected a 1-D int64 tensor, got {got}")
             if value.device != device:
-                raise ValueError(f"{name}.{field}: on {value.device}, but the targets are on {device}")
+                raise ValueError(f"{name}: on {value.device}, but the targets are on {device}")
         if self.offsets.numel() != positions + 1:
-            raise ValueError(f"{name}.offsets: expected {positions + 1} entries (one more than the {positions} "
+            raise ValueError(f"{names[0]}: expected {positions + 1} entries (one more than the {positions} "
                              f"positions of the targets), got {self.offsets.numel()}")
 
-    def check_values(self, targets: torch.Tensor, true_vocab_size: int, name: str = "kept_set") -> None:
+    def check_values(self, targets: torch.Tensor, true_vocab_size: int, names: tuple[str, str] = NAMES) -> None:
         """The checks that read values, in one host read, each a ValueError naming what is wrong: the offsets start
         at 0, never decrease and end at the number of ids; every id is in `[0, true_vocab_size)` and each set's ids
         increase; every scored target (`targets` `[positions]`, aligned with the sets; < 0: not scored) is in its
@@ -121,24 +124,26 @@ class KeptSet:
                               ids.min() if ids.numel() else none, ids.max() if ids.numel() else none,
                               first(missing)]).tolist()
         start, end, decrease_at, unsorted_at, smallest, largest, missing_at = values
+        offsets_name, ids_name = names
         if start != 0:
-            raise ValueError(f"{name}.offsets: must start at 0, starts at {start}")
+            raise ValueError(f"{offsets_name}: must start at 0, starts at {start}")
         if 0 <= decrease_at < self.positions:
-            raise ValueError(f"{name}.offsets: must not decrease (position i's set is ids[offsets[i]:offsets[i + 1]]); "
+            raise ValueError(f"{offsets_name}: must not decrease (position i's set is ids[offsets[i]:offsets[i + 1]]); "
                              f"offsets[{decrease_at + 1}] < offsets[{decrease_at}]")
         if end != ids.numel():
-            raise ValueError(f"{name}.offsets: must end at the number of ids ({ids.numel()}), ends at {end}")
+            raise ValueError(f"{offsets_name}: must end at the number of ids ({ids.numel()}), ends at {end}")
         if ids.numel() and (smallest < 0 or largest >= true_vocab_size):
             bad = smallest if smallest < 0 else largest
-            raise ValueError(f"{name}.ids: contains token id {bad}, outside the vocab [0, {true_vocab_size})")
+            raise ValueError(f"{ids_name}: contains token id {bad}, outside the vocab [0, {true_vocab_size})")
         if 0 <= unsorted_at < ids.numel() - 1:
             at = int(position[unsorted_at])
-            raise ValueError(f"{name}.ids: each set's ids must increase (sorted, no duplicates); position {at}'s do "
-                             f"not: {ids[offsets[at]:offsets[at + 1]].tolist()}")
+            raise ValueError(f"{ids_name}: each set's ids must increase (sorted, no duplicates); position {at}'s do "
+                             f"not: {_shortened(ids[offsets[at]:offsets[at + 1]].tolist())}")
         if 0 <= missing_at < self.positions:
             kept = ids[offsets[missing_at]:offsets[missing_at + 1]].tolist()
-            raise ValueError(f"{name}: the target {int(targets[missing_at])} at position {missing_at} is not in its "
-                             f"kept set {_shortened(kept)}: a token outside the set cannot have been sampled from it")
+            raise ValueError(f"{ids_name}: the target {int(targets[missing_at])} at position {missing_at} is not in "
+                             f"its kept set {_shortened(kept)}: a token outside the set cannot have been sampled from "
+                             "it")
 
 
 def _shortened(ids: list[int], limit: int = 16) -> str:

@@ -52,20 +52,23 @@ class RowSets:
     def of_groups(cls, kept: KeptSet, index: torch.Tensor, groups: list[slice], next_token: bool) -> list[RowSets]:
         """The sets of the fused paths' chunks: block `g` holds the rows `index[groups[g]]` (`index`: sorted row
         indices, the trained rows), numbered from 0 within it. One host read for every block."""
-        if not groups or index.numel() == 0:
-            return [cls(kept.ids[:0], kept.ids[:0], g.stop - g.start) for g in groups]
+        filled = [g for g in groups if g.stop > g.start]
         shift = int(next_token)
-        firsts = index[[g.start for g in groups]]
-        lasts = index[[g.stop - 1 for g in groups]] + 1
-        bounds = kept.offsets[(torch.cat([firsts, lasts]) + shift).clamp(max=kept.positions)].tolist()
-        blocks = []
-        for number, group in enumerate(groups):
-            start, stop = bounds[number], bounds[len(groups) + number]
+        ends = [index[[g.start for g in filled]], index[[g.stop - 1 for g in filled]] + 1] if filled else []
+        bounds = kept.offsets[(torch.cat(ends) + shift).clamp(max=kept.positions)].tolist() if filled else []
+        blocks, number = [], 0
+        for group in groups:
+            if group.stop <= group.start:
+                blocks.append(cls(kept.ids[:0], kept.ids[:0], 0))
+                continue
+            start, stop = bounds[number], bounds[len(filled) + number]
+            number += 1
             entries = torch.arange(start, stop, device=kept.device)
             row = torch.searchsorted(kept.offsets, entries, right=True) - 1 - shift
             at = torch.searchsorted(index, row).clamp(max=index.numel() - 1)
             member = (index[at] == row) & (at >= group.start) & (at < group.stop)
-            blocks.append(cls(kept.ids[start:stop], torch.where(member, at - group.start, -1), group.stop - group.start))
+            rows = group.stop - group.start
+            blocks.append(cls(kept.ids[start:stop], torch.where(member, at - group.start, -1), rows))
         return blocks
 
 
