@@ -109,7 +109,7 @@ def validate_batch(
             raise ValueError(f"batch['labels']: expected dtype torch.int64, got {labels.dtype}")
     if check_values:  # (the kept sets' form is checked wherever they are read)
         check_kept_set_values(batch, trained_token_targets(batch["input_ids"] if labels is None else labels, mask),
-                              None, row_aligned=row_aligned)
+                              response_tokens(batch, layout, row_aligned), None)
     return LossBatch(
         input_ids=batch["input_ids"], mask=mask, advantages=_on_mask(advantages, mask), rewards=rewards, **logprobs,
         layout=layout, labels=labels,
@@ -125,7 +125,17 @@ def check_batch_values(batch: Mapping[str, torch.Tensor], true_vocab_size: int) 
     if input_ids.numel() == 0:
         return
     _check_ids_and_advantages(batch, input_ids, advantages, true_vocab_size)
-    check_kept_set_values(batch, trained_token_targets(input_ids, trained_token_mask(batch)), true_vocab_size)
+    mask, layout = _mask_and_layout(batch)
+    check_kept_set_values(batch, trained_token_targets(input_ids, mask), response_tokens(batch, layout),
+                          true_vocab_size)
+
+
+def response_tokens(batch: Mapping[str, torch.Tensor], layout: SequenceLayout, row_aligned: bool = False
+                    ) -> torch.Tensor:
+    """bool, per token: the positions that may carry a kept set: `token_mask` set, a sequence's first token
+    excluded (`row_aligned`, a context-parallel share: row `t`'s target's, none excluded)."""
+    response = _tensor(batch, "token_mask") != 0
+    return response if row_aligned else response & ~layout.sequence_starts
 
 
 def _check_ids_and_advantages(batch: Mapping[str, torch.Tensor], input_ids: torch.Tensor, advantages: torch.Tensor,

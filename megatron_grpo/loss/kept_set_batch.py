@@ -18,7 +18,6 @@ from collections.abc import Mapping
 
 import torch
 
-from megatron_grpo.loss.packing import SequenceLayout
 from megatron_grpo.ops.kept_set import KeptSet
 
 KEPT_SET_OFFSETS = "kept_set_offsets"
@@ -70,21 +69,17 @@ def with_kept_set(batch: Batch, kept: KeptSet | None) -> dict[str, torch.Tensor]
     return {**batch, KEPT_SET_OFFSETS: taken.offsets, KEPT_SET_IDS: taken.ids}
 
 
-def check_kept_set_values(batch: Batch, targets: torch.Tensor, true_vocab_size: int | None, *,
-                          row_aligned: bool = False) -> None:
+def check_kept_set_values(batch: Batch, targets: torch.Tensor, response: torch.Tensor,
+                          true_vocab_size: int | None) -> None:
     """The batch contract's checks of its kept sets, each a ValueError naming its key: the values
-    `ops.KeptSet.check_values` reads (one host read), with every trained token of `targets` (token-aligned, -1
-    where not trained; a context-parallel share, `row_aligned`: row `t`'s target) in its set, and no set on a
-    position that is not a response token (`token_mask` 0, or a sequence's first token; one more). Without
+    `ops.KeptSet.check_values` reads (one host read), with every trained token of `targets` (aligned with the sets,
+    -1 where not trained) in its set, and no set where `response` (bool, per token) is False (one more). Without
     `true_vocab_size` only the latter: the ops check the rest where they read the sets."""
     kept = kept_set_of(batch)
     if kept is None:
         return
     if true_vocab_size is not None:
         kept.check_values(targets.reshape(-1), true_vocab_size, BATCH_NAMES)
-    response = batch["token_mask"] != 0
-    if not row_aligned:
-        response = response & ~SequenceLayout.of_batch(batch).sequence_starts
     lengths = kept.lengths()
     stray = (lengths > 0) & ~response.reshape(-1)
     where = torch.arange(stray.numel(), device=stray.device)
