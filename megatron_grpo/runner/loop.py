@@ -184,6 +184,8 @@ class Trainer:
             "rollout_weight_version": torch.full((rollout.input_ids.shape[0],), queued.weight_version,
                                                  dtype=torch.int64),
         }
+        if rollout.kept_set is not None:  # the sampler's kept sets: replayed (generation.replay_kept_set), and logged
+            batch.update(kept_set_offsets=rollout.kept_set_offsets, kept_set_ids=rollout.kept_set_ids)
         device_batch = {key: value.to(self.layout.device) for key, value in batch.items()}
         shaping = None
         if PrevLogprobShaping.needed(self.cfg):  # reads prev logprobs after their pass, before the loss
