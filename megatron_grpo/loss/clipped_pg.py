@@ -258,6 +258,10 @@ class ClippedPGLoss:
         self._check_counts(call, inputs)
         per_chunk = dataclasses.replace(call, check_inputs=False)
         kept = self._kept_set(batch, call)
+        if call.distribution.filtered and self.config.kl_in_loss:
+            raise ValueError("loss_fused: the loss-fused head computes the replayed kept sets' logprobs only, and the KL "
+                             "to the reference reads unfiltered ones (loss_fn.reference_policy_kl_penalty > 0); use "
+                             "loss_fused=False")
 
         def sequence_loss(sequences: Mapping[str, torch.Tensor], curr: torch.Tensor, entropy: torch.Tensor):
             return self._evaluate(None, sequences, per_chunk,

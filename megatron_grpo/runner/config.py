@@ -331,6 +331,10 @@ class Config(StrictSection):
                             f"(got top_k {generation.top_k!r}, top_p {generation.top_p!r}): set "
                             f"policy.fused_linear_loss: false (the fused op then applies the filter), or "
                             f"generation.replay_kept_set: true (the loss-fused head replays the sampler's kept sets)")
+        if policy.fused_linear_loss and generation.replay_kept_set and self.loss_fn.kl_in_loss:
+            problems.append("policy.fused_linear_loss: true with generation.replay_kept_set and "
+                            "loss_fn.reference_policy_kl_penalty > 0: the KL to the reference reads unfiltered "
+                            "logprobs, which the loss-fused head does not compute; set policy.fused_linear_loss: false")
         tp, pp = "policy.tensor_model_parallel_size", "policy.pipeline_model_parallel_size"
         return problems + _divisibility([
             (tp, policy.tensor_model_parallel_size, "policy.model.num_attention_heads", model.num_attention_heads),
