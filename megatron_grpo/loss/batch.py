@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
-from megatron_grpo.loss.kept_set_batch import check_kept_set_values
+from megatron_grpo.loss.kept_set_batch import KEPT_SET_KEYS, check_kept_set_values
 from megatron_grpo.loss.packing import SequenceLayout
 from megatron_grpo.ops.current import HiddenStates
 
@@ -125,9 +125,10 @@ def check_batch_values(batch: Mapping[str, torch.Tensor], true_vocab_size: int) 
     if input_ids.numel() == 0:
         return
     _check_ids_and_advantages(batch, input_ids, advantages, true_vocab_size)
-    mask, layout = _mask_and_layout(batch)
-    check_kept_set_values(batch, trained_token_targets(input_ids, mask), response_tokens(batch, layout),
-                          true_vocab_size)
+    if any(key in batch for key in KEPT_SET_KEYS):
+        mask, layout = _mask_and_layout(batch)
+        check_kept_set_values(batch, trained_token_targets(input_ids, mask), response_tokens(batch, layout),
+                              true_vocab_size)
 
 
 def response_tokens(batch: Mapping[str, torch.Tensor], layout: SequenceLayout, row_aligned: bool = False

@@ -118,7 +118,11 @@ class ClippedPGLoss:
       on by default): `kept_set_mass`, the token mean of the engine's set's probability under this forward's
       unfiltered distribution (at the sampling temperature), and `kept_set_differs`, the fraction of trained tokens
       whose set recomputed from this forward's logits (top-k / top-p) differs from the engine's
-      (`ops.kept_set_metrics`: forward-only op calls, two when the loss trains on one of the sets);
+      (`ops.kept_set_metrics`: forward-only op calls, two when the loss trains on one of the sets); with
+      `generation_logprobs` also `kept_set_replayed_ratio_outside_band` and `kept_set_recomputed_ratio_outside_band`,
+      the fraction of those tokens whose `exp(curr - generation)` lies outside [0.9, 1.1] with curr over the engine's
+      set and over the recomputed one (ratio 0, outside, for a token the recomputed set drops): both ways on the
+      same tokens and weights, whichever the loss trains;
     - `curr_logprobs` `[B, S]`: the current logprobs (0 where a token is not trained or was filtered out);
       `prev_logprobs` `[B, S]` too when prev is approximated (`prev_approximation`);
     - with `compare_approximations`: `prox_<method>_<kind>` for each approximation of `loss.prev_approximation`
@@ -259,9 +263,9 @@ class ClippedPGLoss:
         per_chunk = dataclasses.replace(call, check_inputs=False)
         kept = self._kept_set(batch, call)
         if call.distribution.filtered and self.config.kl_in_loss:
-            raise ValueError("loss_fused: the loss-fused head computes the replayed kept sets' logprobs only, and the KL "
-                             "to the reference reads unfiltered ones (loss_fn.reference_policy_kl_penalty > 0); use "
-                             "loss_fused=False")
+            raise ValueError("loss_fused: the loss-fused head computes the replayed kept sets' logprobs only, and the "
+                             "KL to the reference reads unfiltered ones (loss_fn.reference_policy_kl_penalty > 0); "
+                             "use loss_fused=False")
 
         def sequence_loss(sequences: Mapping[str, torch.Tensor], curr: torch.Tensor, entropy: torch.Tensor):
             return self._evaluate(None, sequences, per_chunk,
@@ -276,7 +280,7 @@ class ClippedPGLoss:
             metrics.update(_kept_set_metric_means(kept_set_metrics(
                 output, inputs.targets, kept, shard=call.shard, distribution=call.distribution,
                 check_inputs=call.check_inputs, chunk_rows=call.chunk_rows, implementation=call.implementation,
-                shift=call.context is None), inputs.mask))
+                shift=call.context is None), inputs.mask, inputs.generation_logprobs))
         return loss, metrics
 
     @staticmethod
@@ -368,7 +372,7 @@ class ClippedPGLoss:
             if errors is not None:
                 metrics.update({name: token_mean(value.to(torch.float32), mask) for name, value in errors.items()})
             if current.kept_set is not None:
-                metrics.update(_kept_set_metric_means(current.kept_set, inputs.mask))
+                metrics.update(_kept_set_metric_means(current.kept_set, inputs.mask, inputs.generation_logprobs))
         return loss, metrics
 
     @staticmethod
@@ -628,10 +632,20 @@ def _outside_band(ratio: torch.Tensor) -> torch.Tensor:
     return ((ratio < RATIO_BAND[0]) | (ratio > RATIO_BAND[1])).to(torch.float32)
 
 
-def _kept_set_metric_means(kept: KeptSetMetrics, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def _kept_set_metric_means(kept: KeptSetMetrics, mask: torch.Tensor,
+                           generation: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """`kept_set_mass` and `kept_set_differs`, token means over the trained tokens (the mass over those whose
-    target is in its set: with unchecked inputs one may not be)."""
+    target is in its set: with unchecked inputs one may not be); with generation logprobs, the fraction of the tokens
+    (with a finite one) whose ratio `exp(curr - generation)` lies outside `RATIO_BAND` when curr replays the engine's
+    set, and when it recomputes the filter (a target outside the recomputed set has ratio 0: outside)."""
     finite = mask * torch.isfinite(kept.mass)
-    mass = torch.where(finite.bool(), kept.mass, torch.zeros((), dtype=kept.mass.dtype, device=kept.mass.device))
-    return {"kept_set_mass": token_mean(mass.to(torch.float32), finite),
-            "kept_set_differs": token_mean(kept.differs.to(torch.float32), mask)}
+    zero = torch.zeros((), dtype=kept.mass.dtype, device=kept.mass.device)
+    metrics = {"kept_set_mass": token_mean(torch.where(finite.bool(), kept.mass, zero).to(torch.float32), finite),
+               "kept_set_differs": token_mean(kept.differs.to(torch.float32), mask)}
+    if generation is not None:
+        scored = mask * torch.isfinite(generation)
+        safe = torch.where(scored.bool(), generation.to(kept.replayed.dtype), zero)
+        for name, curr in (("replayed", kept.replayed), ("recomputed", kept.recomputed)):
+            ratio = torch.exp(torch.where(scored.bool(), curr, zero) - safe)
+            metrics[f"kept_set_{name}_ratio_outside_band"] = token_mean(_outside_band(ratio), scored)
+    return metrics

@@ -41,6 +41,8 @@ class KeptSetMetrics:
 
     mass: torch.Tensor  # the set's probability under the unfiltered distribution at the sampling temperature
     differs: torch.Tensor  # bool: the filter recomputed from these logits keeps another set (see kept_set_metrics)
+    replayed: torch.Tensor  # the logprobs over the engine's set (distribution.replayed())
+    recomputed: torch.Tensor  # the logprobs over the recomputed filter's set (distribution.recomputed()); -inf outside
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,8 @@ def _kept_set_metrics(ops: _OpCalls, kept_set: KeptSet, distribution: SamplingDi
             recomputed = ops(distribution.recomputed(), None, False, False)
         if unfiltered is None:
             unfiltered = ops(distribution.unfiltered(), None, False, False)
-        return KeptSetMetrics(mass=torch.exp(unfiltered - replayed), differs=replayed != recomputed)
+        return KeptSetMetrics(mass=torch.exp(unfiltered - replayed), differs=replayed != recomputed,
+                              replayed=replayed, recomputed=recomputed)
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,8 @@ LOSS_METRICS = frozenset({
     "probs_ratio_clamped_min", "probs_ratio_clamped_max", "clip_fraction_lower", "clip_fraction_upper",
     "kl_penalty", "entropy", "approx_entropy", "token_mult_prob_error", "gen_kl_error",
     "sampling_importance_ratio", "is_oob_ratio", "is_oob_token_ratio", "reward_kl_penalty",
-    "gen_ratio_outside_band", "kept_set_mass", "kept_set_differs",
+    "gen_ratio_outside_band", "kept_set_mass", "kept_set_differs", "kept_set_replayed_ratio_outside_band",
+    "kept_set_recomputed_ratio_outside_band",
     *PREV_APPROXIMATION_ERROR_METRICS,
 })
 PASS_METRICS = frozenset({"reference_pass_ran", "prev_pass_ran", "reference_passes_skipped", "prev_passes_skipped"})

@@ -255,7 +255,8 @@ def test_three_paths_and_the_packed_layout_agree(replay, kl):
             if layout == "padded":
                 torch.testing.assert_close(grad_h, reference[2], atol=1e-12, rtol=0, msg=label)
             torch.testing.assert_close(grad_w, reference[3], atol=1e-12, rtol=0, msg=label)
-            for name in ("kept_set_mass", "kept_set_differs", "gen_ratio_outside_band", "entropy", "probs_ratio"):
+            for name in ("kept_set_mass", "kept_set_differs", "gen_ratio_outside_band", "entropy", "probs_ratio",
+                         "kept_set_replayed_ratio_outside_band", "kept_set_recomputed_ratio_outside_band"):
                 torch.testing.assert_close(metrics[name].double(), reference[1][name].double(), atol=1e-6, rtol=0,
                                            msg=f"{label}: {name}")  # (float32 metrics of float64 values)
     if kl or not replay:
@@ -294,6 +295,13 @@ def test_the_kept_set_metrics_say_what_they_name():
     scored = mask & torch.isfinite(prev)  # a token outside the recomputed set is dropped from the loss's terms
     outside = ((ratio < 0.9) | (ratio > 1.1))[scored].double().mean()
     assert float(metrics["gen_ratio_outside_band"]) == pytest.approx(float(outside), rel=1e-6)
+    # The same band for curr over each set, on every trained token (ratio 0 outside the recomputed set).
+    replayed = torch.log_softmax(logits.masked_fill(~keep_rows, -torch.inf), -1).gather(
+        -1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    for name, curr in (("replayed", replayed), ("recomputed", prev)):
+        ratio = torch.exp(curr - batch["generation_logprobs"][:, 1:].double())
+        expected = ((ratio < 0.9) | (ratio > 1.1))[mask].double().mean()
+        assert float(metrics[f"kept_set_{name}_ratio_outside_band"]) == pytest.approx(float(expected), rel=1e-6)
 
 
 # ---- tensor parallelism ----
