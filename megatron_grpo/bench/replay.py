@@ -167,14 +167,17 @@ def write_report(summary: dict, out: Path, config: Path, argv: list[str]) -> Non
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        def smoothed(values: list[float]) -> list[float]:  # the trailing 10-step mean, in %
+            return [100 * statistics.fmean(values[max(0, i - 9):i + 1]) for i in range(len(values))]
+
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for name, v in variants_.items():
             for way, style in (("replayed", "-"), ("recomputed", "--")):
-                axes[0].plot([100 * x for x in v["per_step"][f"kept_set_{way}_ratio_outside_band"]], style,
+                axes[0].plot(smoothed(v["per_step"][f"kept_set_{way}_ratio_outside_band"]), style,
                              label=f"{name} run, {way} set")
-            axes[1].plot([100 * x for x in v["per_step"]["kept_set_differs"]], label=f"{name} run")
-        axes[0].set_title("tokens with exp(curr - generation) outside [0.9, 1.1]", fontsize=9)
-        axes[1].set_title("tokens whose recomputed kept set differs", fontsize=9)
+            axes[1].plot(smoothed(v["per_step"]["kept_set_differs"]), label=f"{name} run")
+        axes[0].set_title("tokens with exp(curr - generation) outside [0.9, 1.1] (10-step mean)", fontsize=9)
+        axes[1].set_title("tokens whose recomputed kept set differs (10-step mean)", fontsize=9)
         for ax in axes:
             ax.set_xlabel("step")
             ax.set_ylabel("% of trained tokens")
