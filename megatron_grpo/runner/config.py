@@ -335,6 +335,13 @@ class Config(StrictSection):
             problems.append("policy.fused_linear_loss: true with generation.replay_kept_set and "
                             "loss_fn.reference_policy_kl_penalty > 0: the KL to the reference reads unfiltered "
                             "logprobs, which the loss-fused head does not compute; set policy.fused_linear_loss: false")
+        loss = self.loss_fn
+        if self.grpo.seq_logprob_error_threshold is not None and loss.positive_example_nll_weight > 0 \
+                and loss.loss_agg_mode != "token-mean":
+            problems.append(f"grpo.seq_logprob_error_threshold with loss_fn.positive_example_nll_weight > 0 and "
+                            f"loss_fn.loss_agg_mode = {loss.loss_agg_mode}: the mask runs in the loss, which the step "
+                            "then divides by one count, but VAPO's NLL divides by the trained tokens and the seq-mean "
+                            "modes by the sequences; use token-mean, or no NLL term")
         tp, pp = "policy.tensor_model_parallel_size", "policy.pipeline_model_parallel_size"
         return problems + _divisibility([
             (tp, policy.tensor_model_parallel_size, "policy.model.num_attention_heads", model.num_attention_heads),
