@@ -184,6 +184,26 @@ def _linear(hidden, weight, targets, keep, implementation, shard, distribution):
     return logprob.detach(), entropy.detach(), h.grad, w.grad
 
 
+def test_replay_reads_nothing_back_but_the_chunks_bounds():
+    """Without checks the logits op's replay reads nothing back to the host; the linear op reads the chunks' bounds
+    in the ids once per call (with its trained-row gather's `nonzero`)."""
+    from collections import Counter
+
+    from test_host_syncs import CountSyncs
+
+    full, targets, keep = kept_case(40, 48, 41, torch.float32, seed=13)
+    kept = KeptSet.from_mask(keep)
+    with CountSyncs() as logits_op:
+        vocab_parallel_logprobs(full, targets, shard=VocabShard(true_vocab_size=41), distribution=REPLAY,
+                                kept_set=kept, check_inputs=False, with_entropy=True)
+    hidden = torch.randn(40, 8, generator=torch.Generator().manual_seed(14))
+    with CountSyncs() as linear_op:
+        vocab_parallel_linear_logprobs(hidden, torch.randn(48, 8), targets, shard=VocabShard(true_vocab_size=41),
+                                       distribution=REPLAY, kept_set=kept, check_inputs=False, chunk_rows=7)
+    assert logits_op.counts == Counter()
+    assert linear_op.counts == Counter(nonzero=1, tolist=1)
+
+
 # ---- the loss: three paths, packed, the metrics ----
 
 def loss_case(seed: int, batch: int = 5, seq: int = 9, hidden_size: int = 6, padded: int = 40, true_vocab: int = 33):

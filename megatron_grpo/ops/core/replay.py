@@ -88,7 +88,9 @@ class _ShardEntries:
 def _shard_entries(sets: RowSets, targets: torch.Tensor, vocab_start: int, valid_cols: int) -> _ShardEntries:
     row_of = sets.row_of
     segment = torch.cummax(row_of, 0).values if row_of.numel() else row_of  # -1 entries join the row before them
-    segments = torch.bincount(segment + 1, minlength=sets.rows + 1)
+    # (an index_add, not bincount, whose output size would be read from the device)
+    segments = torch.zeros(sets.rows + 1, dtype=torch.int64, device=row_of.device).index_add_(
+        0, segment + 1, torch.ones_like(segment))
     row = row_of.clamp(min=0)
     col = sets.ids - vocab_start
     live = (row_of >= 0) & (col >= 0) & (col < valid_cols)
