@@ -24,7 +24,8 @@ PassMode = Literal["auto", "compute", "skip"]  # logprob_passes.reference
 PrevMode = Literal["auto", "compute", "skip", "generation", "loglinear", "linear", "compute_and_compare"]
 NUM_OPTIONAL_PASSES = 2  # reference and prev
 # What reads the prev logprobs besides the ratio: the mismatch metrics, identically trivial with prev = generation.
-MISMATCH_METRICS = ("token_mult_prob_error", "gen_kl_error", "sampling_importance_ratio", "is_oob_ratio")
+MISMATCH_METRICS = ("token_mult_prob_error", "gen_kl_error", "sampling_importance_ratio", "is_oob_ratio",
+                    "gen_ratio_outside_band")
 
 
 @dataclass(frozen=True)

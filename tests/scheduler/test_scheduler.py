@@ -231,7 +231,8 @@ def test_auto_never_errors_and_skips_exactly_the_redundant_passes(setting):
 PREV_MODES = [
     ("generation-on-policy", prev("generation"), False, "generation", False,
      ["verl's rollout_correction.bypass_mode", "slime's --use-rollout-logprobs",
-      "token_mult_prob_error, gen_kl_error, sampling_importance_ratio, is_oob_ratio are not reported"]),
+      "token_mult_prob_error, gen_kl_error, sampling_importance_ratio, is_oob_ratio, gen_ratio_outside_band are "
+      "not reported"]),
     ("generation-stale-two-steps", {**prev("generation"), **STALE, **ROLLOUT_X2}, False, "generation", False,
      ["PPO clips against the behaviour policy"]),
     ("generation-with-kl-in-reward", {**prev("generation"), **KL_IN_REWARD}, False, "generation", False,
