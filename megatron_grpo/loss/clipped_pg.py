@@ -539,7 +539,7 @@ class ClippedPGLoss:
             generation_users.append("compare_approximations")
         prev_reason = ("unless prev_logprobs_from_current=True (or loss_fn.force_on_policy_ratio, or a "
                        "prev_approximation)")
-        reference_reason = "because loss_fn.reference_policy_kl_penalty > 0 and loss_fn.use_kl_in_reward is false"
+        reference_reason = "because loss_fn.reference_policy_kl_penalty > 0 and loss_fn.kl_in_sequence_reward is false"
         return BatchRequirements(
             prev_logprobs=None if prev_from_current or approximation is not None else prev_reason,
             generation_logprobs=f"by {' and '.join(generation_users)}" if generation_users else None,
