@@ -68,6 +68,8 @@ class LossCall:
     #   backward will bring to this loss, known up front (the Megatron step binds it: its loss scale times what
     #   Megatron's schedule multiplies the loss by): dH and dW are written final in forward, dW straight into Megatron
     #   DDP's main_grad; backward checks it. None: 1, read back in backward (one host sync), else a pass over dH, dW
+    kept_set_metrics: bool = True  # with kept sets in the batch: kept_set_mass and kept_set_differs (forward-only op
+    #   calls: two when the loss trains on one of the sets, three on the loss-fused head)
 
     def __post_init__(self) -> None:
         counts = ("global_valid_tokens", "global_valid_seqs")

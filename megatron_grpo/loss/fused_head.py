@@ -8,7 +8,8 @@ as soon as the chunk's logprobs are known. So forward, per chunk of trained rows
 
 1. `logits = scale * h @ W_valid.T` (one GEMM, `gemm.chunk_logits`), into a reused chunk buffer;
 2. the distribution's top-k / top-p threshold of each row (the filter is one number per row, and chunks hold whole
-   rows), the kernels' partials, one all-gather of them over TP, the combine: logprob, entropy, lse per row;
+   rows), or the rollout engine's kept sets of the chunk's rows replayed (`ops.core.replay`), the kernels'
+   partials, one all-gather of them over TP, the combine: logprob, entropy, lse per row;
 3. the loss's gradient with respect to the rows' logprobs and entropies (`HeadLoss.row_gradients`): in closed form
    for a loss whose gradient at a token reads only that token's values (`ClippedPGLoss`'s, in most settings), a
    few elementwise kernels on `[rows]` vectors, no autograd; or, where the loss couples a sequence's tokens (GSPO's
@@ -54,7 +55,12 @@ import torch.distributed as dist
 from megatron_grpo.loss.packing import SequenceLayout
 from megatron_grpo.ops.context_shard import ContextShard
 from megatron_grpo.ops.core.backends import Implementation
-from megatron_grpo.ops.core.checks import check_linear_inputs, check_target_ids
+from megatron_grpo.ops.core.checks import (
+    check_kept_set_argument,
+    check_kept_values,
+    check_linear_inputs,
+    check_target_ids,
+)
 from megatron_grpo.ops.core.chunking import chunk_rows_for, row_chunks, sequence_chunks, threshold_piece_rows
 from megatron_grpo.ops.core.dtypes import compute_dtype
 from megatron_grpo.ops.core.filtering import kept_threshold
@@ -67,8 +73,10 @@ from megatron_grpo.ops.core.gemm import (
     main_grad_of,
 )
 from megatron_grpo.ops.core.partials import RowStats, combine_partials, gather_partials
+from megatron_grpo.ops.core.replay import RowSets, replay_gradient, replay_partials
 from megatron_grpo.ops.core.rows import next_token_targets
 from megatron_grpo.ops.distribution import SamplingDistribution
+from megatron_grpo.ops.kept_set import KeptSet
 from megatron_grpo.ops.linear_logprobs import LinearCall
 from megatron_grpo.ops.vocab_shard import VocabShard
 
@@ -179,6 +187,7 @@ class HeadCall:
     linear: LinearCall  # shard, valid columns, distribution and kernels
     upstream: Upstream | None  # the bound d(objective)/d(loss); None: 1, checked in backward
     buffers: int  # chunk buffers alive at once (two where chunks overlap on CUDA streams)
+    kept: list[RowSets] | None = None  # each chunk's kept sets, replayed (`ops.core.replay`)
 
 
 class LossFusedHead(torch.autograd.Function):
@@ -269,11 +278,12 @@ def run_head(hidden: torch.Tensor, weight: torch.Tensor, call: HeadCall, main_gr
             _hidden_and_weight_gradients(*pending, weight_valid, linear, grad_hidden, weight_gradient, streams)
         with streams.side(after=ready) as done:
             targets = call.targets.reshape(-1).index_select(0, index)
-            found = _chunk_stats(buffer, targets, linear, second, call.loss.reads_unfiltered, largest)
+            sets = None if call.kept is None else call.kept[number]
+            found = _chunk_stats(buffer, targets, linear, second, call.loss.reads_unfiltered, largest, sets)
             logprob_rows[sl], entropy_rows[sl] = found.values.logprob, found.values.entropy
             if second:
                 unfiltered_rows[sl] = found.values.unfiltered
-            _backward_kernels(buffer, targets, linear, found, gradient(chunk, found.values), scratch)
+            _backward_kernels(buffer, targets, linear, found, gradient(chunk, found.values), scratch, sets)
         pending = (buffer, h, index, run, done)
         if not streams.overlapped:
             _hidden_and_weight_gradients(*pending, weight_valid, linear, grad_hidden, weight_gradient, streams)
@@ -292,15 +302,18 @@ def run_head(hidden: torch.Tensor, weight: torch.Tensor, call: HeadCall, main_gr
 
 
 def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, linear: LinearCall, second: bool,
-                 reads_unfiltered: bool, chunk_rows: int) -> ChunkStats:
-    """Each row's filter threshold, the kernels' partials, their all-gather over TP and the combine: the chunk's
-    values under the distribution (and, with `second`, under its unfiltered twin as well)."""
+                 reads_unfiltered: bool, chunk_rows: int, sets: RowSets | None) -> ChunkStats:
+    """Each row's filter threshold (or, with `sets`, the rows' replayed kept sets), the kernels' partials, their
+    all-gather over TP and the combine: the chunk's values under the distribution (and, with `second`, under its
+    unfiltered twin as well)."""
     shard, valid, kernels = linear.shard, linear.valid_cols, linear.kernels
-    threshold = kept_threshold(logits, linear.distribution, true_vocab_size=shard.true_vocab_size, group=shard.group,
-                               scaled=True, rows_per_piece=threshold_piece_rows(chunk_rows))
-    stats = combine_partials(gather_partials(
-        kernels.logprob_partials(logits, targets, shard.start_index, valid, True, threshold), shard.group),
-        targets, True)
+    if sets is not None:  # the engine's kept sets instead of the filter (`core.replay`)
+        partials, threshold = replay_partials(logits, targets, sets, kernels, shard.start_index, valid, True)
+    else:
+        threshold = kept_threshold(logits, linear.distribution, true_vocab_size=shard.true_vocab_size,
+                                   group=shard.group, scaled=True, rows_per_piece=threshold_piece_rows(chunk_rows))
+        partials = kernels.logprob_partials(logits, targets, shard.start_index, valid, True, threshold)
+    stats = combine_partials(gather_partials(partials, shard.group), targets, True)
     unfiltered = None
     if second:
         unfiltered = combine_partials(gather_partials(
@@ -312,9 +325,10 @@ def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, linear: LinearCall
 
 
 def _backward_kernels(logits: torch.Tensor, targets: torch.Tensor, linear: LinearCall, found: ChunkStats,
-                      grads: RowGradients, scratch: torch.Tensor | None) -> None:
+                      grads: RowGradients, scratch: torch.Tensor | None, sets: RowSets | None) -> None:
     """The backward kernel in place: the chunk's logits become d(objective)/d(logits), the trained distribution's
-    term plus, with a second distribution, the unfiltered one's (computed into `scratch` first, then added)."""
+    term (with `sets`, the replayed rows' kept columns patched in after the kernel, `core.replay`) plus, with a second
+    distribution, the unfiltered one's (computed into `scratch` first, then added)."""
     stats, unfiltered = found.stats, found.unfiltered
     shard, valid, kernels = linear.shard, linear.valid_cols, linear.kernels
     grad_logprob = grads.logprob
@@ -328,9 +342,13 @@ def _backward_kernels(logits: torch.Tensor, targets: torch.Tensor, linear: Linea
         scratch = scratch[:logits.shape[0]]
         kernels.logprob_backward(logits, targets, shard.start_index, valid, unfiltered.lse, None,
                                  grads.unfiltered.to(unfiltered.lse.dtype).contiguous(), None, scratch, None)
-    kernels.logprob_backward(logits, targets, shard.start_index, valid, stats.lse,
-                             None if grad_entropy is None else stats.mean_x, grad_logprob, grad_entropy, logits,
-                             found.threshold)
+    mean_x = None if grad_entropy is None else stats.mean_x
+    patch = None if sets is None else replay_gradient(logits, targets, sets, found.threshold, stats.lse, mean_x,
+                                                      grad_logprob, grad_entropy, shard.start_index, valid)
+    kernels.logprob_backward(logits, targets, shard.start_index, valid, stats.lse, mean_x, grad_logprob,
+                             grad_entropy, logits, found.threshold)
+    if patch is not None:
+        patch.write(logits)
     if unfiltered is not None:
         logits.add_(scratch)
 
@@ -436,6 +454,7 @@ def loss_fused_linear(
     shift: bool = True,
     context: ContextShard | None = None,
     upstream_gradient: Upstream | None = None,
+    kept_set: KeptSet | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`loss`'s loss and metrics on the current logprobs and entropies of the trained tokens, from final hidden
     states `[B, S, H]` and this rank's `[V_local, H]` output weight shard, under `distribution` (its scale, top-k and
@@ -451,8 +470,11 @@ def loss_fused_linear(
     chunks are cut alike on the CP ranks, from each sequence's largest count of trained rows over the group (one
     all-reduce), so that a loss summing over the group (`sum_over_context`) meets its peers chunk by chunk.
     `upstream_gradient`: d(objective)/d(loss), bound up front (see the module docstring); None: 1, checked.
+    `kept_set`: with `distribution.replay_kept_set`, the rollout engine's kept set of every position of `targets`
+    (`ops.KeptSet`), replayed instead of a recomputed top-k / top-p (each chunk reads its rows' sets).
     """
     distribution = SamplingDistribution() if distribution is None else distribution
+    check_kept_set_argument(kept_set, distribution, targets)
     if hidden.dim() != 3 or hidden.shape[:2] != targets.shape:
         raise ValueError(f"hidden must be [B, S, H] with [B, S] = the targets' shape {tuple(targets.shape)}, got "
                          f"{tuple(hidden.shape)}")
@@ -462,10 +484,12 @@ def loss_fused_linear(
     shard = (VocabShard() if shard is None else shard).resolve(weight.shape[0])
     if check_inputs:
         check_target_ids(targets, shard)
+        if kept_set is not None:
+            check_kept_values(kept_set, targets.reshape(-1), shard, shift)
     trained = targets >= 0  # a trained row scores a token of its own sequence (shifting: token t + 1)
     index = trained.reshape(-1).nonzero().squeeze(1)  # the call's one host sync (two for whole-sequence chunks)
     overlapped = overlaps_chunks(hidden.device)
-    second = loss.reads_unfiltered and distribution.active(shard.true_vocab_size)
+    second = loss.reads_unfiltered and (distribution.replay_kept_set or distribution.active(shard.true_vocab_size))
     buffers = (2 if overlapped else 1) + (1 if second else 0)
     if loss.whole_sequences:
         chunks = _sequence_chunks(trained, layout, context, chunk_rows, weight, hidden.dtype, buffers)
@@ -474,8 +498,10 @@ def loss_fused_linear(
                                                                           hidden.dtype, buffers=buffers)
         chunks = [Chunk(rows) for rows in row_chunks(index.numel(), budget)]
     linear = LinearCall.of(weight, index.numel(), shard, distribution, True, chunk_rows, implementation)
+    kept = None if kept_set is None else RowSets.of_groups(kept_set, index, [c.rows for c in chunks], shift)
     call = HeadCall(loss=loss, layout=layout, targets=targets, index=index, positions=index + 1 if shift else index,
-                    chunks=chunks, linear=linear, upstream=upstream_gradient, buffers=2 if overlapped else 1)
+                    chunks=chunks, linear=linear, upstream=upstream_gradient, buffers=2 if overlapped else 1,
+                    kept=kept)
     metrics: dict[str, torch.Tensor] = {}
     value = LossFusedHead.apply(hidden, weight, call, metrics)
     return value, metrics

@@ -220,12 +220,18 @@ class GenerationConfig(StrictSection):
     top_k: int | None  # None = the full distribution
     top_p: float | None  # None or 1.0 = the full distribution; else the nucleus of mass top_p, after top_k
     max_new_tokens: int
+    replay_kept_set: bool  # train on the sampler's own kept set of each token instead of recomputing top_k / top_p
 
     def conflicts(self) -> list[str]:
         """The sampling rules are `SamplingDistribution`'s (the one owner), named by this section's keys."""
         problems = _failing(self, ("max_new_tokens",), _positive, "must be > 0")
-        sampling = SamplingDistribution.problems(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
-        return problems + [f"{self.key(name)}: {problem.replace('None', 'null')}" for name, problem in sampling.items()]
+        sampling = SamplingDistribution.problems(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                                 replay_kept_set=self.replay_kept_set)
+        problems += [f"{self.key(name)}: {problem.replace('None', 'null')}" for name, problem in sampling.items()]
+        if self.replay_kept_set is True and self.top_k is None and self.top_p in (None, 1.0):
+            problems.append(f"{self.key('replay_kept_set')}: true needs {self.key('top_k')} or {self.key('top_p')} "
+                            "< 1: without a filter the sampler keeps every token, and there is nothing to replay")
+        return problems
 
 
 @dataclass(frozen=True, init=False)

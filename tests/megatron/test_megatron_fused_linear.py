@@ -283,6 +283,9 @@ def test_fused_never_runs_the_output_layer_and_restores_it(ranks):
 def test_loss_fused_takes_a_sampling_filter(key, value):
     cfg = config_with({"policy.fused_linear_logprobs": True, "policy.fused_linear_loss": True, key: value})
     assert cfg.policy.fused_linear_loss and getattr(cfg.generation, key.split(".")[1]) == value
+    replayed = config_with({"policy.fused_linear_logprobs": True, "policy.fused_linear_loss": True, key: value,
+                            "generation.replay_kept_set": True, "loss_fn.reference_policy_kl_penalty": 0.1})
+    assert replayed.generation.replay_kept_set  # the head replays the sampler's sets, the KL's unfiltered term too
 
 
 def test_loss_fused_needs_the_fused_linear_path():
