@@ -295,8 +295,7 @@ class ClippedPGLoss:
         true_vocab_size = call.shard.resolve(output.weight.shape[0]).true_vocab_size
         head = _HeadOfClippedPG(self, without_kept_set(batch), inputs, unchecked, prev_from_current, alpha,
                                 dtype=compute_dtype(output.hidden.dtype),
-                                filter_active=call.distribution.replay_kept_set
-                                or call.distribution.active(true_vocab_size))
+                                filter_active=call.distribution.restricts(true_vocab_size))
         loss, metrics = loss_fused_linear(
             head, output.hidden, output.weight, inputs.targets, inputs.layout, shard=call.shard,
             distribution=call.distribution, chunk_rows=call.chunk_rows, check_inputs=call.check_inputs,

@@ -489,7 +489,7 @@ def loss_fused_linear(
     trained = targets >= 0  # a trained row scores a token of its own sequence (shifting: token t + 1)
     index = trained.reshape(-1).nonzero().squeeze(1)  # the call's one host sync (two for whole-sequence chunks)
     overlapped = overlaps_chunks(hidden.device)
-    second = loss.reads_unfiltered and (distribution.replay_kept_set or distribution.active(shard.true_vocab_size))
+    second = loss.reads_unfiltered and distribution.restricts(shard.true_vocab_size)
     buffers = (2 if overlapped else 1) + (1 if second else 0)
     if loss.whole_sequences:
         chunks = _sequence_chunks(trained, layout, context, chunk_rows, weight, hidden.dtype, buffers)

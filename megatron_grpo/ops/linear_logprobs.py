@@ -86,7 +86,7 @@ class LinearCall:
 
     @property
     def filter_active(self) -> bool:
-        return self.distribution.replay_kept_set or self.distribution.active(self.shard.true_vocab_size)
+        return self.distribution.restricts(self.shard.true_vocab_size)
 
 
 def linear_partials(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, call: LinearCall,
