@@ -27,7 +27,7 @@ def kernel_extensions() -> list:
     from torch.utils import cpp_extension
 
     with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
-    sources = ["csrc/bindings.cpp", "csrc/logprob_cpu.cpp"]
+    sources = ["csrc/bindings.cpp", "csrc/logprob_op.cpp", "csrc/logprob_cpu.cpp"]
     cxx = ["-O3", "-std=c++17", "-fopenmp", "-Wno-unknown-pragmas"]
     if platform.machine() in ("x86_64", "AMD64"):
         cxx.append("-DMEGATRON_GRPO_CPU_ISA_DISPATCH")  # the ISA builds are compiled by KernelBuildExt

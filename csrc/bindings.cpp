@@ -8,7 +8,9 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <cstdint>
 #include <string>
+#include <tuple>
 
 #ifdef __linux__
 #include <sys/mman.h>
@@ -54,6 +56,56 @@ const float* optional_ptr(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
 }
 
+float* optional_ptr(const at::Tensor& t, bool present) { return present ? t.data_ptr<float>() : nullptr; }
+
+// The op's per-row outputs (logprob, entropy, lse, mean_x): fp32 [rows] each, entropy and mean_x [0] without
+// entropy (each its own tensor: an op's outputs may not alias).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> empty_row_stats(const at::Tensor& like, int64_t rows,
+                                                                             bool with_entropy) {
+  const auto options = like.options().dtype(at::kFloat);
+  const int64_t entropy_rows = with_entropy ? rows : 0;
+  return {at::empty({rows}, options), at::empty({entropy_rows}, options), at::empty({rows}, options),
+          at::empty({entropy_rows}, options)};
+}
+
+// An upstream gradient of a per-row output as the kernels read it: contiguous fp32 [rows] (absent: nullopt).
+c10::optional<at::Tensor> row_gradient(const c10::optional<at::Tensor>& grad, int64_t rows) {
+  if (!grad.has_value() || !grad->defined()) return c10::nullopt;
+  TORCH_CHECK(grad->numel() == rows, "an upstream gradient must have one value per row");
+  return grad->reshape({rows}).to(at::kFloat).contiguous();
+}
+
+// Bytes of the kernels' vector accesses: a gradient row takes the vector path where it shares the logits' row
+// alignment modulo this.
+constexpr int64_t kVectorBytes = 16;
+
+// The row stride of `empty_with_alignment_of(logits)`: the smallest one >= cols that is congruent to the logits'
+// modulo 16 bytes. The same rule as megatron_grpo/ops/vocab_parallel.py:gradient_row_stride (the backward op's fake
+// kernel reports it).
+int64_t gradient_row_stride(const at::Tensor& logits) {
+  const int64_t rows = logits.size(0), cols = logits.size(1), element = logits.element_size();
+  if (rows <= 1 || cols == 0 || kVectorBytes % element != 0) return cols;
+  const int64_t per_vector = kVectorBytes / element;
+  return cols + ((logits.stride(0) - cols) % per_vector + per_vector) % per_vector;
+}
+
+// An uninitialised [rows, cols] gradient whose every row has the 16-byte alignment of the logits' row: a sliced
+// or offset view of logits would otherwise get a buffer aligned differently, and the kernels would fall back to
+// scalar stores for most rows. At most 15 bytes per row are wasted.
+at::Tensor empty_with_alignment_of(const at::Tensor& logits) {
+  const int64_t rows = logits.size(0), cols = logits.size(1), element = logits.element_size();
+  if (rows == 0 || cols == 0 || kVectorBytes % element != 0) {
+    return at::empty_like(logits, at::MemoryFormat::Contiguous);
+  }
+  const int64_t per_vector = kVectorBytes / element;
+  const int64_t row_stride = gradient_row_stride(logits);
+  const int64_t wanted = static_cast<int64_t>(reinterpret_cast<uintptr_t>(logits.data_ptr()) % kVectorBytes) / element;
+  at::Tensor storage = at::empty({wanted + (rows - 1) * row_stride + cols + per_vector}, logits.options());
+  const int64_t base = static_cast<int64_t>(reinterpret_cast<uintptr_t>(storage.data_ptr()) % kVectorBytes) / element;
+  const int64_t offset = ((wanted - base) % per_vector + per_vector) % per_vector;
+  return storage.as_strided({rows, cols}, {row_stride, 1}, offset);
+}
+
 // The optional per-row top-k/top-p threshold: contiguous float32 [rows] on the logits' device.
 void check_threshold(const c10::optional<at::Tensor>& threshold, const at::Tensor& logits) {
   if (threshold.has_value()) check_row_vector(*threshold, logits, "threshold");
@@ -94,6 +146,43 @@ at::Tensor partials_cpu(const at::Tensor& logits, const at::Tensor& targets, int
                         logits.stride(0), targets.data_ptr<int64_t>(), vocab_start, valid_cols, with_entropy,
                         optional_ptr(threshold), scale, partials.data_ptr<float>());
   return partials;
+}
+
+// One rank's (TP 1) outputs straight from the forward kernel: (logprob, entropy, lse, mean_x).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cpu(
+    const at::Tensor& logits, const at::Tensor& targets, int64_t vocab_start, int64_t valid_cols, bool with_entropy,
+    const c10::optional<at::Tensor>& threshold, double logit_scale) {
+  check_rows(logits, targets, valid_cols);
+  check_threshold(threshold, logits);
+  const float scale = checked_scale(logit_scale);
+  auto [logprob, entropy, lse, mean_x] = empty_row_stats(logits, logits.size(0), with_entropy);
+  cpu::logprob_forward(logits.data_ptr(), logits_dtype(logits), logits.size(0), logits.size(1), logits.stride(0),
+                       targets.data_ptr<int64_t>(), vocab_start, valid_cols, with_entropy, optional_ptr(threshold),
+                       scale, logprob.data_ptr<float>(), optional_ptr(entropy, with_entropy), lse.data_ptr<float>(),
+                       optional_ptr(mean_x, with_entropy));
+  return {logprob, entropy, lse, mean_x};
+}
+
+// The all-gathered partials [world, rows, k] and the rows' targets.
+void check_gathered(const at::Tensor& gathered, const at::Tensor& targets, bool with_entropy) {
+  TORCH_CHECK(gathered.dim() == 3 && gathered.size(2) == num_partials(with_entropy) &&
+                  gathered.scalar_type() == at::kFloat && gathered.is_contiguous() && gathered.size(0) >= 1,
+              "gathered partials must be contiguous float32 [world >= 1, rows, ", num_partials(with_entropy), "]");
+  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == gathered.size(1) && targets.scalar_type() == at::kLong &&
+                  targets.is_contiguous() && targets.device() == gathered.device(),
+              "targets must be contiguous int64 [rows] on the partials' device");
+}
+
+// The combine after the one all-gather (TP > 1): (logprob, entropy, lse, mean_x) from every rank's partials.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> combine_cpu(const at::Tensor& gathered,
+                                                                       const at::Tensor& targets, bool with_entropy) {
+  check_gathered(gathered, targets, with_entropy);
+  const int64_t rows = gathered.size(1);
+  auto [logprob, entropy, lse, mean_x] = empty_row_stats(gathered, rows, with_entropy);
+  cpu::logprob_combine(gathered.data_ptr<float>(), gathered.size(0), rows, targets.data_ptr<int64_t>(), with_entropy,
+                       logprob.data_ptr<float>(), optional_ptr(entropy, with_entropy), lse.data_ptr<float>(),
+                       optional_ptr(mean_x, with_entropy));
+  return {logprob, entropy, lse, mean_x};
 }
 
 // The in-place exp mode's forward: the partials, and e = exp(z - m_row) written over the logits' valid columns.
@@ -146,9 +235,57 @@ void backward_cpu(const at::Tensor& logits, const at::Tensor& targets, int64_t v
   if (!grad_logits.is_same(logits)) advise_huge_pages(grad_logits);
   cpu::logprob_backward(logits.data_ptr(), logits_dtype(logits), logits.size(0), logits.size(1),
                         logits.stride(0), targets.data_ptr<int64_t>(), vocab_start, valid_cols,
-                        lse.data_ptr<float>(), optional_ptr(mean_x), grad_logprob.data_ptr<float>(),
+                        lse.data_ptr<float>(), optional_ptr(mean_x), nullptr, grad_logprob.data_ptr<float>(),
                         optional_ptr(grad_entropy), optional_ptr(threshold), scale, grad_logits.data_ptr(),
                         grad_logits.stride(0));
+}
+
+// The arguments of the out-of-place backward, checked, with its upstream gradients as the kernels read them.
+struct GradientArgs {
+  c10::optional<at::Tensor> grad_logprob;
+  c10::optional<at::Tensor> grad_entropy;  // only with mean_x: an entropy that backward differentiates
+  bool filtered;
+};
+
+GradientArgs gradient_args(const at::Tensor& logits, const at::Tensor& targets, int64_t valid_cols,
+                           const at::Tensor& lse, const c10::optional<at::Tensor>& mean_x,
+                           const c10::optional<at::Tensor>& logprob, const c10::optional<at::Tensor>& grad_logprob,
+                           const c10::optional<at::Tensor>& grad_entropy,
+                           const c10::optional<at::Tensor>& threshold) {
+  check_rows(logits, targets, valid_cols);
+  check_row_vector(lse, logits, "lse");
+  check_threshold(threshold, logits);
+  TORCH_CHECK(logprob.has_value() == threshold.has_value(), "logprob is given with the threshold, and only then");
+  if (logprob.has_value()) check_row_vector(*logprob, logits, "logprob");
+  const int64_t rows = logits.size(0);
+  GradientArgs args{row_gradient(grad_logprob, rows), c10::nullopt, threshold.has_value()};
+  if (mean_x.has_value()) {
+    check_row_vector(*mean_x, logits, "mean_x");
+    args.grad_entropy = row_gradient(grad_entropy, rows);
+  }
+  return args;
+}
+
+// The out-of-place backward: d(objective)/d(logits) in a new buffer with the logits' row alignment, from the
+// upstream gradients as autograd hands them (None, any float dtype and layout of `rows` values). mean_x: with an
+// entropy (its gradient is then read); logprob with the threshold: a filtered target passes no gradient.
+at::Tensor gradient_cpu(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab_start, int64_t valid_cols,
+                        const at::Tensor& lse, const c10::optional<at::Tensor>& mean_x,
+                        const c10::optional<at::Tensor>& logprob, const c10::optional<at::Tensor>& grad_logprob,
+                        const c10::optional<at::Tensor>& grad_entropy, const c10::optional<at::Tensor>& threshold,
+                        double logit_scale) {
+  const GradientArgs args =
+      gradient_args(logits, targets, valid_cols, lse, mean_x, logprob, grad_logprob, grad_entropy, threshold);
+  const float scale = checked_scale(logit_scale);
+  at::Tensor grad_logits = empty_with_alignment_of(logits);
+  advise_huge_pages(grad_logits);
+  const bool with_entropy = args.grad_entropy.has_value();
+  cpu::logprob_backward(logits.data_ptr(), logits_dtype(logits), logits.size(0), logits.size(1), logits.stride(0),
+                        targets.data_ptr<int64_t>(), vocab_start, valid_cols, lse.data_ptr<float>(),
+                        with_entropy ? mean_x->data_ptr<float>() : nullptr, optional_ptr(logprob),
+                        optional_ptr(args.grad_logprob), optional_ptr(args.grad_entropy), optional_ptr(threshold),
+                        scale, grad_logits.data_ptr(), grad_logits.stride(0));
+  return grad_logits;
 }
 
 std::string cpu_kernel_isa() { return cpu::kernel_isa(); }
@@ -224,6 +361,19 @@ TORCH_LIBRARY(megatron_grpo, m) {
       "logprob_backward(Tensor logits, Tensor targets, int vocab_start, int valid_cols, Tensor lse, Tensor? mean_x, "
       "Tensor grad_logprob, Tensor? grad_entropy, Tensor(a!) grad_logits, Tensor? threshold, "
       "float logit_scale=1.0) -> ()");
+  // One rank's outputs straight from the forward kernel, (logprob, entropy, lse, mean_x); entropy and mean_x are
+  // [0] without entropy.
+  m.def(
+      "logprob_forward(Tensor logits, Tensor targets, int vocab_start, int valid_cols, bool with_entropy, "
+      "Tensor? threshold, float logit_scale=1.0) -> (Tensor, Tensor, Tensor, Tensor)");
+  // The combine of the all-gathered partials [world, rows, k], with the same outputs.
+  m.def("logprob_combine(Tensor gathered, Tensor targets, bool with_entropy) -> (Tensor, Tensor, Tensor, Tensor)");
+  // The out-of-place backward: a new gradient buffer with the logits' row alignment.
+  m.def(
+      "logprob_gradient(Tensor logits, Tensor targets, int vocab_start, int valid_cols, Tensor lse, Tensor? mean_x, "
+      "Tensor? logprob, Tensor? grad_logprob, Tensor? grad_entropy, Tensor? threshold, float logit_scale=1.0) "
+      "-> Tensor");
+  m.def("gradient_row_stride(Tensor logits) -> int", &megatron_grpo::gradient_row_stride);
   // The in-place exp mode (CPU only): forward overwrites the logits with exp(z - m_row), backward the exps
   // with the gradient.
   m.def(
@@ -239,7 +389,10 @@ TORCH_LIBRARY(megatron_grpo, m) {
 
 TORCH_LIBRARY_IMPL(megatron_grpo, CPU, m) {
   m.impl("logprob_partials", &megatron_grpo::partials_cpu);
+  m.impl("logprob_forward", &megatron_grpo::forward_cpu);
+  m.impl("logprob_combine", &megatron_grpo::combine_cpu);
   m.impl("logprob_backward", &megatron_grpo::backward_cpu);
+  m.impl("logprob_gradient", &megatron_grpo::gradient_cpu);
   m.impl("logprob_partials_writing_exps", &megatron_grpo::partials_writing_exps_cpu);
   m.impl("logprob_backward_from_exps", &megatron_grpo::backward_from_exps_cpu);
 }

@@ -49,7 +49,7 @@ from megatron_grpo.ops.core.gemm import (
     hidden_gradient,
     main_grad_of,
 )
-from megatron_grpo.ops.core.partials import combine_partials, gather_partials
+from megatron_grpo.ops.core.partials import RowStats, gather_partials
 from megatron_grpo.ops.core.rows import next_token_targets, row_gradient
 from megatron_grpo.ops.distribution import SamplingDistribution
 from megatron_grpo.ops.linear_logprobs import LinearCall
@@ -133,7 +133,7 @@ class LossFusedLinear(torch.autograd.Function):
         row_targets = call.targets.reshape(-1)[first:stop].index_select(0, rows)
         logits = chunk_logits(h, weight_valid, scale, buffer)
         partials = kernels.logprob_partials(logits, row_targets, start, valid, True, None)
-        stats = combine_partials(gather_partials(partials, linear.shard.group), row_targets, True)
+        stats = RowStats.of(kernels.combine(gather_partials(partials, linear.shard.group), row_targets, True), True)
         # The rows' logprobs and entropies as leaves at their tokens' positions: row t scores token t + 1, or, when the
         # targets were shifted before (row-aligned: context parallelism), its own position. When shifting, a
         # sequence's last row is never a trained one (the next token starts a row or a packed sequence, and has no
