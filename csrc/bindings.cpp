@@ -9,8 +9,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #ifdef __linux__
 #include <sys/mman.h>
@@ -18,12 +21,15 @@
 
 #include "logprob_common.h"
 #include "logprob_cpu.h"
+#include "top_p.h"
+#include "top_p_cpu.h"
 
 #ifdef MEGATRON_GRPO_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "logprob_cuda.h"
+#include "top_p_cuda.h"
 #endif
 
 namespace megatron_grpo {
@@ -288,6 +294,84 @@ at::Tensor gradient_cpu(const at::Tensor& logits, const at::Tensor& targets, int
   return grad_logits;
 }
 
+// ---- the top-p threshold search (top_p.h) ----
+
+// The search's per-row inputs: logits [rows, cols] with a contiguous last dim, shift fp32 [rows], floor fp32 [rows]
+// or none, and (from the second stage) the boundary bin, int64 [rows].
+void check_top_p_rows(const at::Tensor& logits, const at::Tensor& shift, const c10::optional<at::Tensor>& floor,
+                      const at::Tensor* boundary) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits must be 2-D with a contiguous last dim");
+  logits_dtype(logits);
+  check_row_vector(shift, logits, "shift");
+  if (floor.has_value()) check_row_vector(*floor, logits, "floor");
+  if (boundary != nullptr) {
+    TORCH_CHECK(boundary->dim() == 1 && boundary->size(0) == logits.size(0) && boundary->scalar_type() == at::kLong &&
+                    boundary->is_contiguous() && boundary->device() == logits.device(),
+                "boundary must be contiguous int64 [rows] on the logits' device");
+  }
+}
+
+// The candidates of the second stage: keys int32 [rows, capacity], masses float64 [rows, capacity], counts int64
+// [rows], and the prefix chosen so far, int64 [rows].
+void check_candidates(const at::Tensor& logits, const at::Tensor& keys, const at::Tensor& masses,
+                      const at::Tensor& counts, const at::Tensor& prefix) {
+  const int64_t rows = logits.size(0);
+  TORCH_CHECK(keys.dim() == 2 && keys.size(0) == rows && keys.scalar_type() == at::kInt && keys.is_contiguous() &&
+                  masses.sizes() == keys.sizes() && masses.scalar_type() == at::kDouble && masses.is_contiguous(),
+              "keys (int32) and masses (float64) must be contiguous [rows, capacity]");
+  for (const at::Tensor* t : {&counts, &prefix}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->scalar_type() == at::kLong && t->is_contiguous() &&
+                    t->device() == logits.device(),
+                "counts and prefix must be contiguous int64 [rows] on the logits' device");
+  }
+}
+
+at::Tensor top_p_value_histogram_cpu(const at::Tensor& logits, const at::Tensor& shift,
+                                     const c10::optional<at::Tensor>& floor, double logit_scale) {
+  check_top_p_rows(logits, shift, floor, nullptr);
+  const float scale = checked_scale(logit_scale);
+  at::Tensor hist = at::empty({logits.size(0), top_p::kValueBins}, logits.options().dtype(at::kDouble));
+  top_p::cpu::value_histogram(logits.data_ptr(), logits_dtype(logits), logits.size(0), logits.size(1),
+                              logits.stride(0), scale, shift.data_ptr<float>(), optional_ptr(floor),
+                              hist.data_ptr<double>());
+  return hist;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> top_p_candidates_cpu(const at::Tensor& logits, const at::Tensor& shift,
+                                                                    const c10::optional<at::Tensor>& floor,
+                                                                    const at::Tensor& boundary, int64_t capacity,
+                                                                    double logit_scale) {
+  check_top_p_rows(logits, shift, floor, &boundary);
+  TORCH_CHECK(capacity >= 0, "capacity must be >= 0");
+  const float scale = checked_scale(logit_scale);
+  const int64_t rows = logits.size(0);
+  at::Tensor keys = at::empty({rows, capacity}, logits.options().dtype(at::kInt));
+  at::Tensor masses = at::empty({rows, capacity}, logits.options().dtype(at::kDouble));
+  at::Tensor counts = at::empty({rows}, logits.options().dtype(at::kLong));
+  top_p::cpu::candidates(logits.data_ptr(), logits_dtype(logits), rows, logits.size(1), logits.stride(0), scale,
+                         shift.data_ptr<float>(), optional_ptr(floor), boundary.data_ptr<int64_t>(), capacity,
+                         keys.data_ptr<int32_t>(), masses.data_ptr<double>(), counts.data_ptr<int64_t>());
+  return {keys, masses, counts};
+}
+
+at::Tensor top_p_bucket_masses_cpu(const at::Tensor& logits, const at::Tensor& shift,
+                                   const c10::optional<at::Tensor>& floor, const at::Tensor& boundary,
+                                   const at::Tensor& keys, const at::Tensor& masses, const at::Tensor& counts,
+                                   const at::Tensor& prefix, int64_t low_bit, double logit_scale) {
+  check_top_p_rows(logits, shift, floor, &boundary);
+  check_candidates(logits, keys, masses, counts, prefix);
+  TORCH_CHECK(low_bit >= 0 && low_bit + top_p::kBucketBits <= top_p::kKeyBits && low_bit % top_p::kBucketBits == 0,
+              "low_bit must be 0, 8, 16 or 24");
+  const float scale = checked_scale(logit_scale);
+  at::Tensor out = at::empty({logits.size(0), top_p::kBucketSlots}, logits.options().dtype(at::kDouble));
+  top_p::cpu::bucket_masses(logits.data_ptr(), logits_dtype(logits), logits.size(0), logits.size(1),
+                            logits.stride(0), scale, shift.data_ptr<float>(), optional_ptr(floor),
+                            boundary.data_ptr<int64_t>(), keys.size(1), keys.data_ptr<int32_t>(),
+                            masses.data_ptr<double>(), counts.data_ptr<int64_t>(), prefix.data_ptr<int64_t>(),
+                            static_cast<int>(low_bit), out.data_ptr<double>());
+  return out;
+}
+
 std::string cpu_kernel_isa() { return cpu::kernel_isa(); }
 
 // Forces the CPU kernels of one instruction set ("avx512", "avx2", "auto"); returns the one now in use.
@@ -302,6 +386,29 @@ void check_cuda(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
 }
 
+// The forward's split workspace: one buffer per device and stream, kept and grown as calls need it, so that a call
+// allocates nothing. Work on one stream is ordered, so its calls can share a buffer; a stream being captured into a
+// CUDA graph gets one of its own from the caching allocator (the graph keeps it). The buffers live until the process
+// ends (never destroyed: no CUDA call after the runtime's teardown).
+at::Tensor forward_workspace(const at::Tensor& logits, size_t bytes) {
+  if (bytes == 0) return at::Tensor();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const auto options = logits.options().dtype(at::kByte);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+  if (capture != cudaStreamCaptureStatusNone) return at::empty({static_cast<int64_t>(bytes)}, options);
+  static std::mutex mutex;
+  static auto* buffers = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
+  const std::lock_guard<std::mutex> lock(mutex);
+  at::Tensor& buffer = (*buffers)[{logits.get_device(), stream}];
+  if (!buffer.defined() || static_cast<size_t>(buffer.numel()) < bytes) {
+    buffer = at::empty({static_cast<int64_t>(bytes)}, options);
+  }
+  return buffer;
+}
+
+void* workspace_ptr(const at::Tensor& workspace) { return workspace.defined() ? workspace.data_ptr() : nullptr; }
+
 at::Tensor partials_cuda(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab_start,
                          int64_t valid_cols, bool with_entropy, const c10::optional<at::Tensor>& threshold,
                          double logit_scale) {
@@ -310,18 +417,50 @@ at::Tensor partials_cuda(const at::Tensor& logits, const at::Tensor& targets, in
   const float scale = checked_scale(logit_scale);
   const c10::cuda::CUDAGuard guard(logits.device());
   at::Tensor partials = at::empty({logits.size(0), num_partials(with_entropy)}, logits.options().dtype(at::kFloat));
-  const size_t workspace_bytes =
-      logprob_partials_workspace_bytes(logits.size(0), logits.size(1), valid_cols, logits_dtype(logits), with_entropy,
-                                       threshold.has_value());
-  at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, logits.options().dtype(at::kByte));
-  check_cuda(launch_logprob_partials(logits.data_ptr(), logits_dtype(logits), logits.size(0),
-                                     logits.size(1), logits.stride(0), targets.data_ptr<int64_t>(), vocab_start,
-                                     valid_cols, with_entropy, optional_ptr(threshold), scale,
-                                     partials.data_ptr<float>(),
-                                     workspace_bytes ? workspace.data_ptr() : nullptr,
-                                     c10::cuda::getCurrentCUDAStream()),
+  const at::Tensor workspace = forward_workspace(
+      logits, logprob_forward_workspace_bytes(logits.size(0), logits.size(1), valid_cols, logits_dtype(logits),
+                                              with_entropy, threshold.has_value()));
+  check_cuda(launch_logprob_partials(logits.data_ptr(), logits_dtype(logits), logits.size(0), logits.size(1),
+                                     logits.stride(0), targets.data_ptr<int64_t>(), vocab_start, valid_cols,
+                                     with_entropy, optional_ptr(threshold), scale, partials.data_ptr<float>(),
+                                     workspace_ptr(workspace), c10::cuda::getCurrentCUDAStream()),
              "launch_logprob_partials");
   return partials;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cuda(
+    const at::Tensor& logits, const at::Tensor& targets, int64_t vocab_start, int64_t valid_cols, bool with_entropy,
+    const c10::optional<at::Tensor>& threshold, double logit_scale) {
+  check_rows(logits, targets, valid_cols);
+  check_threshold(threshold, logits);
+  const float scale = checked_scale(logit_scale);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  auto [logprob, entropy, lse, mean_x] = empty_row_stats(logits, logits.size(0), with_entropy);
+  const at::Tensor workspace = forward_workspace(
+      logits, logprob_forward_workspace_bytes(logits.size(0), logits.size(1), valid_cols, logits_dtype(logits),
+                                              with_entropy, threshold.has_value()));
+  check_cuda(launch_logprob_forward(logits.data_ptr(), logits_dtype(logits), logits.size(0), logits.size(1),
+                                    logits.stride(0), targets.data_ptr<int64_t>(), vocab_start, valid_cols,
+                                    with_entropy, optional_ptr(threshold), scale, logprob.data_ptr<float>(),
+                                    optional_ptr(entropy, with_entropy), lse.data_ptr<float>(),
+                                    optional_ptr(mean_x, with_entropy), workspace_ptr(workspace),
+                                    c10::cuda::getCurrentCUDAStream()),
+             "launch_logprob_forward");
+  return {logprob, entropy, lse, mean_x};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> combine_cuda(const at::Tensor& gathered,
+                                                                        const at::Tensor& targets, bool with_entropy) {
+  check_gathered(gathered, targets, with_entropy);
+  const c10::cuda::CUDAGuard guard(gathered.device());
+  const int64_t rows = gathered.size(1);
+  auto [logprob, entropy, lse, mean_x] = empty_row_stats(gathered, rows, with_entropy);
+  check_cuda(launch_logprob_combine(gathered.data_ptr<float>(), gathered.size(0), rows, targets.data_ptr<int64_t>(),
+                                    with_entropy, logprob.data_ptr<float>(), optional_ptr(entropy, with_entropy),
+                                    lse.data_ptr<float>(), optional_ptr(mean_x, with_entropy),
+                                    c10::cuda::getCurrentCUDAStream()),
+             "launch_logprob_combine");
+  return {logprob, entropy, lse, mean_x};
 }
 
 void backward_cuda(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab_start, int64_t valid_cols,
@@ -332,13 +471,91 @@ void backward_cuda(const at::Tensor& logits, const at::Tensor& targets, int64_t 
   check_threshold(threshold, logits);
   const float scale = checked_scale(logit_scale);
   const c10::cuda::CUDAGuard guard(logits.device());
-  check_cuda(launch_logprob_backward(logits.data_ptr(), logits_dtype(logits), logits.size(0),
-                                     logits.size(1), logits.stride(0), targets.data_ptr<int64_t>(), vocab_start,
-                                     valid_cols, lse.data_ptr<float>(), optional_ptr(mean_x),
+  check_cuda(launch_logprob_backward(logits.data_ptr(), logits_dtype(logits), logits.size(0), logits.size(1),
+                                     logits.stride(0), targets.data_ptr<int64_t>(), vocab_start, valid_cols,
+                                     lse.data_ptr<float>(), optional_ptr(mean_x), nullptr,
                                      grad_logprob.data_ptr<float>(), optional_ptr(grad_entropy),
                                      optional_ptr(threshold), scale, grad_logits.data_ptr(), grad_logits.stride(0),
                                      c10::cuda::getCurrentCUDAStream()),
              "launch_logprob_backward");
+}
+
+at::Tensor gradient_cuda(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab_start,
+                         int64_t valid_cols, const at::Tensor& lse, const c10::optional<at::Tensor>& mean_x,
+                         const c10::optional<at::Tensor>& logprob, const c10::optional<at::Tensor>& grad_logprob,
+                         const c10::optional<at::Tensor>& grad_entropy, const c10::optional<at::Tensor>& threshold,
+                         double logit_scale) {
+  const GradientArgs args =
+      gradient_args(logits, targets, valid_cols, lse, mean_x, logprob, grad_logprob, grad_entropy, threshold);
+  const float scale = checked_scale(logit_scale);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  at::Tensor grad_logits = empty_with_alignment_of(logits);
+  const bool with_entropy = args.grad_entropy.has_value();
+  check_cuda(launch_logprob_backward(logits.data_ptr(), logits_dtype(logits), logits.size(0), logits.size(1),
+                                     logits.stride(0), targets.data_ptr<int64_t>(), vocab_start, valid_cols,
+                                     lse.data_ptr<float>(), with_entropy ? mean_x->data_ptr<float>() : nullptr,
+                                     optional_ptr(logprob), optional_ptr(args.grad_logprob),
+                                     optional_ptr(args.grad_entropy), optional_ptr(threshold), scale,
+                                     grad_logits.data_ptr(), grad_logits.stride(0),
+                                     c10::cuda::getCurrentCUDAStream()),
+             "launch_logprob_backward");
+  return grad_logits;
+}
+
+at::Tensor top_p_value_histogram_cuda(const at::Tensor& logits, const at::Tensor& shift,
+                                      const c10::optional<at::Tensor>& floor, double logit_scale) {
+  check_top_p_rows(logits, shift, floor, nullptr);
+  const float scale = checked_scale(logit_scale);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  at::Tensor hist = at::empty({logits.size(0), top_p::kValueBins}, logits.options().dtype(at::kDouble));
+  check_cuda(launch_top_p_value_histogram(logits.data_ptr(), logits_dtype(logits), logits.size(0), logits.size(1),
+                                          logits.stride(0), scale, shift.data_ptr<float>(), optional_ptr(floor),
+                                          hist.data_ptr<double>(), c10::cuda::getCurrentCUDAStream()),
+             "launch_top_p_value_histogram");
+  return hist;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> top_p_candidates_cuda(const at::Tensor& logits,
+                                                                     const at::Tensor& shift,
+                                                                     const c10::optional<at::Tensor>& floor,
+                                                                     const at::Tensor& boundary, int64_t capacity,
+                                                                     double logit_scale) {
+  check_top_p_rows(logits, shift, floor, &boundary);
+  TORCH_CHECK(capacity >= 0, "capacity must be >= 0");
+  const float scale = checked_scale(logit_scale);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t rows = logits.size(0);
+  at::Tensor keys = at::empty({rows, capacity}, logits.options().dtype(at::kInt));
+  at::Tensor masses = at::empty({rows, capacity}, logits.options().dtype(at::kDouble));
+  at::Tensor counts = at::empty({rows}, logits.options().dtype(at::kLong));
+  check_cuda(launch_top_p_candidates(logits.data_ptr(), logits_dtype(logits), rows, logits.size(1), logits.stride(0),
+                                     scale, shift.data_ptr<float>(), optional_ptr(floor),
+                                     boundary.data_ptr<int64_t>(), capacity, keys.data_ptr<int32_t>(),
+                                     masses.data_ptr<double>(), counts.data_ptr<int64_t>(),
+                                     c10::cuda::getCurrentCUDAStream()),
+             "launch_top_p_candidates");
+  return {keys, masses, counts};
+}
+
+at::Tensor top_p_bucket_masses_cuda(const at::Tensor& logits, const at::Tensor& shift,
+                                    const c10::optional<at::Tensor>& floor, const at::Tensor& boundary,
+                                    const at::Tensor& keys, const at::Tensor& masses, const at::Tensor& counts,
+                                    const at::Tensor& prefix, int64_t low_bit, double logit_scale) {
+  check_top_p_rows(logits, shift, floor, &boundary);
+  check_candidates(logits, keys, masses, counts, prefix);
+  TORCH_CHECK(low_bit >= 0 && low_bit + top_p::kBucketBits <= top_p::kKeyBits && low_bit % top_p::kBucketBits == 0,
+              "low_bit must be 0, 8, 16 or 24");
+  const float scale = checked_scale(logit_scale);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  at::Tensor out = at::empty({logits.size(0), top_p::kBucketSlots}, logits.options().dtype(at::kDouble));
+  check_cuda(launch_top_p_bucket_masses(logits.data_ptr(), logits_dtype(logits), logits.size(0), logits.size(1),
+                                        logits.stride(0), scale, shift.data_ptr<float>(), optional_ptr(floor),
+                                        boundary.data_ptr<int64_t>(), keys.size(1), keys.data_ptr<int32_t>(),
+                                        masses.data_ptr<double>(), counts.data_ptr<int64_t>(),
+                                        prefix.data_ptr<int64_t>(), static_cast<int>(low_bit),
+                                        out.data_ptr<double>(), c10::cuda::getCurrentCUDAStream()),
+             "launch_top_p_bucket_masses");
+  return out;
 }
 #endif
 
@@ -374,6 +591,15 @@ TORCH_LIBRARY(megatron_grpo, m) {
       "Tensor? logprob, Tensor? grad_logprob, Tensor? grad_entropy, Tensor? threshold, float logit_scale=1.0) "
       "-> Tensor");
   m.def("gradient_row_stride(Tensor logits) -> int", &megatron_grpo::gradient_row_stride);
+  // The top-p threshold search's kernels (top_p.h): the value histogram, the boundary bin's candidates, one radix
+  // pass over them.
+  m.def("top_p_value_histogram(Tensor logits, Tensor shift, Tensor? floor, float logit_scale) -> Tensor");
+  m.def(
+      "top_p_candidates(Tensor logits, Tensor shift, Tensor? floor, Tensor boundary, int capacity, "
+      "float logit_scale) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "top_p_bucket_masses(Tensor logits, Tensor shift, Tensor? floor, Tensor boundary, Tensor keys, Tensor masses, "
+      "Tensor counts, Tensor prefix, int low_bit, float logit_scale) -> Tensor");
   // The in-place exp mode (CPU only): forward overwrites the logits with exp(z - m_row), backward the exps
   // with the gradient.
   m.def(
@@ -393,6 +619,9 @@ TORCH_LIBRARY_IMPL(megatron_grpo, CPU, m) {
   m.impl("logprob_combine", &megatron_grpo::combine_cpu);
   m.impl("logprob_backward", &megatron_grpo::backward_cpu);
   m.impl("logprob_gradient", &megatron_grpo::gradient_cpu);
+  m.impl("top_p_value_histogram", &megatron_grpo::top_p_value_histogram_cpu);
+  m.impl("top_p_candidates", &megatron_grpo::top_p_candidates_cpu);
+  m.impl("top_p_bucket_masses", &megatron_grpo::top_p_bucket_masses_cpu);
   m.impl("logprob_partials_writing_exps", &megatron_grpo::partials_writing_exps_cpu);
   m.impl("logprob_backward_from_exps", &megatron_grpo::backward_from_exps_cpu);
 }
@@ -400,7 +629,13 @@ TORCH_LIBRARY_IMPL(megatron_grpo, CPU, m) {
 #ifdef MEGATRON_GRPO_WITH_CUDA
 TORCH_LIBRARY_IMPL(megatron_grpo, CUDA, m) {
   m.impl("logprob_partials", &megatron_grpo::partials_cuda);
+  m.impl("logprob_forward", &megatron_grpo::forward_cuda);
+  m.impl("logprob_combine", &megatron_grpo::combine_cuda);
   m.impl("logprob_backward", &megatron_grpo::backward_cuda);
+  m.impl("logprob_gradient", &megatron_grpo::gradient_cuda);
+  m.impl("top_p_value_histogram", &megatron_grpo::top_p_value_histogram_cuda);
+  m.impl("top_p_candidates", &megatron_grpo::top_p_candidates_cuda);
+  m.impl("top_p_bucket_masses", &megatron_grpo::top_p_bucket_masses_cuda);
 }
 #endif
 

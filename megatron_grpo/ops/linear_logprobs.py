@@ -94,7 +94,7 @@ def linear_partials(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     for sl in call.chunks(rows):
         logits = chunk_logits(hidden[sl], weight_valid, call.distribution.logit_scale, buffer[:sl.stop - sl.start])
         threshold = kept_threshold(logits, call.distribution, true_vocab_size=shard.true_vocab_size,
-                                   group=shard.group, scaled=True)
+                                   group=shard.group, scaled=True, kernels=call.kernels)
         if filtered:
             thresholds.append(threshold)
         partials.append(call.kernels.logprob_partials(logits, targets[sl], shard.start_index, valid,

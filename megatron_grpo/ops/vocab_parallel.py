@@ -74,7 +74,8 @@ class LogprobCall:
             return None
         with torch.no_grad():
             return kept_threshold(logits[:, :self.valid_cols], self.distribution,
-                                  true_vocab_size=self.shard.true_vocab_size, group=self.shard.group)
+                                  true_vocab_size=self.shard.true_vocab_size, group=self.shard.group,
+                                  kernels=self.kernels)
 
     def outputs(self, logits: torch.Tensor, targets: torch.Tensor, threshold: torch.Tensor | None) -> RowOutputs:
         """`(logprob, entropy, lse, mean_x)` of `[rows, V_local]` logits (entropy and E[x] `[0]` without entropy):

@@ -82,6 +82,7 @@ class FusedKernels:
     """The C++/CUDA kernels, through `torch.ops.megatron_grpo` (the in-place exp mode is CPU-only)."""
 
     def __init__(self) -> None:
+        extension_status()  # loads megatron_grpo._C, which registers the ops
         ops = torch.ops.megatron_grpo
         # The overloads themselves: a call skips the overload packet's resolution.
         self._forward, self._combine, self._gradient = (ops.logprob_forward.default, ops.logprob_combine.default,
