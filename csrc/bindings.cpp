@@ -14,6 +14,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #ifdef __linux__
 #include <sys/mman.h>
@@ -557,6 +558,20 @@ at::Tensor top_p_bucket_masses_cuda(const at::Tensor& logits, const at::Tensor& 
              "launch_top_p_bucket_masses");
   return out;
 }
+
+// The CUDA launch plan of a call on the current device (logprob_launch_plan), for the GPU tests: {warp rows, splits,
+// split_cols, threads, blocks, warp-kernel wave, block-kernel wave}. dtype: "float32", "bfloat16" or "float16".
+std::vector<int64_t> cuda_launch_plan(int64_t rows, int64_t cols, int64_t valid_cols, const std::string& dtype,
+                                      bool with_entropy, bool filtered, bool backward) {
+  const LogitsDType code = dtype == "float32" ? LogitsDType::kFloat32
+                           : dtype == "bfloat16" ? LogitsDType::kBFloat16
+                                                 : LogitsDType::kFloat16;
+  TORCH_CHECK(dtype == "float32" || dtype == "bfloat16" || dtype == "float16", "unknown logits dtype ", dtype);
+  std::vector<int64_t> plan(7);
+  check_cuda(logprob_launch_plan(rows, cols, valid_cols, code, with_entropy, filtered, backward, plan.data()),
+             "logprob_launch_plan");
+  return plan;
+}
 #endif
 
 bool compiled_with_cuda() {
@@ -609,6 +624,12 @@ TORCH_LIBRARY(megatron_grpo, m) {
       "logprob_backward_from_exps(Tensor(a!) exps, Tensor targets, int vocab_start, int valid_cols, "
       "Tensor prob_scale, Tensor target_prob, Tensor grad_logprob, float logit_scale=1.0) -> ()");
   m.def("compiled_with_cuda() -> bool", &megatron_grpo::compiled_with_cuda);
+#ifdef MEGATRON_GRPO_WITH_CUDA
+  m.def(
+      "cuda_launch_plan(int rows, int cols, int valid_cols, str dtype, bool with_entropy, bool filtered, "
+      "bool backward) -> int[]",
+      &megatron_grpo::cuda_launch_plan);
+#endif
   m.def("cpu_kernel_isa() -> str", &megatron_grpo::cpu_kernel_isa);
   m.def("set_cpu_kernel_isa(str isa) -> str", &megatron_grpo::set_cpu_kernel_isa);
 }

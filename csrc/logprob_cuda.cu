@@ -775,29 +775,34 @@ cudaError_t dispatch_flags(bool with_entropy, bool filtered, Fn&& fn) {
   return filtered ? fn(False{}, True{}) : fn(False{}, False{});
 }
 
+// The waves (in blocks) a plan was made from, for logprob_launch_plan.
+struct Waves {
+  int64_t warp_rows;
+  int64_t block_rows;
+};
+
 // The launch plan of the forward for these sizes on the current device (and so the split workspace
 // `logprob_forward_workspace_bytes` reports: both ask this). Warp rows where the rows are short and many enough.
 template <typename T, bool kWithEntropy, bool kFiltered>
-cudaError_t plan_forward(int64_t rows, int64_t valid_cols, LaunchPlan* plan) {
+cudaError_t plan_forward(int64_t rows, int64_t valid_cols, LaunchPlan* plan, Waves* waves = nullptr) {
   constexpr int64_t kVector = Vector<T>::kSize;
   int64_t warp_wave = 0;
   cudaError_t status = wave_blocks(forward_warp_rows_kernel<T, kWithEntropy, kFiltered>, kBlockThreads, &warp_wave);
   if (status != cudaSuccess) return status;
-  if (launch::use_warp_rows(rows, valid_cols, warp_wave)) {
-    *plan = launch::plan_warp_rows(rows, warp_wave);
-    return cudaSuccess;
-  }
   int64_t wave = 0;
   status = wave_blocks(forward_block_rows_kernel<T, kWithEntropy, kFiltered>,
                        launch::threads_for(valid_cols, kVector), &wave);
   if (status != cudaSuccess) return status;
-  *plan = launch::plan_block_rows(rows, valid_cols, valid_cols, kVector, wave);
+  if (waves != nullptr) *waves = {warp_wave, wave};
+  *plan = launch::use_warp_rows(rows, valid_cols, warp_wave)
+              ? launch::plan_warp_rows(rows, warp_wave)
+              : launch::plan_block_rows(rows, valid_cols, valid_cols, kVector, wave);
   return cudaSuccess;
 }
 
 // The launch plan of the backward (in place or not: each its own occupancy).
 template <typename T, bool kWithEntropy, bool kFiltered, bool kInPlace>
-cudaError_t plan_backward(int64_t rows, int64_t valid_cols, int64_t cols, LaunchPlan* plan) {
+cudaError_t plan_backward(int64_t rows, int64_t valid_cols, int64_t cols, LaunchPlan* plan, Waves* waves = nullptr) {
   constexpr int64_t kVector = Vector<T>::kSize;
   const auto warp_kernel = kInPlace ? reinterpret_cast<const void*>(
                                           backward_warp_rows_in_place_kernel<T, kWithEntropy, kFiltered>)
@@ -808,14 +813,12 @@ cudaError_t plan_backward(int64_t rows, int64_t valid_cols, int64_t cols, Launch
   int64_t warp_wave = 0;
   cudaError_t status = wave_blocks(warp_kernel, kBlockThreads, &warp_wave);
   if (status != cudaSuccess) return status;
-  if (launch::use_warp_rows(rows, cols, warp_wave)) {
-    *plan = launch::plan_warp_rows(rows, warp_wave);
-    return cudaSuccess;
-  }
   int64_t wave = 0;
   status = wave_blocks(block_kernel, launch::threads_for(cols, kVector), &wave);
   if (status != cudaSuccess) return status;
-  *plan = launch::plan_block_rows(rows, valid_cols, cols, kVector, wave);
+  if (waves != nullptr) *waves = {warp_wave, wave};
+  *plan = launch::use_warp_rows(rows, cols, warp_wave) ? launch::plan_warp_rows(rows, warp_wave)
+                                                       : launch::plan_block_rows(rows, valid_cols, cols, kVector, wave);
   return cudaSuccess;
 }
 
@@ -906,6 +909,27 @@ size_t logprob_forward_workspace_bytes(int64_t rows, int64_t cols, int64_t valid
   });
   if (status != cudaSuccess || plan.splits <= 1) return 0;
   return static_cast<size_t>(rows) * plan.splits * split_state_floats(with_entropy) * sizeof(float);
+}
+
+cudaError_t logprob_launch_plan(int64_t rows, int64_t cols, int64_t valid_cols, LogitsDType dtype, bool with_entropy,
+                                bool filtered, bool backward, int64_t plan[7]) {
+  if (!valid_shape(rows, cols, valid_cols)) return cudaErrorInvalidValue;
+  LaunchPlan chosen{};
+  Waves waves{};
+  const cudaError_t status = dispatch_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return dispatch_flags(with_entropy, filtered, [&](auto entropy, auto filter) {
+      constexpr bool kWithEntropy = decltype(entropy)::value;
+      constexpr bool kFiltered = decltype(filter)::value;
+      return backward ? plan_backward<T, kWithEntropy, kFiltered, false>(rows, valid_cols, cols, &chosen, &waves)
+                      : plan_forward<T, kWithEntropy, kFiltered>(rows, valid_cols, &chosen, &waves);
+    });
+  });
+  if (status != cudaSuccess) return status;
+  const int64_t values[7] = {chosen.warp_rows ? 1 : 0, chosen.splits, chosen.split_cols, chosen.threads,
+                             chosen.blocks, waves.warp_rows, waves.block_rows};
+  std::copy(values, values + 7, plan);
+  return cudaSuccess;
 }
 
 cudaError_t launch_logprob_partials(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols,

@@ -55,6 +55,12 @@ cudaError_t launch_logprob_combine(const float* gathered, int64_t world, int64_t
                                    bool with_entropy, float* logprob, float* entropy, float* lse, float* mean_x,
                                    cudaStream_t stream);
 
+// The launch plans of a call on the current device, for tests that aim at their boundaries: {warp rows (0/1),
+// splits, split_cols, threads, blocks, one wave of the warp kernel, one wave of the block kernel (blocks)} of the
+// forward (`backward` false, cols unused) or of the out-of-place backward.
+cudaError_t logprob_launch_plan(int64_t rows, int64_t cols, int64_t valid_cols, LogitsDType dtype, bool with_entropy,
+                                bool filtered, bool backward, int64_t plan[7]);
+
 // Backward: grad_logits[rows, cols] in the logits' dtype (row stride grad_row_stride), with z = logit_scale * x,
 //   dx = logit_scale * (g_lp * (1[v == y] - p) + g_h * p * (E[z] - z)),   p = exp(z - lse),
 // computed in fp32 and rounded once. Padding columns get exactly 0; ignored rows are all 0.

@@ -74,21 +74,20 @@ def _autograd_kernel(op: torch._ops.OpOverload, implementation: Callable[..., An
         with torch._C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset, *args)
 
-    class Function(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, keyset, *args):
-            output = below_autograd(keyset, args)
-            if setup_context is not None:
-                setup_context(ctx, args, output)
-            if non_differentiable_outputs:
-                ctx.mark_non_differentiable(*(output[i] for i in non_differentiable_outputs))
-            return output
+    def forward(ctx, keyset, *args):
+        output = below_autograd(keyset, args)
+        if setup_context is not None:
+            setup_context(ctx, args, output)
+        if non_differentiable_outputs:
+            ctx.mark_non_differentiable(*(output[i] for i in non_differentiable_outputs))
+        return output
 
-        @staticmethod
-        def backward(ctx, *grads):
-            return (None, *backward(ctx, *grads))
+    def backward_with_keyset(ctx, *grads):
+        return (None, *backward(ctx, *grads))
 
-    Function.__name__ = f"{op._opname}_autograd"
+    # Named after the op, so is its autograd node (`<op>_autogradBackward`).
+    Function = type(f"{op._opname}_autograd", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward_with_keyset)})
 
     def kernel(keyset: torch._C.DispatchKeySet, *args: Any) -> Any:
         if torch.is_grad_enabled() and any(args[i].requires_grad for i in differentiable):
