@@ -1,4 +1,4 @@
-"""Benchmarks: `megatron-grpo bench logprob|linear|scheduler|packing|step ...`.
+"""Benchmarks: `megatron-grpo bench logprob|linear|scheduler|packing|step|roofline ...`.
 
 Each writes its report, data and plot under runs/bench unless `--out` names a place; `make bench` and
 `make bench-linear` refresh the committed results in benchmarks/results/."""
@@ -17,6 +17,8 @@ BENCHMARKS = {
                                                "torchrun: `megatron-grpo --nproc-per-node 2 bench packing`)"),
     "step": ("megatron_grpo.bench.step", "the whole GRPO train step in four configurations, each adding one feature "
                                          "(under torchrun: `megatron-grpo --nproc-per-node 1 bench step`)"),
+    "roofline": ("megatron_grpo.bench.roofline", "the CUDA kernels alone and the op per call against a "
+                                                 "device-to-device copy's bandwidth (a CUDA machine)"),
 }
 
 
