@@ -15,10 +15,10 @@ BENCHMARKS = {
     "linear": ("megatron_grpo.bench.linear", "the fused linear + logprob op against its peers, per TP, dtype, rows"),
     "packing": ("megatron_grpo.bench.packing", "padded against packed microbatches on the ragged task (under "
                                                "torchrun: `megatron-grpo --nproc-per-node 2 bench packing`)"),
-    "step": ("megatron_grpo.bench.step", "the whole GRPO train step in four configurations, each adding one feature "
-                                         "(under torchrun: `megatron-grpo --nproc-per-node 1 bench step`)"),
     "roofline": ("megatron_grpo.bench.roofline", "the CUDA kernels alone and the op per call against a "
                                                  "device-to-device copy's bandwidth (a CUDA machine)"),
+    "step": ("megatron_grpo.bench.step", "the whole GRPO train step in four configurations, each adding one feature "
+                                         "(under torchrun: `megatron-grpo --nproc-per-node 1 bench step`)"),
 }
 
 

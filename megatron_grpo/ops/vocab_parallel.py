@@ -149,8 +149,8 @@ def _logprobs(logits, targets, start_index, true_vocab_size, group_name, logit_s
     return logprob, entropy, lse, mean_x, threshold
 
 
-def _logprobs_fake(logits, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
-                   check_inputs, implementation):
+def _logprobs_op_fake(logits, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p,
+                      with_entropy, check_inputs, implementation):
     rows, dtype = logits.shape[0], compute_dtype(logits.dtype)
 
     def per_row(present: bool = True) -> torch.Tensor:
@@ -172,8 +172,8 @@ def _logprobs_backward(logits, targets, logprob, lse, mean_x, threshold, grad_lo
                                         grad_entropy, threshold if active else None, logit_scale)
 
 
-def _logprobs_backward_fake(logits, targets, logprob, lse, mean_x, threshold, grad_logprob, grad_entropy,
-                            start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, implementation):
+def _logprobs_backward_op_fake(logits, targets, logprob, lse, mean_x, threshold, grad_logprob, grad_entropy,
+                               start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, implementation):
     return logits.new_empty_strided(logits.shape, (gradient_row_stride(logits), 1))
 
 
@@ -182,7 +182,7 @@ _backward_op = define_op(
     "(Tensor logits, Tensor targets, Tensor logprob, Tensor lse, Tensor mean_x, Tensor threshold, "
     "Tensor? grad_logprob, Tensor? grad_entropy, int? start_index, int? true_vocab_size, str group_name, "
     "float logit_scale, int? top_k, float? top_p, str implementation) -> Tensor",
-    _logprobs_backward, _logprobs_backward_fake)
+    _logprobs_backward, _logprobs_backward_op_fake)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -205,7 +205,7 @@ _logprobs_op = define_op(
     "(Tensor logits, Tensor targets, int? start_index, int? true_vocab_size, str group_name, float logit_scale, "
     "int? top_k, float? top_p, bool with_entropy, bool check_inputs, str implementation) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-    _logprobs, _logprobs_fake, differentiable=(0,), setup_context=_setup_context, backward=_backward,
+    _logprobs, _logprobs_op_fake, differentiable=(0,), setup_context=_setup_context, backward=_backward,
     non_differentiable_outputs=(2, 3, 4))
 
 

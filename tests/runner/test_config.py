@@ -305,6 +305,16 @@ def test_range_problems_are_reported_together():
     assert len(problems) == 4, problems  # temperature, every_n_steps, TP ∤ heads, heads ∤ hidden
 
 
+def test_the_logprob_error_mask_with_two_loss_divisors_is_a_conflict_naming_the_keys():
+    data = set_key(tiny(), "grpo.seq_logprob_error_threshold", 1.5)
+    data = set_key(data, "loss_fn.positive_example_nll_weight", 0.1)
+    load_config(data)  # token-mean: one divisor
+    problems = problems_of(set_key(data, "loss_fn.loss_agg_mode", "seq-mean-token-sum"))
+    assert len(problems) == 1 and problems[0].startswith(
+        "grpo.seq_logprob_error_threshold with loss_fn.positive_example_nll_weight > 0 and loss_fn.loss_agg_mode = "
+        "seq-mean-token-sum"), problems
+
+
 def test_loss_fn_conflicts_surface_through_load_config():
     problems = problems_of(set_key(tiny(), "loss_fn.ratio_clip_c", 0.5))
     assert any("loss_fn.ratio_clip_c" in p for p in problems)
