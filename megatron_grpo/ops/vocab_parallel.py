@@ -132,6 +132,7 @@ def logprob_backward(logits: torch.Tensor, targets: torch.Tensor, call: LogprobC
 
 extension_status()  # loads megatron_grpo._C where it can: it defines the op and its autograd kernel in C++
 
+
 def _logprobs(logits, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
               check_inputs, implementation):
     """`(logprob, entropy, lse, mean_x, threshold)` of `[rows, V_local]` logits: `[rows]` each, or `[0]` for the

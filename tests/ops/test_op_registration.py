@@ -3,7 +3,7 @@
 - The compiled extension defines the op's schema and its C++ autograd kernel (csrc/logprob_op.cpp); Python registers
   the implementation and the fake kernel (`ops.core.custom_op.define_op`), and checks that the two schemas agree.
   Without the extension, Python defines the same op with an autograd kernel of its own: a fresh interpreter with
-  `megatron_grpo._C` hidden runs forward, backward, no_grad and `torch.library.opcheck` there.
+  `megatron_grpo._C` hidden runs forward, backward, no_grad and `torch.library.opcheck`'s autograd checks there.
 - Under `no_grad` (or with logits that need no gradient) a call builds no autograd node.
 - The combine kernel (C++) against the plain-torch combine, on partials with every edge case: ignored rows, ranks
   without valid columns (m = -inf, d = 0), NaN and +inf rows.
@@ -88,7 +88,9 @@ WITHOUT_EXTENSION = textwrap.dedent("""
     with torch.no_grad():
         assert vocab_parallel_logprobs(logits, targets).grad_fn is None
     args = (logits.detach().requires_grad_(True), targets, None, 13, "", 1.0, 4, None, True, True, "auto")
-    results = torch.library.opcheck(_logprobs_op, args)
+    # The checks of what this path registers itself (the schema and fake kernel are test_compile.py's, for both)
+    results = torch.library.opcheck(_logprobs_op, args,
+                                    test_utils=("test_autograd_registration", "test_aot_dispatch_dynamic"))
     assert set(results.values()) == {"SUCCESS"}, results
     print("ok")
 """)
