@@ -22,15 +22,16 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using OptionalTensor = c10::optional<at::Tensor>;
 using ForwardSignature = Outputs(const at::Tensor&, const at::Tensor&, c10::optional<int64_t>, c10::optional<int64_t>,
                                  c10::string_view, double, c10::optional<int64_t>, c10::optional<double>, bool, bool,
-                                 c10::string_view);
+                                 c10::string_view, const OptionalTensor&, const OptionalTensor&, bool);
 using BackwardSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                     const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
-                                     const c10::optional<at::Tensor>&, c10::optional<int64_t>, c10::optional<int64_t>,
-                                     c10::string_view, double, c10::optional<int64_t>, c10::optional<double>,
-                                     c10::string_view);
-constexpr int kForwardArguments = 11;
+                                     const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
+                                     c10::optional<int64_t>, c10::optional<int64_t>, c10::string_view, double,
+                                     c10::optional<int64_t>, c10::optional<double>, c10::string_view,
+                                     const OptionalTensor&, const OptionalTensor&, bool);
+constexpr int kForwardArguments = 14;
 
 const c10::TypedOperatorHandle<ForwardSignature>& forward_op() {
   static const auto op = c10::Dispatcher::singleton()
@@ -50,29 +51,33 @@ const c10::TypedOperatorHandle<BackwardSignature>& backward_op() {
 Outputs below_autograd(const at::Tensor& logits, const at::Tensor& targets, c10::optional<int64_t> start_index,
                        c10::optional<int64_t> true_vocab_size, c10::string_view group_name, double logit_scale,
                        c10::optional<int64_t> top_k, c10::optional<double> top_p, bool with_entropy,
-                       bool check_inputs, c10::string_view implementation) {
+                       bool check_inputs, c10::string_view implementation, const OptionalTensor& kept_offsets,
+                       const OptionalTensor& kept_ids, bool kept_next_token) {
   at::AutoDispatchBelowADInplaceOrView guard;
   return forward_op().call(logits, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p,
-                           with_entropy, check_inputs, implementation);
+                           with_entropy, check_inputs, implementation, kept_offsets, kept_ids, kept_next_token);
 }
 
-c10::optional<at::Tensor> present(const at::Tensor& grad) {
-  return grad.defined() ? c10::optional<at::Tensor>(grad) : c10::nullopt;
+OptionalTensor present(const at::Tensor& tensor) {
+  return tensor.defined() ? OptionalTensor(tensor) : c10::nullopt;
 }
 
 // Outputs (logprob, entropy, lse, mean_x, threshold): the logprob and the entropy are differentiable; backward keeps
-// the logits, the targets and the per-row logprob, lse, E[x] and threshold, and the call's arguments.
+// the logits, the targets and the per-row logprob, lse, E[x] and threshold, the kept sets replayed (if any), and the
+// call's arguments.
 class LogprobsFunction : public torch::autograd::Function<LogprobsFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
                                c10::optional<int64_t> start_index, c10::optional<int64_t> true_vocab_size,
                                c10::string_view group_name, double logit_scale, c10::optional<int64_t> top_k,
                                c10::optional<double> top_p, bool with_entropy, bool check_inputs,
-                               c10::string_view implementation) {
+                               c10::string_view implementation, const OptionalTensor& kept_offsets,
+                               const OptionalTensor& kept_ids, bool kept_next_token) {
     auto [logprob, entropy, lse, mean_x, threshold] =
         below_autograd(logits, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p,
-                       with_entropy, check_inputs, implementation);
-    ctx->save_for_backward({logits, targets, logprob, lse, mean_x, threshold});
+                       with_entropy, check_inputs, implementation, kept_offsets, kept_ids, kept_next_token);
+    ctx->save_for_backward({logits, targets, logprob, lse, mean_x, threshold, kept_offsets.value_or(at::Tensor()),
+                            kept_ids.value_or(at::Tensor())});
     auto& data = ctx->saved_data;
     data["start_index"] = start_index;
     data["true_vocab_size"] = true_vocab_size;
@@ -81,6 +86,7 @@ class LogprobsFunction : public torch::autograd::Function<LogprobsFunction> {
     data["top_k"] = top_k;
     data["top_p"] = top_p;
     data["implementation"] = std::string(implementation);
+    data["kept_next_token"] = kept_next_token;
     ctx->mark_non_differentiable({lse, mean_x, threshold});
     ctx->set_materialize_grads(false);  // an entropy that is only logged passes no gradient, and its term is skipped
     return {logprob, entropy, lse, mean_x, threshold};
@@ -94,7 +100,8 @@ class LogprobsFunction : public torch::autograd::Function<LogprobsFunction> {
                                 present(grads[1]), data["start_index"].toOptional<int64_t>(),
                                 data["true_vocab_size"].toOptional<int64_t>(), data["group_name"].toStringRef(),
                                 data["logit_scale"].toDouble(), data["top_k"].toOptional<int64_t>(),
-                                data["top_p"].toOptional<double>(), data["implementation"].toStringRef());
+                                data["top_p"].toOptional<double>(), data["implementation"].toStringRef(),
+                                present(saved[6]), present(saved[7]), data["kept_next_token"].toBool());
     return out;
   }
 };
@@ -102,14 +109,15 @@ class LogprobsFunction : public torch::autograd::Function<LogprobsFunction> {
 Outputs logprobs_autograd(const at::Tensor& logits, const at::Tensor& targets, c10::optional<int64_t> start_index,
                           c10::optional<int64_t> true_vocab_size, c10::string_view group_name, double logit_scale,
                           c10::optional<int64_t> top_k, c10::optional<double> top_p, bool with_entropy,
-                          bool check_inputs, c10::string_view implementation) {
+                          bool check_inputs, c10::string_view implementation, const OptionalTensor& kept_offsets,
+                          const OptionalTensor& kept_ids, bool kept_next_token) {
   if (!at::GradMode::is_enabled() || !logits.requires_grad()) {
     return below_autograd(logits, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p,
-                          with_entropy, check_inputs, implementation);
+                          with_entropy, check_inputs, implementation, kept_offsets, kept_ids, kept_next_token);
   }
   const variable_list out = LogprobsFunction::apply(logits, targets, start_index, true_vocab_size, group_name,
                                                     logit_scale, top_k, top_p, with_entropy, check_inputs,
-                                                    implementation);
+                                                    implementation, kept_offsets, kept_ids, kept_next_token);
   return {out[0], out[1], out[2], out[3], out[4]};
 }
 
@@ -122,11 +130,13 @@ TORCH_LIBRARY_FRAGMENT(megatron_grpo, m) {
   m.def(
       "vocab_parallel_logprobs(Tensor logits, Tensor targets, int? start_index, int? true_vocab_size, "
       "str group_name, float logit_scale, int? top_k, float? top_p, bool with_entropy, bool check_inputs, "
-      "str implementation) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "str implementation, Tensor? kept_offsets=None, Tensor? kept_ids=None, bool kept_next_token=False) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "vocab_parallel_logprobs_backward(Tensor logits, Tensor targets, Tensor logprob, Tensor lse, Tensor mean_x, "
       "Tensor threshold, Tensor? grad_logprob, Tensor? grad_entropy, int? start_index, int? true_vocab_size, "
-      "str group_name, float logit_scale, int? top_k, float? top_p, str implementation) -> Tensor");
+      "str group_name, float logit_scale, int? top_k, float? top_p, str implementation, Tensor? kept_offsets=None, "
+      "Tensor? kept_ids=None, bool kept_next_token=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(megatron_grpo, Autograd, m) {

@@ -22,20 +22,28 @@ the logits' own buffer as their gradient, which an op's output may not alias: th
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, overload
 
 import torch
 
-from megatron_grpo.ops.core.alignment import gradient_row_stride
+from megatron_grpo.ops.core.alignment import empty_with_alignment_of, gradient_row_stride
 from megatron_grpo.ops.core.backends import Implementation, Kernels, RowOutputs, extension_status, select_kernels_for
-from megatron_grpo.ops.core.checks import check_inplace_backward, check_logits_inputs, check_target_ids
+from megatron_grpo.ops.core.checks import (
+    check_inplace_backward,
+    check_kept_set_argument,
+    check_kept_values,
+    check_logits_inputs,
+    check_target_ids,
+)
 from megatron_grpo.ops.core.custom_op import define_op
 from megatron_grpo.ops.core.dtypes import compute_dtype
 from megatron_grpo.ops.core.filtering import kept_threshold
 from megatron_grpo.ops.core.partials import Partials, RowStats, gather_partials
+from megatron_grpo.ops.core.replay import RowSets, replay_gradient, replay_partials
 from megatron_grpo.ops.core.rows import check_shiftable, next_token_targets, per_token, upstream_gradients
 from megatron_grpo.ops.distribution import SamplingDistribution
+from megatron_grpo.ops.kept_set import KeptSet
 from megatron_grpo.ops.vocab_shard import VocabShard
 
 
@@ -48,17 +56,20 @@ class LogprobCall:
     distribution: SamplingDistribution
     with_entropy: bool
     kernels: Kernels
-    filter_active: bool  # the distribution's filter can drop a token of this vocab
+    filter_active: bool  # the distribution's filter can drop a token of this vocab, or kept sets are replayed
     single_rank: bool  # no TP group of more than one rank: the forward kernel writes the outputs
+    kept: RowSets | None = None  # the engine's kept sets of the rows, replayed instead of the filter
 
     @classmethod
     def of(cls, logits: torch.Tensor, shard: VocabShard, distribution: SamplingDistribution, with_entropy: bool,
-           implementation: Implementation) -> LogprobCall:
+           implementation: Implementation, kept: RowSets | None = None) -> LogprobCall:
         """The call for these logits; a shard without a TP group is resolved once per set of arguments."""
         cols, device, dtype = logits.shape[-1], logits.device, logits.dtype
         if shard.group is None:
-            return _call_without_group(cols, device, dtype, shard, distribution, with_entropy, implementation)
-        return cls._build(cols, device, dtype, shard, distribution, with_entropy, implementation)
+            call = _call_without_group(cols, device, dtype, shard, distribution, with_entropy, implementation)
+        else:
+            call = cls._build(cols, device, dtype, shard, distribution, with_entropy, implementation)
+        return call if kept is None else replace(call, kept=kept, filter_active=True)
 
     @classmethod
     def _build(cls, cols: int, device: torch.device, dtype: torch.dtype, shard: VocabShard,
@@ -88,6 +99,18 @@ class LogprobCall:
                                                  self.with_entropy, threshold, scale)
         return self.kernels.combine(gather_partials(partials, self.shard.group), targets, self.with_entropy)
 
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[RowOutputs, torch.Tensor | None]:
+        """`(outputs, threshold)`: the filter's threshold (None without one) and `outputs`' outputs; with kept sets,
+        their partials (`core.replay`: the threshold the kernels ran with), the all-gather and the combine."""
+        if self.kept is None:
+            threshold = self.threshold(logits)
+            return self.outputs(logits, targets, threshold), threshold
+        with torch.no_grad():
+            partials, threshold = replay_partials(logits, targets, self.kept, self.kernels, self.shard.start_index,
+                                                  self.valid_cols, self.with_entropy, self.distribution.logit_scale)
+        gathered = gather_partials(partials, self.shard.group)
+        return self.kernels.combine(gathered, targets, self.with_entropy), threshold
+
 
 @functools.lru_cache(maxsize=256)
 def _call_without_group(cols: int, device: torch.device, dtype: torch.dtype, shard: VocabShard,
@@ -98,23 +121,27 @@ def _call_without_group(cols: int, device: torch.device, dtype: torch.dtype, sha
 
 @functools.lru_cache(maxsize=256)
 def _shard_and_distribution(start_index: int | None, true_vocab_size: int | None, logit_scale: float,
-                            top_k: int | None, top_p: float | None) -> tuple[VocabShard, SamplingDistribution]:
+                            top_k: int | None, top_p: float | None,
+                            replay_kept_set: bool) -> tuple[VocabShard, SamplingDistribution]:
     """The values a call without a TP group carries, built (and checked) once per set of op arguments."""
     return (VocabShard(start_index=start_index, true_vocab_size=true_vocab_size),
-            SamplingDistribution(logit_scale=logit_scale, top_k=top_k, top_p=top_p))
+            SamplingDistribution(logit_scale=logit_scale, top_k=top_k, top_p=top_p, replay_kept_set=replay_kept_set))
 
 
 def _op_call(logits, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
-             implementation) -> LogprobCall:
+             implementation, kept_offsets=None, kept_ids=None, kept_next_token=False) -> LogprobCall:
     """The call of the op's arguments. A group name is resolved at each call: a name can outlive its group (a
-    destroyed group's name is given to the next one)."""
+    destroyed group's name is given to the next one). Kept sets (`kept_offsets`, `kept_ids`) are the call's own."""
+    replay = kept_offsets is not None
+    kept = None if not replay else RowSets.of_rows(KeptSet(kept_offsets, kept_ids), logits.shape[0], kept_next_token)
     if group_name:
         return LogprobCall.of(logits, VocabShard.with_group_name(start_index, true_vocab_size, group_name),
-                              SamplingDistribution(logit_scale=logit_scale, top_k=top_k, top_p=top_p), with_entropy,
-                              implementation)
-    shard, distribution = _shard_and_distribution(start_index, true_vocab_size, logit_scale, top_k, top_p)
-    return _call_without_group(logits.shape[-1], logits.device, logits.dtype, shard, distribution, with_entropy,
+                              SamplingDistribution(logit_scale=logit_scale, top_k=top_k, top_p=top_p,
+                                                   replay_kept_set=replay), with_entropy, implementation, kept)
+    shard, distribution = _shard_and_distribution(start_index, true_vocab_size, logit_scale, top_k, top_p, replay)
+    call = _call_without_group(logits.shape[-1], logits.device, logits.dtype, shard, distribution, with_entropy,
                                implementation)
+    return call if kept is None else replace(call, kept=kept, filter_active=True)
 
 
 def logprob_backward(logits: torch.Tensor, targets: torch.Tensor, call: LogprobCall, stats: RowStats,
@@ -123,9 +150,14 @@ def logprob_backward(logits: torch.Tensor, targets: torch.Tensor, call: LogprobC
     """Writes d(objective)/d(logits) into `grad_logits` (which may be `logits` itself); no collective."""
     grad_logprob, mean_x, grad_entropy = upstream_gradients(
         grad_logprob, grad_entropy, stats.lse, stats.mean_x, None if threshold is None else stats.logprob)
+    patch = None if call.kept is None else replay_gradient(
+        logits, targets, call.kept, threshold, stats.lse, mean_x, grad_logprob, grad_entropy, call.shard.start_index,
+        call.valid_cols, call.distribution.logit_scale)  # read before the kernel may overwrite the logits
     call.kernels.logprob_backward(logits, targets, call.shard.start_index, call.valid_cols, stats.lse, mean_x,
                                   grad_logprob, grad_entropy, grad_logits, threshold,
                                   logit_scale=call.distribution.logit_scale)
+    if patch is not None:
+        patch.write(grad_logits)
 
 
 # ---- the traceable op (out-of-place backward) ----
@@ -134,16 +166,18 @@ extension_status()  # loads megatron_grpo._C where it can: it defines the op and
 
 
 def _logprobs(logits, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
-              check_inputs, implementation):
+              check_inputs, implementation, kept_offsets=None, kept_ids=None, kept_next_token=False):
     """`(logprob, entropy, lse, mean_x, threshold)` of `[rows, V_local]` logits: `[rows]` each, or `[0]` for the
     entropy and E[x] without `with_entropy` and for the threshold without a filter (`-inf` rows where the filter
-    keeps everything of this vocab)."""
+    keeps everything of this vocab). `kept_offsets`, `kept_ids`: a `KeptSet` to replay, its positions those of the
+    targets before the shift (`kept_next_token`: row `r` scores position `r + 1`)."""
     call = _op_call(logits, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
-                    implementation)
+                    implementation, kept_offsets, kept_ids, kept_next_token)
     if check_inputs:
         check_target_ids(targets, call.shard)
-    threshold = call.threshold(logits)
-    logprob, entropy, lse, mean_x = call.outputs(logits, targets, threshold)
+        if kept_offsets is not None:
+            check_kept_values(KeptSet(kept_offsets, kept_ids), targets, call.shard, kept_next_token)
+    (logprob, entropy, lse, mean_x), threshold = call.forward(logits, targets)
     if threshold is None:  # outputs may not alias: a new tensor each
         threshold = (torch.full_like(lse, float("-inf")) if call.distribution.filtered  # keeps this whole vocab
                      else lse.new_empty(0))
@@ -151,30 +185,39 @@ def _logprobs(logits, targets, start_index, true_vocab_size, group_name, logit_s
 
 
 def _logprobs_op_fake(logits, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p,
-                      with_entropy, check_inputs, implementation):
+                      with_entropy, check_inputs, implementation, kept_offsets=None, kept_ids=None,
+                      kept_next_token=False):
     rows, dtype = logits.shape[0], compute_dtype(logits.dtype)
 
     def per_row(present: bool = True) -> torch.Tensor:
         return logits.new_empty(rows if present else 0, dtype=dtype)
 
-    filtered = SamplingDistribution(logit_scale=logit_scale, top_k=top_k, top_p=top_p).filtered
+    filtered = kept_offsets is not None or SamplingDistribution(logit_scale=logit_scale, top_k=top_k,
+                                                                top_p=top_p).filtered
     return per_row(), per_row(with_entropy), per_row(), per_row(with_entropy), per_row(filtered)
 
 
 def _logprobs_backward(logits, targets, logprob, lse, mean_x, threshold, grad_logprob, grad_entropy, start_index,
-                       true_vocab_size, group_name, logit_scale, top_k, top_p, implementation):
+                       true_vocab_size, group_name, logit_scale, top_k, top_p, implementation, kept_offsets=None,
+                       kept_ids=None, kept_next_token=False):
     """d(objective)/d(logits), in a new buffer with the logits' row alignment (`alignment.empty_with_alignment_of`)."""
     with_entropy = mean_x.numel() > 0
     call = _op_call(logits, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
-                    implementation)
+                    implementation, kept_offsets, kept_ids, kept_next_token)
     active = call.filter_active
+    if call.kept is not None:  # the kernel, then the gathered rows' kept columns (`core.replay`)
+        stats = RowStats(logprob=logprob, lse=lse, entropy=None, mean_x=mean_x if with_entropy else None)
+        grad_logits = empty_with_alignment_of(logits)
+        logprob_backward(logits, targets, call, stats, threshold, grad_logprob, grad_entropy, grad_logits)
+        return grad_logits
     return call.kernels.logprob_gradient(logits, targets, call.shard.start_index, call.valid_cols, lse,
                                         mean_x if with_entropy else None, logprob if active else None, grad_logprob,
                                         grad_entropy, threshold if active else None, logit_scale)
 
 
 def _logprobs_backward_op_fake(logits, targets, logprob, lse, mean_x, threshold, grad_logprob, grad_entropy,
-                               start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, implementation):
+                               start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, implementation,
+                               kept_offsets=None, kept_ids=None, kept_next_token=False):
     return logits.new_empty_strided(logits.shape, (gradient_row_stride(logits), 1))
 
 
@@ -182,29 +225,34 @@ _backward_op = define_op(
     "megatron_grpo::vocab_parallel_logprobs_backward",
     "(Tensor logits, Tensor targets, Tensor logprob, Tensor lse, Tensor mean_x, Tensor threshold, "
     "Tensor? grad_logprob, Tensor? grad_entropy, int? start_index, int? true_vocab_size, str group_name, "
-    "float logit_scale, int? top_k, float? top_p, str implementation) -> Tensor",
+    "float logit_scale, int? top_k, float? top_p, str implementation, Tensor? kept_offsets=None, "
+    "Tensor? kept_ids=None, bool kept_next_token=False) -> Tensor",
     _logprobs_backward, _logprobs_backward_op_fake)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    logits, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, _, _, implementation = inputs
+    logits, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, _, _, implementation, \
+        *kept = inputs
+    kept_offsets, kept_ids, kept_next_token = (list(kept) + [None, None, False])[:3]
     logprob, _, lse, mean_x, threshold = output
-    ctx.save_for_backward(logits, targets, logprob, lse, mean_x, threshold)
+    ctx.save_for_backward(logits, targets, logprob, lse, mean_x, threshold, kept_offsets, kept_ids)
     ctx.args = (start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, implementation)
+    ctx.kept_next_token = kept_next_token
     ctx.set_materialize_grads(False)  # an entropy that is only logged passes None, and its term is skipped
 
 
 def _backward(ctx, grad_logprob, grad_entropy, *_):
-    logits, targets, logprob, lse, mean_x, threshold = ctx.saved_tensors
+    logits, targets, logprob, lse, mean_x, threshold, kept_offsets, kept_ids = ctx.saved_tensors
     grad_logits = _backward_op(logits, targets, logprob, lse, mean_x, threshold, grad_logprob, grad_entropy,
-                               *ctx.args)
-    return (grad_logits,) + (None,) * 10
+                               *ctx.args, kept_offsets, kept_ids, ctx.kept_next_token)
+    return (grad_logits,) + (None,) * 13
 
 
 _logprobs_op = define_op(
     "megatron_grpo::vocab_parallel_logprobs",
     "(Tensor logits, Tensor targets, int? start_index, int? true_vocab_size, str group_name, float logit_scale, "
-    "int? top_k, float? top_p, bool with_entropy, bool check_inputs, str implementation) "
+    "int? top_k, float? top_p, bool with_entropy, bool check_inputs, str implementation, "
+    "Tensor? kept_offsets=None, Tensor? kept_ids=None, bool kept_next_token=False) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     _logprobs, _logprobs_op_fake, differentiable=(0,), setup_context=_setup_context, backward=_backward,
     non_differentiable_outputs=(2, 3, 4))
@@ -220,10 +268,9 @@ class InplaceLogprobs(torch.autograd.Function):
     def forward(ctx, logits, targets, call: LogprobCall, mode: bool | str, check_inputs: bool):
         if check_inputs:
             check_target_ids(targets, call.shard)
-        threshold = call.threshold(logits)
         prob_scale = target_prob = None
-        if mode == "exp":
-            shard = call.shard
+        if mode == "exp":  # no kept sets (`check_kept_set_argument`)
+            shard, threshold = call.shard, call.threshold(logits)
             partials = call.kernels.logprob_partials_writing_exps(logits, targets, shard.start_index,
                                                                   call.valid_cols, call.with_entropy, threshold,
                                                                   logit_scale=call.distribution.logit_scale)
@@ -234,7 +281,8 @@ class InplaceLogprobs(torch.autograd.Function):
             prob_scale = _prob_scale(partials, stats.lse)
             target_prob = torch.exp(stats.logprob).contiguous()
         else:
-            stats = RowStats.of(call.outputs(logits, targets, threshold), call.with_entropy)
+            outputs, threshold = call.forward(logits, targets)
+            stats = RowStats.of(outputs, call.with_entropy)
         ctx.save_for_backward(logits, targets, stats.logprob, stats.lse, stats.mean_x, threshold, prob_scale,
                               target_prob)
         ctx.call = call
@@ -285,6 +333,7 @@ def vocab_parallel_logprobs(
     inplace_backward: bool | Literal["exp"] = ...,
     check_inputs: bool = ...,
     implementation: Implementation = ...,
+    kept_set: KeptSet | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -300,6 +349,7 @@ def vocab_parallel_logprobs(
     inplace_backward: bool | Literal["exp"] = ...,
     check_inputs: bool = ...,
     implementation: Implementation = ...,
+    kept_set: KeptSet | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -314,6 +364,7 @@ def vocab_parallel_logprobs(
     inplace_backward: bool | Literal["exp"] = False,
     check_inputs: bool = True,
     implementation: Implementation = "auto",
+    kept_set: KeptSet | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of `targets` under `distribution` over the whole (sharded, unpadded) vocab: by default
     softmax(logits).
@@ -346,6 +397,12 @@ def vocab_parallel_logprobs(
             docstring); False is the traceable custom op.
         check_inputs: check target ids against the vocab (a host sync); pass False in hot loops.
         implementation: "auto" (fused kernels where available), "fused" or "torch" (the plain-torch kernels).
+        kept_set: with `distribution.replay_kept_set` (and only then), the rollout engine's kept set of every
+            position of `targets` (`KeptSet`: CSR over the flattened targets, aligned with them as the outputs are):
+            the softmax is renormalised over exactly each row's set (`megatron_grpo.ops.core.replay`); a set equal
+            to the filter's recomputed one gives the filter's results bit for bit. With `check_inputs` a malformed
+            set, or a scored target outside its set, is a ValueError (one host sync more). Sets at positions that
+            score nothing are ignored.
 
     Returns:
         With `with_entropy=False` (the default) one tensor, the float32 logprobs `[...]` (float64 for float64
@@ -356,6 +413,8 @@ def vocab_parallel_logprobs(
         check_inplace_backward(inplace_backward)
     shard = _UNSHARDED if shard is None else shard
     distribution = _SOFTMAX if distribution is None else distribution
+    if kept_set is not None or distribution.replay_kept_set:
+        check_kept_set_argument(kept_set, distribution, targets, inplace_backward)
     if shift:
         check_shiftable(targets)
         targets = next_token_targets(targets)
@@ -367,13 +426,17 @@ def vocab_parallel_logprobs(
     if rows_targets.dtype != torch.int64 or not rows_targets.is_contiguous():
         rows_targets = rows_targets.to(torch.int64).contiguous()
     if inplace_backward is False:
+        kept = () if kept_set is None else (kept_set.offsets, kept_set.ids, shift)
         logprob, entropy, *_ = _logprobs_op(
             rows_logits, rows_targets, shard.start_index, shard.true_vocab_size, shard.group_name,
             distribution.logit_scale, distribution.top_k, distribution.top_p, with_entropy, check_inputs,
-            implementation)
+            implementation, *kept)
         out = (logprob, entropy) if with_entropy else (logprob,)
     else:
-        call = LogprobCall.of(rows_logits, shard, distribution, with_entropy, implementation)
+        kept = None if kept_set is None else RowSets.of_rows(kept_set, rows_targets.numel(), shift)
+        call = LogprobCall.of(rows_logits, shard, distribution, with_entropy, implementation, kept)
+        if check_inputs and kept_set is not None:
+            check_kept_values(kept_set, rows_targets, call.shard, shift)
         out = InplaceLogprobs.apply(rows_logits, rows_targets, call, inplace_backward, check_inputs)
         out = out if with_entropy else (out,)
     if shift or len(batch_shape) != 1:

@@ -3,7 +3,8 @@
 - The compiled extension defines the op's schema and its C++ autograd kernel (csrc/logprob_op.cpp); Python registers
   the implementation and the fake kernel (`ops.core.custom_op.define_op`), and checks that the two schemas agree.
   Without the extension, Python defines the same op with an autograd kernel of its own: a fresh interpreter with
-  `megatron_grpo._C` hidden runs forward, backward, no_grad and `torch.library.opcheck`'s autograd checks there.
+  `megatron_grpo._C` hidden runs forward, backward, no_grad, kept sets replayed and `torch.library.opcheck`'s
+  autograd checks there.
 - Under `no_grad` (or with logits that need no gradient) a call builds no autograd node.
 - The combine kernel (C++) against the plain-torch combine, on partials with every edge case: ignored rows, ranks
   without valid columns (m = -inf, d = 0), NaN and +inf rows.
@@ -31,7 +32,8 @@ needs_extension = pytest.mark.skipif(not extension_status()[0], reason=extension
 SCHEMAS = {
     "megatron_grpo::vocab_parallel_logprobs":
         "(Tensor logits, Tensor targets, int? start_index, int? true_vocab_size, str group_name, float logit_scale, "
-        "int? top_k, float? top_p, bool with_entropy, bool check_inputs, str implementation) "
+        "int? top_k, float? top_p, bool with_entropy, bool check_inputs, str implementation, "
+        "Tensor? kept_offsets=None, Tensor? kept_ids=None, bool kept_next_token=False) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 }
 
@@ -87,6 +89,21 @@ WITHOUT_EXTENSION = textwrap.dedent("""
     torch.testing.assert_close(logits.grad.double(), x.grad, rtol=0, atol=1e-6)
     with torch.no_grad():
         assert vocab_parallel_logprobs(logits, targets).grad_fn is None
+    # Kept sets replayed through this autograd kernel: each row's target and two other ids, against float64
+    from megatron_grpo.ops import KeptSet, SamplingDistribution
+    ids = torch.stack([targets, (targets + 3) % 13, (targets + 7) % 13], 1).sort(dim=1).values
+    trained = targets >= 0  # an ignored row holds no set
+    kept = KeptSet(torch.cat([torch.zeros(1, dtype=torch.int64), (3 * trained).cumsum(0)]), ids[trained].reshape(-1))
+    logits.grad = None
+    logprob = vocab_parallel_logprobs(logits, targets, distribution=SamplingDistribution(replay_kept_set=True),
+                                      kept_set=kept)
+    logprob.sum().backward()
+    x = logits.detach().double().requires_grad_(True)
+    at = (ids == targets[:, None]).long().argmax(1, keepdim=True)
+    ref = torch.where(trained, torch.log_softmax(x.gather(1, ids.clamp(min=0)), -1).gather(1, at)[:, 0], 0.0)
+    ref.sum().backward()
+    torch.testing.assert_close(logprob.double(), ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(logits.grad.double(), x.grad, rtol=0, atol=1e-6)
     args = (logits.detach().requires_grad_(True), targets, None, 13, "", 1.0, 4, None, True, True, "auto")
     # The checks of what this path registers itself (the schema and fake kernel are test_compile.py's, for both)
     results = torch.library.opcheck(_logprobs_op, args,
