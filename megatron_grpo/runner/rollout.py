@@ -51,6 +51,8 @@ class Rollout:
     generation_logprobs: torch.Tensor  # float32: log p_sampling(token); 0 outside token_mask
     prompt_length: int
     prompt_lengths: Optional[torch.Tensor] = None  # [B] int64: each row's prompt length; None: all prompt_length
+    routed_experts: Optional[torch.Tensor] = None  # [B, S, L, k] int64: an MoE policy's routes of each token, as the
+    #   sampler's forwards chose them (`megatron.routing_replay.RouteRecorder`); None: not recorded
 
     @property
     def responses(self) -> torch.Tensor:
