@@ -452,8 +452,8 @@ def test_init_parallel_passes_the_timeout_to_torch_and_megatron(monkeypatch):
     assert parallel.init_parallel(parallel_params(cfg)) == "layout"
     assert calls["init"] == {"backend": "gloo", "rank": 3, "world_size": 4, "timeout": timedelta(seconds=45)}
     assert calls["megatron"] == {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
-                                 "context_parallel_size": 1,
-                                 "distributed_timeout_minutes": 0.75}
+                                 "context_parallel_size": 1, "expert_model_parallel_size": 1,
+                                 "expert_tensor_parallel_size": None, "distributed_timeout_minutes": 0.75}
     assert calls["seed"] == (cfg.seed, True)
 
 
