@@ -467,6 +467,19 @@ def test_init_parallel_rejects_a_world_that_tp_times_pp_does_not_divide(monkeypa
         parallel.init_parallel(parallel.ParallelParams(tensor_model_parallel_size=2))
 
 
+def test_init_parallel_rejects_an_expert_grid_the_world_does_not_hold(monkeypatch):
+    from megatron_grpo.megatron import parallel
+
+    monkeypatch.setattr(parallel, "apply_cpu_support", lambda: True)
+    monkeypatch.setattr(parallel.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(parallel.dist, "get_world_size", lambda: 2)
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size: world size 2 is not a multiple of "
+                                         r"expert_tensor_parallel_size \(2\) × expert_model_parallel_size \(2\)"):
+        parallel.init_parallel(parallel.ParallelParams(tensor_model_parallel_size=2, expert_model_parallel_size=2))
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size: must be an integer >= 1, got 0"):
+        parallel.init_parallel(parallel.ParallelParams(expert_model_parallel_size=0))
+
+
 def test_train_step_without_the_planned_reference_model_names_it():
     from megatron_grpo.megatron import train_step
     from megatron_grpo.ops import VocabShard

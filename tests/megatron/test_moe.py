@@ -377,6 +377,21 @@ def named_errors(params, batch) -> dict[str, str]:
             messages[name] = "no error"
         except ValueError as err:
             messages[name] = str(err)
+    messages.update(build_errors({"bias": {"add_bias_linear": True}, "flex": {"moe_token_dispatcher_type": "flex"},
+                                  "grouped_gemm": {"moe_grouped_gemm": True},
+                                  "replay_dense": {"num_moe_experts": None}}))
+    return messages
+
+
+def build_errors(cases: dict[str, dict]) -> dict[str, str]:
+    """`build_gpt_model`'s ValueError for each case of MoE settings it cannot build here."""
+    messages = {}
+    for name, changes in cases.items():
+        try:
+            built(moe_params(**changes))
+            messages[name] = "no error"
+        except ValueError as err:
+            messages[name] = str(err)
     return messages
 
 
@@ -419,6 +434,8 @@ def world_two(rank: int, world_size: int, full, references, routes) -> dict:
             params = layout_params(tp, dispatcher)
             outcome[name] = {"layout": (layout.tp_size, layout.pp_size, layout.ep_size, layout.dp_size),
                              **layout_checks(params, full, references, routes, layout)}
+            if name == "tp2":
+                outcome[name]["errors"] = build_errors({"without_sequence_parallel": {"sequence_parallel": False}})
             RouterReplay.clear_global_router_replay_instances()
             parallel_state.destroy_model_parallel()
     finally:
@@ -515,8 +532,18 @@ def test_the_routing_metrics_are_the_same_on_every_rank_and_say_what_replay_chan
     ("not_replayable", r"build it with moe_enable_routing_replay=True"),
     ("record_dense", r"a dense model has no routes to record"),
     ("record_unreplayable", r"build it with moe_enable_routing_replay=True"),
+    ("bias", r"add_bias_linear: an MoE model's experts take no bias"),
+    ("flex", r"moe_token_dispatcher_type: flex \(DeepEP / HybridEP\) needs CUDA"),
+    ("grouped_gemm", r"moe_grouped_gemm: needs Transformer Engine's grouped GEMM"),
+    ("replay_dense", r"moe_enable_routing_replay: routing replay needs an MoE model"),
 ])
-def test_bad_routes_are_named_errors(one, case, message):
+def test_bad_routes_and_moe_settings_are_named_errors(one, case, message):
     import re
 
     assert re.search(message, one["errors"][case]), one["errors"][case]
+
+
+def test_an_moe_model_under_tensor_parallelism_needs_sequence_parallelism(two):
+    for rank in two:
+        assert rank["tp2"]["errors"]["without_sequence_parallel"].startswith(
+            "sequence_parallel: an MoE model at tensor_model_parallel_size 2 needs sequence_parallel=True")
