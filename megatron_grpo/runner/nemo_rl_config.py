@@ -29,6 +29,7 @@ OPTIONAL_DEFAULTS: dict[str, Any] = {
     "loss_fn.use_kl_in_reward": False,
     "loss_fn.force_on_policy_ratio": False,
     "policy.hf_config_overrides": {},
+    "policy.router_replay.enabled": False,  # R3 (NeMo-RL's router_replay_enabled: false without the section)
 }
 REQUIRED_KEYS = (
     "grpo.num_prompts_per_step",
@@ -51,6 +52,8 @@ NEMO_RL_KEYS = PlanKeys(
     prev_mode="(prev pass: auto)",
     reference_mode="(reference pass: auto)",
     skip_reference="grpo.skip_reference_policy_logprobs_calculation",
+    moe="policy.router_replay.enabled (R3 is for MoE policies)",
+    router_replay="policy.router_replay.enabled",
 )
 _REFERENCE = re.compile(r"^\$\{([A-Za-z0-9_.]+)\}$")
 # Where a NeMo-RL config sets dropout: (the section, its switch or None, the keys read in it). Model overrides go
@@ -108,6 +111,8 @@ def nemo_rl_plan_view(path: str | os.PathLike) -> NemoRlPlanView:
         reference_mode="auto",
         prev_mode="auto",
         skip_reference=bool(value("grpo.skip_reference_policy_logprobs_calculation")),
+        moe=bool(value("policy.router_replay.enabled")),  # the file does not say whether a policy without R3 is MoE
+        router_replay=bool(value("policy.router_replay.enabled")),
         keys=dataclasses.replace(NEMO_RL_KEYS, dropout=" / ".join(dropouts) if dropouts else NEMO_RL_KEYS.dropout),
     )
     if value.problems:

@@ -50,6 +50,14 @@ def test_recipe_situations_get_our_plan_and_the_comparison(name, reference, prev
     assert "sections that do not concern the plan:\n  - cluster\n  - data\n  - logger\n" in out
 
 
+def test_router_replay_is_read_and_named_in_the_prev_decision(capsys):
+    view = nemo_rl_plan_view(NEMO / "moe_router_replay.yaml")
+    assert (view.inputs.moe, view.inputs.router_replay) == (True, True)
+    assert (nemo_rl_plan_view(NEMO / "grpo_base.yaml").inputs.router_replay) is False  # NeMo-RL's default
+    _code, out, _err = run_plan("moe_router_replay.yaml", capsys)
+    assert "would replay the rollout's routes, as the training forward does (policy.router_replay.enabled)" in out
+
+
 def test_the_reference_skip_switch_is_named_as_the_reason(capsys):
     _code, out, _err = run_plan("dapo_reference_skip.yaml", capsys)
     assert f"reference model skipped: {SKIP_SWITCH} = true." in out
