@@ -26,6 +26,7 @@ layers before it.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
@@ -67,11 +68,22 @@ def moe_layer_numbers(config) -> list[int]:
 
 
 def moe_layers(model: torch.nn.Module) -> MoELayers | None:
-    """The MoE layers of `model` (in Megatron's wrappers or not), or None for a dense model."""
+    """The MoE layers of `model` (in Megatron's wrappers or not), or None for a dense model. Found once per model
+    (its routers do not change) and kept with it."""
     core = unwrapped(model)
     config = core.config
     if getattr(config, "num_moe_experts", None) is None:
         return None
+    found = _LAYERS.get(core)
+    if found is None:
+        found = _LAYERS[core] = _find_moe_layers(core, config)
+    return found
+
+
+_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _find_moe_layers(core: torch.nn.Module, config) -> MoELayers:
     index = {number: i for i, number in enumerate(moe_layer_numbers(config))}
     decoder = getattr(core, "decoder", core)  # multi-token-prediction layers (outside the decoder) are not routed
     routers = sorted(((index[module.layer_number], module) for module in decoder.modules()
@@ -238,7 +250,7 @@ class RouteChanges:
         if self.changed:
             changed, counted = torch.cat(self.changed), torch.cat(self.counted)
         else:  # a stage without MoE layers still takes part in the reductions
-            changed = counted = torch.zeros(0, dtype=torch.bool)
+            changed = counted = torch.zeros(0, dtype=torch.bool, device=_collective_device())
         flags = changed.to(torch.int32)
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             flags = _max_over_pipeline(flags)
@@ -257,12 +269,17 @@ def _max_over_pipeline(flags: torch.Tensor) -> torch.Tensor:
     """Per-token flags ORed over the pipeline stages, which saw the same microbatches in the same order; a stage
     without MoE layers (no flags) takes the others'."""
     group = parallel_state.get_pipeline_model_parallel_group()
-    length = torch.tensor([flags.numel()], dtype=torch.int64)
+    length = torch.tensor([flags.numel()], dtype=torch.int64, device=flags.device)
     dist.all_reduce(length, group=group, op=dist.ReduceOp.MAX)
-    whole = torch.zeros(int(length), dtype=torch.int32)
+    whole = torch.zeros(int(length), dtype=torch.int32, device=flags.device)
     whole[:flags.numel()] = flags
     dist.all_reduce(whole, group=group, op=dist.ReduceOp.MAX)
     return whole
+
+
+def _collective_device() -> torch.device:
+    """Where this process's collectives take their tensors: the current GPU under NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 OnRoutes = Callable[[dict[int, torch.Tensor]], None]  # {MoE layer index: [b, s, k] int64} of one forward
