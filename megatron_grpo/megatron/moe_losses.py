@@ -17,6 +17,28 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
 
+def has_aux_losses(model: torch.nn.Module) -> bool:
+    """Whether `model`'s routers add auxiliary losses to its gradient (a load-balancing or z-loss coefficient)."""
+    from megatron_grpo.megatron.ddp import unwrapped
+
+    config = unwrapped(model).config
+    if getattr(config, "num_moe_experts", None) is None:
+        return False
+    coefficients = config.moe_aux_loss_coeff
+    coefficients = coefficients if isinstance(coefficients, (list, tuple)) else [coefficients]
+    balancing = config.moe_router_load_balancing_type != "none" and any(c > 0 for c in coefficients)
+    return balancing or bool(config.moe_z_loss_coeff)
+
+
+def check_no_deferred_aux_losses(model: torch.nn.Module) -> None:
+    """Deferred normalisation divides every gradient by the step's count after the schedule, Megatron's auxiliary
+    losses' too, which the schedule has already scaled: a ValueError naming both settings."""
+    if has_aux_losses(model):
+        raise ValueError("defer_normalisation: the step's normalisation deferred to its end (the sequence mask by "
+                         "logprob error, seq_logprob_error_threshold) would divide the MoE auxiliary losses' gradients "
+                         "(moe_aux_loss_coeff, moe_z_loss_coeff) by the step's count too; turn them off, or the mask")
+
+
 def clear_aux_losses() -> None:
     """Forget the auxiliary losses of earlier forwards (call before an optimizer step's schedule)."""
     clear_aux_losses_tracker()

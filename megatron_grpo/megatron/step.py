@@ -8,6 +8,12 @@
 - `train_step` runs the logprob passes the plan asks for, then one optimizer step per global batch of the
   rollout (`optimizer.optimizer_step`), and returns curr logprobs, prev logprobs (backfilled from curr when the
   pass was skipped) and the passes it ran, the same on every rank. The sync and async loops both call it.
+- Deferred normalisation (`make_forward_step(..., defer_normalisation=True)`, `StepConfig.defer_normalisation`,
+  and always under the plan's sequence mask by logprob error, which changes the counts during the forwards): each
+  microbatch's loss is its unnormalised sum, the loss reports the count it divides by, and
+  `apply_deferred_normalisation` sums those counts over the microbatches and DP ranks and divides the gradients
+  once, before clipping and the optimizer. The loss is linear in its divisor, so this equals global counts known
+  beforehand up to rounding, for every aggregation mode.
 
 Batches follow the contract in docs/design.md: dicts of `[B, S]` tensors aligned with `input_ids` (position 0 has no
 logprob), or packed (`[1, T]` with `cu_seqlens`, `loss.packing`) where `make_forward_step` and `compute_logprobs`
@@ -29,7 +35,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -42,6 +48,7 @@ from megatron_grpo.loss import (
     trained_token_mask,
 )
 from megatron_grpo.loss.call import LossCall, PrevSource, StepLoss
+from megatron_grpo.loss.metrics import NORMALISER, Aggregation
 from megatron_grpo.loss.packing import (
     CU_SEQLENS,
     POSITION_IDS,
@@ -62,7 +69,7 @@ from megatron_grpo.megatron.context_parallel import (
     gather_from_context_parallel,
     split_for_context_parallel,
 )
-from megatron_grpo.megatron.ddp import is_ddp, unwrapped
+from megatron_grpo.megatron.ddp import is_ddp, scale_gradients, unwrapped
 from megatron_grpo.megatron.forward import (
     Batch,
     ForwardStep,
@@ -72,7 +79,7 @@ from megatron_grpo.megatron.forward import (
     run_schedule,
 )
 from megatron_grpo.megatron.hidden_states import compute_dtype, output_weight
-from megatron_grpo.megatron.moe_losses import aux_losses, clear_aux_losses
+from megatron_grpo.megatron.moe_losses import aux_losses, check_no_deferred_aux_losses, clear_aux_losses
 from megatron_grpo.megatron.optimizer import (
     Optimizer,
     grad_norm_after_clipping,
@@ -121,6 +128,8 @@ class StepConfig:
     #   micro_batch_size rows; None: padded microbatches
     logprob_max_tokens_per_microbatch: int | None = None  # the same for the prev and reference passes (forward
     #   only, so they may take more); None: max_tokens_per_microbatch
+    defer_normalisation: bool = False  # divide the gradients once by the counts the forwards report, not by counts
+    #   known before them (`make_forward_step`); the plan's sequence mask by logprob error turns it on by itself
     reference_replays_routes: bool = False  # with `routed_experts` in the batch, the reference pass replays them too;
     #   False (NeMo-RL's): the reference model routes by its own router, as the policy it is
     compare_without_replay: bool = False  # with `routed_experts`: one more forward-only pass, by the router's own
@@ -149,14 +158,15 @@ def make_forward_step(
     plan: LogprobPlan,
     *,
     num_microbatches: int,
-    global_valid_tokens: Count,
-    global_valid_seqs: Count,
     vocab: VocabShard,
+    global_valid_tokens: Count | None = None,
+    global_valid_seqs: Count | None = None,
     distribution: SamplingDistribution | None = None,
     fused_linear: bool = False,
     fused_loss: bool = False,
     versions: StepVersions | None = None,
     check_inputs: bool | None = None,
+    defer_normalisation: bool = False,
     route_changes: RouteChanges | None = None,
 ) -> ForwardStep:
     """A `forward_step(data_iterator, model) -> (output_tensor, loss_func)` for one optimizer step.
@@ -164,7 +174,11 @@ def make_forward_step(
     `loss_fn` follows `megatron_grpo.loss.StepLoss` (`ClippedPGLoss` does): each microbatch's loss is
     `loss_fn.step_loss(output, batch, call)`, where `call` is one `LossCall` that says everything else:
     - the counts: `global_valid_*` count the whole optimizer step (all microbatches, all DP ranks); the loss is
-      normalised by them, so the per-microbatch losses sum to the step's loss;
+      normalised by them, so the per-microbatch losses sum to the step's loss. With `defer_normalisation=True`
+      there are none: each microbatch's loss is a sum, and after the schedule `apply_deferred_normalisation(model,
+      loss_fn, metrics)` divides the gradients (and the loss metrics) once by the counts the loss reported, before
+      the optimizer step. The plan's sequence mask by logprob error (`plan.seq_logprob_error_threshold`, applied
+      in the loss from the batch's prev or curr.detach()) changes the counts during the forwards, so it needs it;
     - `vocab` (this rank's `VocabShard`) and `distribution` (`SamplingDistribution`, the policy trained: pass the
       sampling settings', `SamplingDistribution.of_sampling`, so that it is the one the rollouts came from; None:
       softmax(logits));
@@ -214,8 +228,15 @@ def make_forward_step(
                         "loss that follows megatron_grpo.loss.StepLoss, as ClippedPGLoss does")
     if fused_loss and not fused_linear:
         raise ValueError("fused_loss: needs fused_linear=True")
+    threshold = plan.seq_logprob_error_threshold
+    if threshold is not None and not defer_normalisation:
+        raise ValueError(f"defer_normalisation: the plan masks sequences by logprob error in the forward "
+                         f"(seq_logprob_error_threshold = {threshold}), so the step's counts are known only after its "
+                         "last forward; pass defer_normalisation=True (no counts), then "
+                         "apply_deferred_normalisation(model, loss_fn, metrics) before the optimizer step")
     call = LossCall.of(global_valid_tokens, global_valid_seqs, shard=vocab, distribution=distribution,
-                       prev=prev_source(plan, versions), context=context_shard(), inplace_backward=True,
+                       prev=prev_source(plan, versions), seq_logprob_error_threshold=threshold,
+                       defer_normalisation=defer_normalisation, context=context_shard(), inplace_backward=True,
                        check_inputs=check_inputs, loss_fused=fused_loss)
     if fused_loss and call.distribution.filtered:
         raise ValueError("fused_loss: no top-k / top-p on the loss-fused path (use fused_linear alone)")
@@ -232,6 +253,8 @@ def make_forward_step(
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
         batch = next(data_iterator)
         if moe_layers(model) is not None:
+            if defer_normalisation:
+                check_no_deferred_aux_losses(model)
             batch = {**batch, MOE_PADDING_MASK: padding_mask_of(batch)}
             if ROUTED_EXPERTS in batch:
                 check_routes(model, batch[ROUTED_EXPERTS], batch["input_ids"], check_values=call.check_inputs)
@@ -244,6 +267,32 @@ def make_forward_step(
         return output, partial(loss_func, batch, model)
 
     return forward_step
+
+
+def apply_deferred_normalisation(model: torch.nn.Module, loss_fn: StepLoss,
+                                 microbatch_metrics: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Finishes an optimizer step run with `make_forward_step(..., defer_normalisation=True)`, after Megatron's
+    schedule and before clipping and the optimizer: the counts the loss reported (`loss_normaliser`, after any
+    sequence mask) summed over the microbatches and the DP × CP ranks, the gradients divided by them (DDP's
+    `main_grad`, or `.grad`), and the step's metrics returned aggregated as `train_step` reports them, the loss and
+    the other normalised sums divided too. `microbatch_metrics`: what the schedule returned (none on a pipeline
+    stage other than the last, whose counts are broadcast to it). The same on every rank."""
+    return _normalised(model, metrics_from_last_stage(_aggregate(microbatch_metrics, loss_fn)),
+                       loss_fn.metric_aggregation)
+
+
+def _normalised(model: torch.nn.Module, metrics: dict[str, float],
+                aggregation: Mapping[str, Aggregation]) -> dict[str, float]:
+    """The gradients and the normalised-sum metrics of a deferred step divided by its summed normaliser (0: an
+    empty step, whose sums are 0, divided by 1 as the loss divides a global count of 0)."""
+    if NORMALISER not in metrics:
+        raise ValueError(f"metrics: no {NORMALISER!r}: the loss reports it only when the forward step was made with "
+                         "defer_normalisation=True")
+    metrics = dict(metrics)
+    normaliser = max(metrics.pop(NORMALISER), 1.0)
+    scale_gradients(model, 1.0 / normaliser)
+    return {name: value / normaliser if aggregation.get(name) is Aggregation.NORMALISED_SUM else value
+            for name, value in metrics.items()}
 
 
 def prev_source(plan: LogprobPlan, versions: StepVersions | None = None) -> PrevSource:
@@ -384,8 +433,9 @@ def train_step(
     (wrapped in Megatron's DDP when DP > 1) and `vocab` its shard, `vocab_shard_of(model, true_vocab_size)`; the
     reference model shares it. `reference_model` is needed only when `plan.compute_reference_logprobs`.
     `prepare_batch`, when given, maps the batch once the logprob passes are in it and before any optimizer step:
-    the readers of prev logprobs before the loss (sequence masking by logprob error, the KL in the reward) work
-    there.
+    a reader of prev logprobs before the loss (the runner's KL in the reward) works there. The plan's sequence mask
+    by logprob error runs inside the loss instead, with the normalisation deferred (`StepConfig.defer_normalisation`
+    is then on whatever it says).
 
     With prev from the generation logprobs (the plan's `prev_approximation`), they are the batch's prev from the
     start. An interpolated prev (or the comparison with it) needs `prev_version`, the weight version of the
@@ -429,6 +479,9 @@ def train_step(
         raise ValueError("batch['cu_seqlens']: train_step takes the rollout padded, [B, S], and packs each optimizer "
                          "step itself with StepConfig.max_tokens_per_microbatch")
     step_rows = _rows_per_optimizer_step(step, batch["input_ids"].shape[0])
+    deferred = step.defer_normalisation or plan.seq_logprob_error_threshold is not None
+    if deferred:
+        check_no_deferred_aux_losses(model)
     batch = dict(batch)
     passes_run: dict[str, int] = {}
     if plan.compute_reference_logprobs:
@@ -474,14 +527,17 @@ def train_step(
             packing = None if packed_tokens is None else _packed_microbatches(step_batch, packed_tokens)
             microbatches = _split(step_batch, micro_batch_size) if packing is None else packing.microbatches
             outcome = _forward_backward(model, optimizer, loss_fn, plan, microbatches, vocab, distribution,
-                                        fused_linear=fused, fused_loss=step.fused_linear_loss, versions=versions)
+                                        fused_linear=fused, fused_loss=step.fused_linear_loss, versions=versions,
+                                        deferred=deferred)
+        metrics = outcome.loss
+        aggregated = metrics_from_last_stage(_aggregate(metrics, loss_fn))
         with timer.section("optimizer"):
+            if deferred:  # the gradients divided once, before clipping
+                aggregated = _normalised(model, aggregated, loss_fn.metric_aggregation)
             lr = learning_rate(optimizer)  # the rate this step uses
             grad_norm = optimizer_step(model, optimizer, clip)
-        metrics = outcome.loss
-        step_metrics.append({**metrics_from_last_stage(_aggregate(metrics, loss_fn)), **outcome.moe,
-                             "grad_norm": grad_norm, "grad_norm_after_clip": grad_norm_after_clipping(grad_norm, clip),
-                             "lr": lr})
+        step_metrics.append({**aggregated, **outcome.moe, "grad_norm": grad_norm,
+                             "grad_norm_after_clip": grad_norm_after_clipping(grad_norm, clip), "lr": lr})
         if metrics:  # the per-token metrics whole (CP), back at the rollout's rows (packing)
             step_logprobs.append({key: _whole_per_token([m[key] for m in metrics], microbatches, packing)
                                   for key in ("curr_logprobs", "prev_logprobs") if key in metrics[0]})
@@ -541,9 +597,10 @@ def _forward_backward(
     fused_linear: bool = False,
     fused_loss: bool = False,
     versions: StepVersions | None = None,
+    deferred: bool = False,
 ) -> _StepOutcome:
     """Fresh gradients of one optimizer step: Megatron's schedule over the microbatches, which ends in DDP's
-    reduction over the DP ranks (`megatron.ddp`)."""
+    reduction over the DP ranks (`megatron.ddp`); `deferred`: unnormalised, for `_normalised`."""
     if parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1 and not is_ddp(model):
         raise ValueError("model: data parallelism needs the model wrapped in Megatron-Core's DistributedDataParallel "
                          "(megatron_grpo.megatron.wrap_in_ddp), which reduces the gradients over the DP ranks (and "
@@ -554,14 +611,14 @@ def _forward_backward(
                          "sums the gradients that each TP rank computes from its slice of the sequence (norms, "
                          "routers)")
     layers = moe_layers(model)
-    tokens, seqs = _global_valid_counts(microbatches)
+    tokens, seqs = (None, None) if deferred else _global_valid_counts(microbatches)
     replayed = ROUTED_EXPERTS in microbatches[0]
     changes = RouteChanges() if replayed else None
     forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches), global_valid_tokens=tokens,
                                      global_valid_seqs=seqs, vocab=vocab, distribution=distribution,
                                      fused_linear=fused_linear, fused_loss=fused_loss, versions=versions,
                                      check_inputs=False,  # train_step checked the batch's values once
-                                     route_changes=changes)
+                                     defer_normalisation=deferred, route_changes=changes)
     zero_optimizer_grads(model, optimizer)
     model.train()
     if layers is not None:

@@ -385,6 +385,20 @@ class Config(StrictSection):
             problems.append(f"policy.fused_linear_loss: true does not support generation.top_k / generation.top_p "
                             f"(got top_k {generation.top_k!r}, top_p {generation.top_p!r}): set "
                             f"policy.fused_linear_loss: false (the fused op then applies the filter)")
+        loss = self.loss_fn
+        auxiliary = model.num_moe_experts is not None and (model.moe_z_loss_coeff or (
+            model.moe_aux_loss_coeff > 0 and model.moe_router_load_balancing_type != "none"))
+        if self.grpo.seq_logprob_error_threshold is not None and auxiliary:
+            problems.append("grpo.seq_logprob_error_threshold with policy.model.moe_aux_loss_coeff / moe_z_loss_coeff: "
+                            "the mask defers the step's normalisation to its end, which would divide Megatron's "
+                            "auxiliary losses by the step's count too; set the coefficients to 0 / null, or the "
+                            "threshold to null")
+        if self.grpo.seq_logprob_error_threshold is not None and loss.positive_example_nll_weight > 0 \
+                and loss.loss_agg_mode != "token-mean":
+            problems.append(f"grpo.seq_logprob_error_threshold with loss_fn.positive_example_nll_weight > 0 and "
+                            f"loss_fn.loss_agg_mode = {loss.loss_agg_mode}: the mask runs in the loss, which the step "
+                            "then divides by one count, but VAPO's NLL divides by the trained tokens and the seq-mean "
+                            "modes by the sequences; use token-mean, or no NLL term")
         tp, pp = "policy.tensor_model_parallel_size", "policy.pipeline_model_parallel_size"
         return problems + _divisibility([
             (tp, policy.tensor_model_parallel_size, "policy.model.num_attention_heads", model.num_attention_heads),

@@ -377,10 +377,31 @@ def named_errors(params, batch) -> dict[str, str]:
             messages[name] = "no error"
         except ValueError as err:
             messages[name] = str(err)
+    messages["deferred_aux"] = deferred_normalisation_error(model, batch)
     messages.update(build_errors({"bias": {"add_bias_linear": True}, "flex": {"moe_token_dispatcher_type": "flex"},
                                   "grouped_gemm": {"moe_grouped_gemm": True},
                                   "replay_dense": {"num_moe_experts": None}}))
     return messages
+
+
+def deferred_normalisation_error(model, batch) -> str:
+    """`train_step` under the sequence mask by logprob error (its normalisation deferred) with auxiliary losses on."""
+    from megatron_grpo import ClippedPGLossConfig, PlanInputs, plan_logprob_passes
+    from megatron_grpo.loss import ClippedPGLoss
+    from megatron_grpo.megatron import AdamParams, StepConfig, build_optimizer, train_step, vocab_shard_of
+
+    loss = ClippedPGLossConfig(reference_policy_kl_penalty=0.0)
+    plan = plan_logprob_passes(PlanInputs.for_loss(loss, rollout_batch=ROWS, global_batch=ROWS, dropout=False,
+                                                   error_threshold=2.0))
+    gen = torch.Generator().manual_seed(44)
+    try:
+        train_step(StepConfig(global_batch_size=ROWS, micro_batch_size=MICRO_BATCH), model,
+                   build_optimizer(model, AdamParams(lr=1e-3)), ClippedPGLoss(loss), plan,
+                   {**batch, "generation_logprobs": -torch.rand(ROWS, SEQ, generator=gen)},
+                   vocab=vocab_shard_of(model, VOCAB))
+    except ValueError as err:
+        return str(err)
+    return "no error"
 
 
 def build_errors(cases: dict[str, dict]) -> dict[str, str]:
@@ -536,6 +557,7 @@ def test_the_routing_metrics_are_the_same_on_every_rank_and_say_what_replay_chan
     ("flex", r"moe_token_dispatcher_type: flex \(DeepEP / HybridEP\) needs CUDA"),
     ("grouped_gemm", r"moe_grouped_gemm: needs Transformer Engine's grouped GEMM"),
     ("replay_dense", r"moe_enable_routing_replay: routing replay needs an MoE model"),
+    ("deferred_aux", r"defer_normalisation: .* would divide the MoE auxiliary losses' gradients"),
 ])
 def test_bad_routes_and_moe_settings_are_named_errors(one, case, message):
     import re

@@ -305,6 +305,16 @@ def test_range_problems_are_reported_together():
     assert len(problems) == 4, problems  # temperature, every_n_steps, TP ∤ heads, heads ∤ hidden
 
 
+def test_the_logprob_error_mask_with_two_loss_divisors_is_a_conflict_naming_the_keys():
+    data = set_key(tiny(), "grpo.seq_logprob_error_threshold", 1.5)
+    data = set_key(data, "loss_fn.positive_example_nll_weight", 0.1)
+    load_config(data)  # token-mean: one divisor
+    problems = problems_of(set_key(data, "loss_fn.loss_agg_mode", "seq-mean-token-sum"))
+    assert len(problems) == 1 and problems[0].startswith(
+        "grpo.seq_logprob_error_threshold with loss_fn.positive_example_nll_weight > 0 and loss_fn.loss_agg_mode = "
+        "seq-mean-token-sum"), problems
+
+
 def test_loss_fn_conflicts_surface_through_load_config():
     problems = problems_of(set_key(tiny(), "loss_fn.ratio_clip_c", 0.5))
     assert any("loss_fn.ratio_clip_c" in p for p in problems)
@@ -339,6 +349,8 @@ MOE = {"policy.model.num_moe_experts": 4, "policy.model.add_bias_linear": False,
     ({**MOE, "policy.router_replay.compare_without_replay": True, "policy.router_replay.replay_in_reference": True},
      ["policy.router_replay.replay_in_reference: true needs policy.router_replay.enabled: true",
       "policy.router_replay.compare_without_replay: true needs policy.router_replay.enabled: true"]),
+    ({**MOE, "policy.model.moe_z_loss_coeff": 0.001, "grpo.seq_logprob_error_threshold": 2.0},
+     ["grpo.seq_logprob_error_threshold with policy.model.moe_aux_loss_coeff / moe_z_loss_coeff: the mask defers"]),
     ({**MOE, "policy.model.num_moe_experts": 0, "policy.model.moe_z_loss_coeff": -1.0},
      ["policy.model.num_moe_experts: must be null or > 0, got 0",
       "policy.model.moe_z_loss_coeff: must be null or >= 0, got -1.0"]),
