@@ -28,7 +28,6 @@ pytestmark = pytest.mark.slow  # torchrun jobs, end to end
 LAYOUTS = {  # name: base config, overrides, torchrun agents, ranks per agent
     "dp2": (TINY_CONFIG, {"policy.tensor_model_parallel_size": 1, "policy.fused_linear_loss": True}, 1, 2),
     "tp2_pp2_two_agents": (REPO / "configs" / "grpo_tiny_cpu_tp2_pp2.yaml", {}, 2, 2),
-    "moe_tp2_router_replay": (REPO / "configs" / "grpo_tiny_cpu_moe.yaml", {}, 1, 2),
 }
 
 
