@@ -258,6 +258,35 @@ def recorded_routes(params, full, batch) -> torch.Tensor:
     return recorder.routes(REPLAY_SEQ, torch.device("cpu"))
 
 
+def recorder_checks(params, full, batch) -> bool:
+    """Whether the recorder kept, for every position, the route of the decoding forward that read it first: the
+    prompt's from the first forward, then one position per forward (this rank's routers' maps, in their order)."""
+    from megatron.core import parallel_state
+
+    from megatron_grpo.megatron import RouteRecorder, last_position_logits
+
+    model = built(params, full)
+    model.eval()
+    maps = RouteCapture(model)
+    recorder = RouteRecorder(model, ROWS, REPLAY_SEQ)
+    lengths = range(PROMPT, REPLAY_SEQ)
+    for length in lengths:
+        last_position_logits(model, batch["input_ids"][:, :length], routes=recorder)
+    routes = recorder.routes(REPLAY_SEQ, torch.device("cpu"))
+    tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    sequence_parallel = params.sequence_parallel and tp > 1
+    agree = []
+    for layer, per_forward in maps.maps.items():
+        for length, routing in zip(lengths, per_forward, strict=True):
+            padded = -(-length // tp) * tp if sequence_parallel else length
+            local = range(tp_rank * padded // tp, (tp_rank + 1) * padded // tp) if sequence_parallel else range(padded)
+            for position in range(PROMPT) if length == PROMPT else [length - 1]:
+                if position in local:
+                    rows = (position - local.start) * ROWS + torch.arange(ROWS)
+                    agree.append(torch.equal(routing[rows], routing_map(routes[:, position, layer])))
+    return bool(agree) and all(agree)
+
+
 def replay_checks(params, full, batch, routes, layout) -> dict:
     """`train_step` under R3 from other weights than the routes were recorded with: the routing maps of its prev
     pass, reference pass (replaying too) and training forward against the given routes; prev against curr; then an
@@ -340,8 +369,10 @@ def layout_checks(params, full, references, routes, layout) -> dict:
     batch, expected, norm = references["unpadded" if params.sequence_parallel else "ragged"]
     trained = train_once(params, full, batch, layout)
     error, scale = gradient_error(trained["model"], trained["grads"], expected)
+    rows = replay_batch(references["ragged"][0])
     return {"grad_error": error, "grad_scale": scale, "metrics": trained["metrics"], "expected_norm": norm,
-            "replay": replay_checks(params, full, replay_batch(references["ragged"][0]), routes, layout)}
+            "replay": replay_checks(params, full, rows, routes, layout),
+            "recorder_keeps_the_first_reading_route": recorder_checks(params, full, rows)}
 
 
 def named_errors(params, batch) -> dict[str, str]:
@@ -518,6 +549,14 @@ def test_replayed_routes_are_the_routes_of_the_prev_reference_and_training_forwa
         # the weights were changed after recording: the router's own routes differ, so replay did something
         assert replay["natural_maps_differ"], name
         assert replay["metrics"]["router_replay_changed_fraction"] > 0, name
+
+
+def test_the_recorder_keeps_each_tokens_route_from_the_forward_that_read_it_first(one, two):
+    for name, result in every_layout(one, two):
+        assert result["recorder_keeps_the_first_reading_route"], name
+    # every layer of the whole model, on every rank (a pipeline stage records its own: all-reduced), [B, S, L, k]
+    assert one["routes"].shape == (ROWS, REPLAY_SEQ, 2, TOPK) and one["routes"].dtype == torch.int64
+    assert torch.equal(one["routes"][:, -1], torch.arange(TOPK).expand(ROWS, 2, TOPK))  # never read: 0 .. k-1
 
 
 def test_under_replay_the_prev_pass_equals_the_training_forward_bitwise(one, two):
