@@ -135,7 +135,8 @@ def _check_replayable(model: torch.nn.Module, layers: MoELayers, key: str) -> No
     problems = []
     if config.moe_router_fusion:
         problems.append("moe_router_fusion (the fused top-k bypasses RouterReplay)")
-    if config.moe_router_load_balancing_type == "sinkhorn":
+    balancing = config.moe_router_load_balancing_type
+    if "sinkhorn" in ([balancing] if isinstance(balancing, str) else balancing):
         problems.append("moe_router_load_balancing_type sinkhorn (it does not go through RouterReplay)")
     if config.moe_expert_capacity_factor is not None:
         problems.append("moe_expert_capacity_factor (token dropping after the top-k would drop replayed tokens)")

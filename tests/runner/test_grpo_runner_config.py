@@ -134,7 +134,7 @@ def test_running_outside_torchrun_says_how_to_launch(tmp_path, capsys, monkeypat
 
 
 @pytest.mark.parametrize("name", ["grpo_tiny_cpu.yaml", "grpo_tiny_cpu_ragged.yaml", "grpo_gpt_gpu.yaml",
-                                  "grpo_tiny_cpu_moe.yaml"])
+                                  "grpo_tiny_cpu_moe.yaml", "grpo_tiny_cpu_moe_ep2.yaml"])
 def test_the_shipped_configs_load_plan_and_pass_the_runner_checks(name):
     cfg = load_config(REPO / "configs" / name)
     plan = plan_for(cfg)
