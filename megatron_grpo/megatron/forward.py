@@ -124,7 +124,7 @@ def _attention_inputs(model: torch.nn.Module, input_ids: torch.Tensor, cu_seqlen
 def sequence_parallel_padding(model: torch.nn.Module, seq_len: int) -> int:
     """How many positions a forward of `seq_len` tokens is padded by: under sequence parallelism (without context
     parallelism, whose split fixes the length) up to a multiple of TP, which Megatron's sequence split needs."""
-    config = unwrapped(model).config
+    config = getattr(unwrapped(model), "config", None)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if not getattr(config, "sequence_parallel", False) or tp == 1 or seq_len % tp == 0:
         return 0

@@ -21,7 +21,7 @@ def has_aux_losses(model: torch.nn.Module) -> bool:
     """Whether `model`'s routers add auxiliary losses to its gradient (a load-balancing or z-loss coefficient)."""
     from megatron_grpo.megatron.ddp import unwrapped
 
-    config = unwrapped(model).config
+    config = getattr(unwrapped(model), "config", None)
     if getattr(config, "num_moe_experts", None) is None:
         return False
     coefficients = config.moe_aux_loss_coeff

@@ -142,8 +142,9 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 
 
 def _has_experts(model: torch.nn.Module) -> bool:
-    """Whether `model` is a Mixture-of-Experts model (its config says so on every pipeline stage)."""
-    return getattr(unwrapped(model).config, "num_moe_experts", None) is not None
+    """Whether `model` is a Mixture-of-Experts model (its config says so on every pipeline stage); any module without
+    a Megatron config is not."""
+    return getattr(getattr(unwrapped(model), "config", None), "num_moe_experts", None) is not None
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

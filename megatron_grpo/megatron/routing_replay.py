@@ -71,7 +71,7 @@ def moe_layers(model: torch.nn.Module) -> MoELayers | None:
     """The MoE layers of `model` (in Megatron's wrappers or not), or None for a dense model. Found once per model
     (its routers do not change) and kept with it."""
     core = unwrapped(model)
-    config = core.config
+    config = getattr(core, "config", None)  # a module that is no Megatron model has none
     if getattr(config, "num_moe_experts", None) is None:
         return None
     found = _LAYERS.get(core)

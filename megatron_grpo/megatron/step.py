@@ -636,7 +636,7 @@ def _forward_backward(
 
 
 def _sequence_parallel(model: torch.nn.Module) -> bool:
-    return bool(getattr(unwrapped(model).config, "sequence_parallel", False)) and \
+    return bool(getattr(getattr(unwrapped(model), "config", None), "sequence_parallel", False)) and \
         parallel_state.get_tensor_model_parallel_world_size() > 1
 
 
