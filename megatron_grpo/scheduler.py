@@ -25,7 +25,8 @@ PassMode = Literal["auto", "compute", "skip"]  # logprob_passes.reference
 PrevMode = Literal["auto", "compute", "skip", "generation", "loglinear", "linear", "compute_and_compare"]
 NUM_OPTIONAL_PASSES = 2  # reference and prev
 # What reads the prev logprobs besides the ratio: the mismatch metrics, identically trivial with prev = generation.
-MISMATCH_METRICS = ("token_mult_prob_error", "gen_kl_error", "sampling_importance_ratio", "is_oob_ratio")
+MISMATCH_METRICS = ("token_mult_prob_error", "gen_kl_error", "sampling_importance_ratio", "is_oob_ratio",
+                    "gen_ratio_outside_band")
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ class PlanKeys:
     error_threshold: str = "error_threshold"
     dropout: str = "dropout"
     kl_penalty: str = "ClippedPGLossConfig.reference_policy_kl_penalty"
-    kl_in_reward: str = "ClippedPGLossConfig.use_kl_in_reward"
+    kl_in_reward: str = "ClippedPGLossConfig.kl_in_sequence_reward"
     force_on_policy: str = "ClippedPGLossConfig.force_on_policy_ratio"
     importance_sampling: str = "ClippedPGLossConfig.use_importance_sampling_correction"
     prev_mode: str = "prev_mode"
@@ -137,7 +138,7 @@ class PlanInputs:
     #   None: stale without a known bound (NeMo-RL's ready_first sampler)
     error_threshold: float | None = None  # NeMo-RL's seq_logprob_error_threshold: sequences masked by the error of
     #   generation against prev (in the loss; `LogprobPlan.seq_logprob_error_threshold`); None = off
-    kl_in_reward: bool = False  # the loss's use_kl_in_reward: the KL reads prev before the loss
+    kl_in_reward: bool = False  # the loss's kl_in_sequence_reward: the KL reads prev before the loss
     prev_readers: tuple[str, ...] = ()  # other readers of prev before the loss, each a phrase naming its key (a
     #   NeMo-RL config's OPD advantage, `teacher - prev`)
     force_on_policy: bool = False  # the loss's force_on_policy_ratio
@@ -161,7 +162,7 @@ class PlanInputs:
             global_batch=global_batch,
             dropout=dropout,
             kl_penalty=loss.reference_policy_kl_penalty,
-            kl_in_reward=loss.use_kl_in_reward,
+            kl_in_reward=loss.kl_in_sequence_reward,
             force_on_policy=loss.force_on_policy_ratio,
             importance_sampling=loss.use_importance_sampling_correction,
             **settings,

@@ -64,6 +64,8 @@ class LossCall:
     loss_fused: bool = True  # from hidden states: the loss-fused head (its gradient in forward, 3 GEMMs, not 4)
     chunk_rows: int | None = None  # from hidden states: trained rows per chunk; None: the ops' default
     implementation: Implementation = "auto"  # the kernels: "auto", "fused" or "torch"
+    kept_set_metrics: bool = True  # with kept sets in the batch: kept_set_mass and kept_set_differs (forward-only op
+    #   calls: two when the loss trains on one of the sets, three on the loss-fused head)
 
     def __post_init__(self) -> None:
         counts = ("global_valid_tokens", "global_valid_seqs")

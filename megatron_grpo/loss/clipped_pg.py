@@ -34,6 +34,7 @@ from megatron_grpo.loss.call import LossCall, PrevSource
 from megatron_grpo.loss.config import ClippedPGLossConfig
 from megatron_grpo.loss.fused_head import loss_fused_linear
 from megatron_grpo.loss.importance import ImportanceWeights, finite_or_zero, importance_weights
+from megatron_grpo.loss.kept_set_batch import KEPT_SET_OFFSETS, kept_set_of, without_kept_set
 from megatron_grpo.loss.kl import kl_estimate
 from megatron_grpo.loss.logprob_error_mask import mask_by_logprob_error
 from megatron_grpo.loss.metrics import METRIC_AGGREGATION, NORMALISER, Aggregation
@@ -59,9 +60,19 @@ from megatron_grpo.loss.reductions import (
 from megatron_grpo.ops.context_shard import ContextShard
 from megatron_grpo.ops.core.backends import Implementation
 from megatron_grpo.ops.core.dtypes import in_compute_dtype
-from megatron_grpo.ops.current import CurrentLogprobs, HiddenStates, ModelOutput, current_logprobs
+from megatron_grpo.ops.current import (
+    CurrentLogprobs,
+    HiddenStates,
+    KeptSetMetrics,
+    ModelOutput,
+    current_logprobs,
+    kept_set_metrics,
+)
 from megatron_grpo.ops.distribution import SamplingDistribution
+from megatron_grpo.ops.kept_set import KeptSet
 from megatron_grpo.ops.vocab_shard import VocabShard
+
+RATIO_BAND = (0.9, 1.1)  # gen_ratio_outside_band: the band of exp(prev - generation) TRL's and vLLM's reports use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +113,17 @@ class ClippedPGLoss:
       (`nonfinite_generation_logprobs` counts the others), `sampling_importance_ratio` (mean weight after
       truncation) and, with truncation, `is_oob_ratio`: the fraction of trained tokens out of bounds, or for
       `seq-mask-tis` the fraction of sequences rejected (then `is_oob_token_ratio` is the token fraction);
+      `gen_ratio_outside_band`: the fraction of those tokens whose ratio `exp(prev - generation)` lies outside
+      [0.9, 1.1] (`RATIO_BAND`);
+    - with the rollout engine's kept sets in the batch (`kept_set_offsets`, `kept_set_ids`; `LossCall.kept_set_metrics`,
+      on by default): `kept_set_mass`, the token mean of the engine's set's probability under this forward's
+      unfiltered distribution (at the sampling temperature), and `kept_set_differs`, the fraction of trained tokens
+      whose set recomputed from this forward's logits (top-k / top-p) differs from the engine's
+      (`ops.kept_set_metrics`: forward-only op calls, two when the loss trains on one of the sets); with
+      `generation_logprobs` also `kept_set_replayed_ratio_outside_band` and `kept_set_recomputed_ratio_outside_band`,
+      the fraction of those tokens whose `exp(curr - generation)` lies outside [0.9, 1.1] with curr over the engine's
+      set and over the recomputed one (ratio 0, outside, for a token the recomputed set drops): both ways on the
+      same tokens and weights, whichever the loss trains;
     - `curr_logprobs` `[B, S]`: the current logprobs (0 where a token is not trained or was filtered out);
       `prev_logprobs` `[B, S]` too when prev is approximated (`prev_approximation`);
     - with `compare_approximations`: `prox_<method>_<kind>` for each approximation of `loss.prev_approximation`
@@ -147,6 +169,7 @@ class ClippedPGLoss:
         inplace_backward: bool | None = None,
         check_inputs: bool | None = None,
         context: ContextShard | None = None,
+        kept_set_metrics: bool | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This microbatch's globally normalised loss and its detached metrics (see the class docstring), from the
         model's logits `[B, S, V_local]` (the output tensor a Megatron `forward_step` hands its loss function).
@@ -200,7 +223,7 @@ class ClippedPGLoss:
                            prev=PrevSource(prev_logprobs_from_current, prev_approximation, compare_approximations),
                            seq_logprob_error_threshold=seq_logprob_error_threshold,
                            defer_normalisation=defer_normalisation, inplace_backward=inplace_backward,
-                           check_inputs=check_inputs, context=context)
+                           check_inputs=check_inputs, context=context, kept_set_metrics=kept_set_metrics)
         precomputed = self._check_precomputed(logits, curr_logprobs, curr_entropy, curr_unfiltered_logprobs,
                                               filtered=call.distribution.filtered)
         return self._evaluate(logits, batch, call, precomputed=precomputed)
@@ -225,6 +248,7 @@ class ClippedPGLoss:
         implementation: Implementation | None = None,
         check_inputs: bool | None = None,
         context: ContextShard | None = None,
+        kept_set_metrics: bool | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The same loss and metrics from final hidden states `[B, S, H]` and this rank's `[V_local, H]` output
         weight shard (logits `hidden @ weight.T`, under `distribution`), without materialising the logits. `hidden`'s
@@ -232,15 +256,17 @@ class ClippedPGLoss:
 
         `loss_fused` (default True): the loss-fused head (`megatron_grpo.loss.fused_head`), the loss's gradient
         computed chunk by chunk in forward, 3 GEMMs instead of 4, exact for every setting of this loss because it is
-        sequence-additive; no top-k / top-p. `loss_fused=False`: the current logprobs from
-        `vocab_parallel_linear_logprobs` (backward recomputes each chunk's logits; any distribution). The other
+        sequence-additive; no recomputed top-k / top-p (the engine's kept sets replay). `loss_fused=False`: the
+        current logprobs from `vocab_parallel_linear_logprobs` (backward recomputes each chunk's logits; any
+        distribution). The other
         keywords as for `__call__` (the fields of `LossCall`); the batch's values are checked once here, never per
         chunk."""
         call = LossCall.of(global_valid_tokens, global_valid_seqs, shard=shard, distribution=distribution,
                            prev=PrevSource(prev_logprobs_from_current, prev_approximation, compare_approximations),
                            seq_logprob_error_threshold=seq_logprob_error_threshold,
                            defer_normalisation=defer_normalisation, loss_fused=loss_fused, chunk_rows=chunk_rows,
-                           implementation=implementation, check_inputs=check_inputs, context=context)
+                           implementation=implementation, check_inputs=check_inputs, context=context,
+                           kept_set_metrics=kept_set_metrics)
         return self.step_loss(HiddenStates(hidden, weight), batch, call)
 
     def step_loss(self, output: ModelOutput, batch: Mapping[str, torch.Tensor],
@@ -258,15 +284,36 @@ class ClippedPGLoss:
                                 check_values=call.check_inputs, row_aligned=call.context is not None)
         self._check_counts(call, inputs)
         per_chunk = dataclasses.replace(call, check_inputs=False)
+        kept = self._kept_set(batch, call)
+        if call.distribution.filtered and self.config.kl_in_loss:
+            raise ValueError("loss_fused: the loss-fused head computes the replayed kept sets' logprobs only, and the "
+                             "KL to the reference reads unfiltered ones (loss_fn.reference_policy_kl_penalty > 0); "
+                             "use loss_fused=False")
 
         def sequence_loss(sequences: Mapping[str, torch.Tensor], curr: torch.Tensor, entropy: torch.Tensor):
             return self._evaluate(None, sequences, per_chunk,
                                   precomputed=CurrentLogprobs(logprobs=curr, entropy=entropy))
 
-        return loss_fused_linear(sequence_loss, output.hidden, output.weight, inputs.targets, batch,
-                                 shard=call.shard, distribution=call.distribution, chunk_rows=call.chunk_rows,
-                                 check_inputs=call.check_inputs, implementation=call.implementation,
-                                 shift=call.context is None, context=call.context)
+        loss, metrics = loss_fused_linear(
+            sequence_loss, output.hidden, output.weight, inputs.targets, without_kept_set(batch), shard=call.shard,
+            distribution=call.distribution, chunk_rows=call.chunk_rows, check_inputs=call.check_inputs,
+            implementation=call.implementation, shift=call.context is None, context=call.context,
+            kept_set=kept if call.distribution.replay_kept_set else None)
+        if kept is not None and call.kept_set_metrics:
+            metrics.update(_kept_set_metric_means(kept_set_metrics(
+                output, inputs.targets, kept, shard=call.shard, distribution=call.distribution,
+                check_inputs=call.check_inputs, chunk_rows=call.chunk_rows, implementation=call.implementation,
+                shift=call.context is None), inputs.mask, inputs.generation_logprobs))
+        return loss, metrics
+
+    @staticmethod
+    def _kept_set(batch: Mapping[str, torch.Tensor], call: LossCall) -> KeptSet | None:
+        """The batch's kept sets (`loss.kept_set_batch`), which a replaying distribution requires."""
+        kept = kept_set_of(batch)
+        if kept is None and call.distribution.replay_kept_set:
+            raise ValueError(f"batch[{KEPT_SET_OFFSETS!r}] is missing: required by distribution.replay_kept_set (the "
+                             "rollout engine's kept set of every token, docs/design.md's batch contract)")
+        return kept
 
     def _evaluate(
         self,
@@ -285,10 +332,12 @@ class ClippedPGLoss:
         inputs = validate_batch(batch, output, self._requirements(prev_from_current, call), current=given,
                                 check_values=call.check_inputs, row_aligned=context is not None)
         self._check_counts(call, inputs)
+        kept = self._kept_set(batch, call) if precomputed is None else None
         current = precomputed if precomputed is not None else current_logprobs(
             output, inputs.targets, shard=call.shard, distribution=call.distribution, shift=context is None,
             with_unfiltered=cfg.kl_in_loss, inplace_backward=call.inplace_backward, check_inputs=call.check_inputs,
-            chunk_rows=call.chunk_rows, implementation=call.implementation)
+            chunk_rows=call.chunk_rows, implementation=call.implementation, kept_set=kept,
+            with_kept_set_metrics=call.kept_set_metrics)
         trained = inputs.mask.bool()
         zero = torch.zeros((), dtype=torch.float32, device=trained.device)
         curr, entropy = (torch.where(trained, in_compute_dtype(values), zero)
@@ -359,6 +408,8 @@ class ClippedPGLoss:
                 metrics[NORMALISER] = self._normaliser(inputs, context)
             if errors is not None:
                 metrics.update({name: token_mean(value.to(torch.float32), mask) for name, value in errors.items()})
+            if current.kept_set is not None:
+                metrics.update(_kept_set_metric_means(current.kept_set, inputs.mask, inputs.generation_logprobs))
         return loss, metrics
 
     def _check_deferral(self, call: LossCall) -> None:
@@ -488,7 +539,7 @@ class ClippedPGLoss:
             generation_users.append("compare_approximations")
         prev_reason = ("unless prev_logprobs_from_current=True (or loss_fn.force_on_policy_ratio, or a "
                        "prev_approximation)")
-        reference_reason = "because loss_fn.reference_policy_kl_penalty > 0 and loss_fn.use_kl_in_reward is false"
+        reference_reason = "because loss_fn.reference_policy_kl_penalty > 0 and loss_fn.kl_in_sequence_reward is false"
         return BatchRequirements(
             prev_logprobs=None if prev_from_current or approximation is not None else prev_reason,
             generation_logprobs=f"by {' and '.join(generation_users)}" if generation_users else None,
@@ -621,6 +672,7 @@ class ClippedPGLoss:
                 kl_estimate(safe_generation, prev, self.config.reference_policy_kl_type), finite
             ),
             "sampling_importance_ratio": token_mean(weights.weights, mask),
+            "gen_ratio_outside_band": token_mean(_outside_band(torch.exp(prev - safe_generation)), finite),
         }
         oob = weights.out_of_bounds
         if oob is None:
@@ -644,3 +696,27 @@ def _optional_rewards(batch: Mapping[str, torch.Tensor], inputs: LossBatch) -> t
         return None
     inputs.layout.check_per_sequence("rewards", rewards)
     return rewards
+
+
+def _outside_band(ratio: torch.Tensor) -> torch.Tensor:
+    """1.0 where `ratio` lies outside `RATIO_BAND`, else 0.0."""
+    return ((ratio < RATIO_BAND[0]) | (ratio > RATIO_BAND[1])).to(torch.float32)
+
+
+def _kept_set_metric_means(kept: KeptSetMetrics, mask: torch.Tensor,
+                           generation: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """`kept_set_mass` and `kept_set_differs`, token means over the trained tokens (the mass over those whose
+    target is in its set: with unchecked inputs one may not be); with generation logprobs, the fraction of the tokens
+    (with a finite one) whose ratio `exp(curr - generation)` lies outside `RATIO_BAND` when curr replays the engine's
+    set, and when it recomputes the filter (a target outside the recomputed set has ratio 0: outside)."""
+    finite = mask * torch.isfinite(kept.mass)
+    zero = torch.zeros((), dtype=kept.mass.dtype, device=kept.mass.device)
+    metrics = {"kept_set_mass": token_mean(torch.where(finite.bool(), kept.mass, zero).to(torch.float32), finite),
+               "kept_set_differs": token_mean(kept.differs.to(torch.float32), mask)}
+    if generation is not None:
+        scored = mask * torch.isfinite(generation)
+        safe = torch.where(scored.bool(), generation.to(kept.replayed.dtype), zero)
+        for name, curr in (("replayed", kept.replayed), ("recomputed", kept.recomputed)):
+            ratio = torch.exp(torch.where(scored.bool(), curr, zero) - safe)
+            metrics[f"kept_set_{name}_ratio_outside_band"] = token_mean(_outside_band(ratio), scored)
+    return metrics

@@ -59,6 +59,11 @@ METRIC_AGGREGATION: Mapping[str, Aggregation] = MappingProxyType(
         "token_mult_prob_error": Aggregation.TOKEN_MEAN,
         "gen_kl_error": Aggregation.TOKEN_MEAN,
         "sampling_importance_ratio": Aggregation.TOKEN_MEAN,
+        "gen_ratio_outside_band": Aggregation.TOKEN_MEAN,
+        "kept_set_mass": Aggregation.TOKEN_MEAN,  # with the rollout engine's kept sets in the batch
+        "kept_set_differs": Aggregation.TOKEN_MEAN,
+        "kept_set_replayed_ratio_outside_band": Aggregation.TOKEN_MEAN,  # with generation logprobs too
+        "kept_set_recomputed_ratio_outside_band": Aggregation.TOKEN_MEAN,
         "is_oob_ratio": Aggregation.TOKEN_MEAN,  # SEQUENCE_MEAN for seq-mask-tis: see ClippedPGLoss.metric_aggregation
         "is_oob_token_ratio": Aggregation.TOKEN_MEAN,
         "curr_logprobs": Aggregation.PER_TOKEN,

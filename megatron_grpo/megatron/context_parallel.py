@@ -28,6 +28,7 @@ from megatron.core import parallel_state
 from megatron.core import utils as megatron_utils
 from megatron.core.utils import get_batch_on_this_cp_rank
 
+from megatron_grpo.loss.kept_set_batch import as_positions, with_kept_set
 from megatron_grpo.loss.packing import CU_SEQLENS, POSITION_IDS, SequenceLayout
 from megatron_grpo.megatron.model import transformer_engine_usable
 from megatron_grpo.megatron.routing_replay import INPUT_ALIGNED_KEYS
@@ -71,9 +72,15 @@ def split_for_context_parallel(batch: Batch) -> dict[str, torch.Tensor]:
     input_ids[t + 1]` (except `routing_replay.INPUT_ALIGNED_KEYS`, split unshifted like `input_ids`); per-sequence
     tensors unchanged. Padded: `S` must be a multiple of 2·CP (Megatron's zigzag),
     else a ValueError naming `batch['input_ids']`. Packed: every sequence's length must be a multiple of 2·CP, else
-    a ValueError naming `batch['cu_seqlens']`; the share's `cu_seqlens` are the local ones (`cu_seqlens // CP`)."""
-    if CU_SEQLENS in batch:
-        return _split_packed(batch)
+    a ValueError naming `batch['cu_seqlens']`; the share's `cu_seqlens` are the local ones (`cu_seqlens // CP`).
+    Kept sets (`loss.kept_set_batch`) are shifted and split with the per-token tensors: row `t` holds token
+    `t + 1`'s."""
+    batch, kept = as_positions(batch)
+    return with_kept_set(_split_packed(batch) if CU_SEQLENS in batch else _split_padded(batch), kept)
+
+
+def _split_padded(batch: Batch) -> dict[str, torch.Tensor]:
+    """`split_for_context_parallel` of a padded batch: the shift, then Megatron's zigzag."""
     input_ids = batch["input_ids"]
     size = context_parallel_size()
     if input_ids.dim() != 2 or input_ids.shape[1] % (2 * size):

@@ -48,6 +48,7 @@ from megatron_grpo.loss import (
     trained_token_mask,
 )
 from megatron_grpo.loss.call import LossCall, PrevSource, StepLoss
+from megatron_grpo.loss.kept_set_batch import KEPT_SET_KEYS, as_positions, kept_set_of, with_kept_set
 from megatron_grpo.loss.metrics import NORMALISER, Aggregation
 from megatron_grpo.loss.packing import (
     CU_SEQLENS,
@@ -238,8 +239,9 @@ def make_forward_step(
                        prev=prev_source(plan, versions), seq_logprob_error_threshold=threshold,
                        defer_normalisation=defer_normalisation, context=context_shard(), inplace_backward=True,
                        check_inputs=check_inputs, loss_fused=fused_loss)
-    if fused_loss and call.distribution.filtered:
-        raise ValueError("fused_loss: no top-k / top-p on the loss-fused path (use fused_linear alone)")
+    if fused_loss and call.distribution.recomputes_filter:
+        raise ValueError("fused_loss: no recomputed top-k / top-p on the loss-fused path (use fused_linear alone, or "
+                         "replay the rollout engine's kept sets: replay_kept_set)")
     # Megatron divides the returned loss in place by num_microbatches, and DDP averages over the DP ranks: hand
     # it a scaled copy (a new tensor, so `metrics["loss"]`, the loss's own detached value, stays unscaled).
     loss_scale = num_microbatches * parallel_state.get_data_parallel_world_size()
@@ -350,14 +352,18 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
         microbatches = _split(batch, micro_batch_size)
     if context is not None:  # the split shifts every per-token tensor of a microbatch: hand it the tokens alone,
         # and a mark shifted with them that is False on each sequence's last row (it has no target)
-        microbatches = [{**{key: mb[key] for key in ("input_ids", CU_SEQLENS, POSITION_IDS, ROUTED_EXPERTS)
+        microbatches = [{**{key: mb[key] for key in ("input_ids", CU_SEQLENS, POSITION_IDS, ROUTED_EXPERTS,
+                                                              *KEPT_SET_KEYS)
                             if key in mb},
                          _HAS_TARGET: torch.ones_like(mb["input_ids"], dtype=torch.bool)} for mb in microbatches]
 
-    def logprob_func(targets: torch.Tensor, output_tensor: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
+    replay = distribution is not None and distribution.replay_kept_set
+
+    def logprob_func(targets: torch.Tensor, kept, output_tensor: torch.Tensor,
+                     non_loss_data: bool = True) -> torch.Tensor:
         output = HiddenStates(*_in_compute_dtype(model, output_tensor)) if fused_linear else output_tensor
         return current_logprobs(output, targets, shard=vocab, distribution=distribution, with_entropy=False,
-                                check_inputs=check_inputs, shift=context is None).logprobs
+                                check_inputs=check_inputs, shift=context is None, kept_set=kept).logprobs
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
         microbatch = next(data_iterator)
@@ -368,7 +374,12 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
         else:  # row-aligned: each row scores its label; the last row of a sequence has none
             microbatch = split_for_context_parallel(microbatch)
             targets = microbatch["labels"].masked_fill(~microbatch[_HAS_TARGET], -1)
-        return batch_forward(model, microbatch, hidden_states=fused_linear), partial(logprob_func, targets)
+        kept = kept_set_of(microbatch) if replay else None
+        if kept is not None:  # replayed: only the sampled tokens, which carry a kept set, are scored
+            targets = targets.masked_fill(kept.lengths().view(targets.shape) == 0, -1)
+        elif replay:
+            raise ValueError(f"batch[{KEPT_SET_KEYS[0]!r}] is missing: required by distribution.replay_kept_set")
+        return batch_forward(model, microbatch, hidden_states=fused_linear), partial(logprob_func, targets, kept)
 
     was_training = model.training
     model.eval()
@@ -519,8 +530,9 @@ def train_step(
 
     step_metrics, step_logprobs = [], []
     rows = batch["input_ids"].shape[0]
+    by_position, kept = as_positions(batch)  # the kept sets (if any) follow their tokens into the microbatches
     for start in range(0, rows, step_rows):
-        step_batch = {key: value[start:start + step_rows] for key, value in batch.items()}
+        step_batch = with_kept_set({key: value[start:start + step_rows] for key, value in by_position.items()}, kept)
         versions = (StepVersions.of_optimizer_step(prev_version, start // step_rows, rows // step_rows)
                     if plan.needs_versions else None)
         with timer.section("forward_backward"):
@@ -659,7 +671,8 @@ def _split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     if rows == 0 or rows % micro_batch_size:
         raise ValueError(f"batch['input_ids']: {rows} sequences are not a positive multiple of "
                          f"micro_batch_size ({micro_batch_size})")
-    return [{key: value[start:start + micro_batch_size] for key, value in batch.items()}
+    batch, kept = as_positions(batch)  # the kept sets (if any) follow their tokens
+    return [with_kept_set({key: value[start:start + micro_batch_size] for key, value in batch.items()}, kept)
             for start in range(0, rows, micro_batch_size)]
 
 

@@ -1,11 +1,12 @@
 """What a GRPO step does with the prev (and reference) logprobs before the loss: the runner's KL in the reward.
 
-`loss_fn.use_kl_in_reward` (verl's `use_kl_in_reward` with an outcome reward, not NeMo-RL's: docs/nemo-rl.md): each
-sequence's reward becomes `reward - reference_policy_kl_penalty * sum over its trained tokens of KL_t(prev ||
-reference)`, with the configured estimator and clamps, and the group-relative advantages are recomputed from it, so
-they carry the KL. It needs the prev pass: the advantages enter the loss non-linearly and every backward needs them,
-so they cannot wait for the training forward (`megatron_grpo.scheduler`). NeMo-RL's sequence mask by logprob error
-(`grpo.seq_logprob_error_threshold`) is the plugin's, inside the loss (`megatron_grpo.loss.logprob_error_mask`).
+`loss_fn.kl_in_sequence_reward` (close to verl's `use_kl_in_reward` with an outcome reward, not NeMo-RL's; its own
+name: docs/nemo-rl.md): each sequence's reward becomes `reward - reference_policy_kl_penalty * sum over its trained
+tokens of KL_t(prev || reference)`, with the configured estimator and clamps, and the group-relative advantages are
+recomputed from it, so they carry the KL. It needs the prev pass: the advantages enter the loss non-linearly and
+every backward needs them, so they cannot wait for the training forward (`megatron_grpo.scheduler`). NeMo-RL's
+sequence mask by logprob error (`grpo.seq_logprob_error_threshold`) is the plugin's, inside the loss
+(`megatron_grpo.loss.logprob_error_mask`).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class PrevLogprobShaping:
     @staticmethod
     def needed(cfg: Config) -> bool:
         """Whether `cfg` asks for anything this does."""
-        return cfg.loss_fn.use_kl_in_reward
+        return cfg.loss_fn.kl_in_sequence_reward
 
     def __call__(self, batch: Batch) -> dict[str, torch.Tensor]:
         return {**batch, "advantages": self._kl_shaped_advantages(batch, trained_token_mask(batch))}

@@ -50,6 +50,9 @@ LOGPROB_ERROR_MASK_METRICS = frozenset({
     *(f"{stat}_seq_mult_prob_error{suffix}" for stat in ("max", "mean", "min") for suffix in ("", "_after_mask")),
     "masked_correct_pct",
 })
+# The loss's metrics of the rollout engine's kept sets (a top-k / top-p sampler's).
+KEPT_SET_METRICS = frozenset({"kept_set_mass", "kept_set_differs", "kept_set_replayed_ratio_outside_band",
+                              "kept_set_recomputed_ratio_outside_band"})
 # The loss's metric names, as megatron_grpo.loss.metrics.METRIC_AGGREGATION declares them (kept here so that this
 # module imports neither torch nor the loss; tests/runner/test_grpo_logging.py checks the two lists agree).
 LOSS_METRICS = frozenset({
@@ -58,7 +61,7 @@ LOSS_METRICS = frozenset({
     "probs_ratio_clamped", "probs_ratio_clamped_min", "probs_ratio_clamped_max", "clip_fraction_lower",
     "clip_fraction_upper", "kl_penalty", "entropy", "approx_entropy", "token_mult_prob_error", "gen_kl_error",
     "sampling_importance_ratio", "is_oob_ratio", "is_oob_token_ratio", "reward_kl_penalty",
-    *PREV_APPROXIMATION_ERROR_METRICS, *LOGPROB_ERROR_MASK_METRICS,
+    "gen_ratio_outside_band", *KEPT_SET_METRICS, *PREV_APPROXIMATION_ERROR_METRICS, *LOGPROB_ERROR_MASK_METRICS,
 })
 PASS_METRICS = frozenset({"reference_pass_ran", "prev_pass_ran", "reference_passes_skipped", "prev_passes_skipped"})
 ROLLOUT_PREFIXES = ("reward_", "advantages_", "response_", "rollout_")
@@ -224,11 +227,11 @@ class MetricWriters:
 
 
 # The loss's metrics that exist only with truncated importance sampling, a KL, VAPO's NLL term, a comparison of
-# prev's approximations, the sequence mask by logprob error or deferred normalisation (whose normaliser the step
-# uses up): not the demo's.
+# prev's approximations, the sequence mask by logprob error, deferred normalisation (whose normaliser the step uses
+# up) or a top-k / top-p sampler's kept sets: not the demo's.
 CONDITIONAL_LOSS_METRICS = frozenset({"is_oob_ratio", "is_oob_token_ratio", "kl_penalty", "reward_kl_penalty",
                                       "positive_nll_loss", "loss_normaliser", *PREV_APPROXIMATION_ERROR_METRICS,
-                                      *LOGPROB_ERROR_MASK_METRICS})
+                                      *LOGPROB_ERROR_MASK_METRICS, *KEPT_SET_METRICS})
 
 
 def demo_record(step: int) -> dict[str, Any]:

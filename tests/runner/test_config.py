@@ -184,6 +184,7 @@ def test_wrong_type_or_choice_names_the_key(key, value):
         ("policy.sequence_packing.logprob_mb_tokens", 0, "must be null or > 0"),
         ("task.min_digits", 0, "must be null or in [1, task.num_digits = 4]"),
         ("task.min_digits", 5, "must be null or in [1, task.num_digits = 4]"),
+        ("generation.replay_kept_set", True, "true needs generation.top_k or generation.top_p < 1"),
     ],
 )
 def test_out_of_range_value_names_the_key(key, value, expected):

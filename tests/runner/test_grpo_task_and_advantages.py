@@ -247,7 +247,7 @@ def test_the_kl_in_the_reward_moves_into_the_group_advantages():
     prev = [[-1.0, -2.0], [-1.0, -2.0]]
     reference = [[-1.5, -2.0], [-1.0, -2.0]]
     cfg = _shaping_config(**{
-        "loss_fn.use_kl_in_reward": True, "loss_fn.reference_policy_kl_penalty": 0.2,
+        "loss_fn.kl_in_sequence_reward": True, "loss_fn.reference_policy_kl_penalty": 0.2,
         "loss_fn.reference_policy_kl_type": "k1", "grpo.num_generations_per_prompt": 2,
         "grpo.normalize_rewards_by_std": False,
     })
@@ -266,7 +266,7 @@ def test_the_kl_in_the_reward_uses_the_configured_estimator_clamps_and_only_trai
     prev = [[-4.0, -1.0, -torch.inf], [-1.0, -1.0, -1.0]]
     reference = [[-1.0, 50.0, -1.0], [-1.0, -1.0, -1.0]]
     cfg = _shaping_config(**{
-        "loss_fn.use_kl_in_reward": True, "loss_fn.reference_policy_kl_penalty": 0.5,
+        "loss_fn.kl_in_sequence_reward": True, "loss_fn.reference_policy_kl_penalty": 0.5,
         "loss_fn.kl_input_clamp_value": 1.0, "grpo.num_generations_per_prompt": 2,
     })
     shaping = PrevLogprobShaping(cfg, torch.tensor([1.0, 0.0]), dp_group=None)

@@ -17,7 +17,7 @@ from megatron_grpo.scheduler import LogprobPlan
 
 ROLLOUT_X2 = {"grpo.num_prompts_per_step": 32}  # 32 × 8 = 256 = 2 × train_global_batch_size (128)
 KL = {"loss_fn.reference_policy_kl_penalty": 0.05}
-KL_IN_REWARD = {**KL, "loss_fn.use_kl_in_reward": True}
+KL_IN_REWARD = {**KL, "loss_fn.kl_in_sequence_reward": True}
 STALE = {"grpo.max_rollout_staleness": 1}
 THRESHOLD = {"grpo.seq_logprob_error_threshold": 2.0}
 MASK_IN_FORWARD = ("nothing reads prev before the loss: grpo.seq_logprob_error_threshold = 2.0 masks sequences inside "
@@ -40,7 +40,7 @@ PLANS = [
     ("tiny-default", {}, False, False, ["on-policy"]),
     ("kl-in-loss", KL, True, False, ["on-policy"]),
     ("kl-in-reward-needs-prev", KL_IN_REWARD, True, True,
-     ["loss_fn.use_kl_in_reward", "advantages that the first backward needs", "non-linearly"]),
+     ["loss_fn.kl_in_sequence_reward", "advantages that the first backward needs", "non-linearly"]),
     ("two-steps-per-rollout", ROLLOUT_X2, False, True, ["policy.train_global_batch_size"]),
     ("stale-rollouts-one-update", STALE, False, False,
      ["stale rollouts (grpo.max_rollout_staleness = 1) with one update per rollout",
@@ -131,7 +131,7 @@ CONFLICTS = [
      [["logprob_passes.prev", "grpo.seq_logprob_error_threshold"],
       ["logprob_passes.prev", "grpo.num_prompts_per_step", "policy.train_global_batch_size"]]),
     ("prev-skip-kl-in-reward", {"logprob_passes.prev": "skip", **KL_IN_REWARD},
-     [["logprob_passes.prev", "loss_fn.use_kl_in_reward", "loss_fn.reference_policy_kl_penalty"]]),
+     [["logprob_passes.prev", "loss_fn.kl_in_sequence_reward", "loss_fn.reference_policy_kl_penalty"]]),
     ("prev-skip-dropout", {"logprob_passes.prev": "skip", **DROPOUT},
      [["logprob_passes.prev", "policy.model.hidden_dropout"]]),
     ("prev-skip-two-steps", {"logprob_passes.prev": "skip", **ROLLOUT_X2},
@@ -142,8 +142,8 @@ CONFLICTS = [
      [["grpo.skip_reference_policy_logprobs_calculation", "loss_fn.reference_policy_kl_penalty", "unsafe"]]),
     ("nemo-rl-skip-reference-disagrees-with-compute", {**SKIP_REFERENCE, "logprob_passes.reference": "compute"},
      [["grpo.skip_reference_policy_logprobs_calculation", "logprob_passes.reference = compute", "disagree"]]),
-    ("kl-in-reward-without-kl", {"loss_fn.use_kl_in_reward": True},
-     [["loss_fn.use_kl_in_reward", "loss_fn.reference_policy_kl_penalty"]]),
+    ("kl-in-reward-without-kl", {"loss_fn.kl_in_sequence_reward": True},
+     [["loss_fn.kl_in_sequence_reward", "loss_fn.reference_policy_kl_penalty"]]),
     ("rollout-not-a-multiple", {"grpo.num_prompts_per_step": 12},
      [["multiple", "grpo.num_prompts_per_step", "grpo.num_generations_per_prompt",
        "policy.train_global_batch_size"]]),
@@ -175,7 +175,7 @@ CONFLICTS += [
     ("loglinear-with-error-threshold", {**prev("loglinear"), **THRESHOLD},
      [["logprob_passes.prev = loglinear", "grpo.seq_logprob_error_threshold", "before the loss"]]),
     ("linear-with-kl-in-reward", {**prev("linear"), **KL_IN_REWARD},
-     [["logprob_passes.prev = linear", "loss_fn.use_kl_in_reward", "before the loss"]]),
+     [["logprob_passes.prev = linear", "loss_fn.kl_in_sequence_reward", "before the loss"]]),
     ("loglinear-with-dropout", {**prev("loglinear"), **DROPOUT},
      [["logprob_passes.prev = loglinear", "policy.model.hidden_dropout"]]),
     ("linear-with-forced-ratio", {**prev("linear"), **FORCE}, [["logprob_passes.prev = linear",
@@ -192,7 +192,7 @@ CONFLICTS += [
       ["loss_fn.force_on_policy_ratio", "one optimizer step"],
       ["logprob_passes.prev = loglinear", "loss_fn.force_on_policy_ratio"],
       ["logprob_passes.prev = loglinear", "grpo.seq_logprob_error_threshold"],
-      ["logprob_passes.prev = loglinear", "loss_fn.use_kl_in_reward"],
+      ["logprob_passes.prev = loglinear", "loss_fn.kl_in_sequence_reward"],
       ["logprob_passes.prev = loglinear", "policy.model.hidden_dropout"]]),
 ]
 
@@ -215,12 +215,12 @@ GRID = {
     "grpo.seq_logprob_error_threshold": [None, 1.5],
     "policy.model.attention_dropout": [0.0, 0.1],
     "loss_fn.reference_policy_kl_penalty": [0.0, 0.1],
-    "loss_fn.use_kl_in_reward": [False, True],
+    "loss_fn.kl_in_sequence_reward": [False, True],
 }
-# use_kl_in_reward with a zero KL is a global conflict (tested above), not an auto decision: left out.
+# kl_in_sequence_reward with a zero KL is a global conflict (tested above), not an auto decision: left out.
 AUTO_SETTINGS = [
     setting for setting in (dict(zip(GRID, values)) for values in itertools.product(*GRID.values()))
-    if setting["loss_fn.reference_policy_kl_penalty"] > 0 or not setting["loss_fn.use_kl_in_reward"]
+    if setting["loss_fn.reference_policy_kl_penalty"] > 0 or not setting["loss_fn.kl_in_sequence_reward"]
 ]
 
 
@@ -233,7 +233,7 @@ def test_auto_never_errors_and_skips_exactly_the_redundant_passes(setting):
                            and setting["policy.model.attention_dropout"] == 0)
     # the mask by logprob error reads the training forward where that is the prev policy; the KL in the reward never
     threshold = setting["grpo.seq_logprob_error_threshold"] is not None
-    read_before_loss = (threshold and not forward_is_prev) or setting["loss_fn.use_kl_in_reward"]
+    read_before_loss = (threshold and not forward_is_prev) or setting["loss_fn.kl_in_sequence_reward"]
     assert plan.compute_reference_logprobs == plan.build_reference_model == kl_on
     assert plan.compute_prev_logprobs == (not forward_is_prev or read_before_loss)
     assert plan.prev_from_current == (not plan.compute_prev_logprobs)
@@ -245,7 +245,8 @@ def test_auto_never_errors_and_skips_exactly_the_redundant_passes(setting):
 PREV_MODES = [
     ("generation-on-policy", prev("generation"), False, "generation", False,
      ["verl's rollout_correction.bypass_mode", "slime's --use-rollout-logprobs",
-      "token_mult_prob_error, gen_kl_error, sampling_importance_ratio, is_oob_ratio are not reported"]),
+      "token_mult_prob_error, gen_kl_error, sampling_importance_ratio, is_oob_ratio, gen_ratio_outside_band are "
+      "not reported"]),
     ("generation-stale-two-steps", {**prev("generation"), **STALE, **ROLLOUT_X2}, False, "generation", False,
      ["PPO clips against the behaviour policy"]),
     ("generation-with-kl-in-reward", {**prev("generation"), **KL_IN_REWARD}, False, "generation", False,
