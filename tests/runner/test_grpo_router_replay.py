@@ -6,6 +6,7 @@ exactly the training forward, so 20 steps with the pass skipped and 20 with it c
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _configs import config_with
 from _dist import run_on_ranks
@@ -38,9 +39,12 @@ MOE = {
 DIFFERS_BY_DESIGN = ("prev_pass_ran", "prev_passes_skipped")  # and every `*_time_s`
 
 
-def twenty_steps(rank: int, world_size: int, prev: str) -> dict:
+def twenty_steps(prev: str) -> dict:
     """The run with `logprob_passes.prev: prev`: its plan, records, recorded routes and final weights."""
-    from megatron_grpo.megatron import destroy_parallel, init_parallel
+    from megatron.core import parallel_state
+
+    from megatron_grpo.megatron import init_parallel
+    from megatron_grpo.megatron.routing_replay import RouterReplay
     from megatron_grpo.runner.loop import Trainer
     from megatron_grpo.runner.plan_inputs import plan_for
     from megatron_grpo.runner.plugin_params import parallel_params
@@ -62,6 +66,17 @@ def twenty_steps(rank: int, world_size: int, prev: str) -> dict:
         return {"plan": plan, "records": records, "routes": routes,
                 "weights": [param.detach().clone() for param in trainer.model.parameters()]}
     finally:
+        RouterReplay.clear_global_router_replay_instances()
+        parallel_state.destroy_model_parallel()
+
+
+def both_runs(rank: int, world_size: int) -> dict:
+    """The run with the prev pass skipped (`auto`) and the one with it computed, one after the other in one job."""
+    from megatron_grpo.megatron import destroy_parallel
+
+    try:
+        return {prev: twenty_steps(prev) for prev in ("auto", "compute")}
+    finally:
         destroy_parallel()
 
 
@@ -70,9 +85,9 @@ def comparable(record: dict) -> dict:
             if key not in DIFFERS_BY_DESIGN and not key.endswith("_time_s")}
 
 
+@pytest.mark.slow  # two training runs of 20 steps on two ranks
 def test_twenty_steps_with_prev_skipped_and_computed_are_bitwise_the_same_run():
-    runs = {prev: run_on_ranks(2, twenty_steps, prev) for prev in ("auto", "compute")}  # one task each
-    ranks = [{prev: runs[prev][rank] for prev in runs} for rank in range(2)]
+    ranks = run_on_ranks(2, both_runs)
     for result in ranks:
         skipped, computed = result["auto"], result["compute"]
         assert (skipped["plan"].compute_prev_logprobs, computed["plan"].compute_prev_logprobs) == (False, True)
