@@ -1,10 +1,10 @@
 """A tiny Mixture-of-Experts GPTModel (4 experts, top-2, load-balancing and z-loss on) through the plugin on the CPU:
-`train_step` at TP 1, TP 2 (sequence parallel, a sequence of odd length padded for it), PP 2 and EP 2 (the alltoall
-dispatcher, DP 2) against one single-rank float64 reference, and routing replay (R3) in every layout.
+`train_step` at TP 1 (DP 2), TP 2 (sequence parallel, a sequence of odd length padded for it), PP 2 and EP 2 (the
+alltoall dispatcher, DP 2) against one single-rank float64 reference, and routing replay (R3) in every layout.
 
-One job per world size: world 1 builds the model, computes the reference and records the routes; world 2 loads the
-same weights into each layout (`load_full_state`) and is handed the reference and the routes (R3 takes routes from
-any engine: here another layout's).
+One job of two ranks: at TP 1 each rank builds the model, computes the reference and records the routes (the same on
+both: the same operations on the same inputs); then it loads the same weights into each layout (`load_full_state`)
+and replays those routes (R3 takes routes from any engine: here another layout's).
 
 The reference: the loss head in float64 on the fp32 model's logits of the whole batch (the on-policy clipped loss,
 whose gradient is that of -sum(A · logprob) / tokens), plus each microbatch's auxiliary losses at the scale
@@ -26,7 +26,6 @@ ROWS, SEQ, PROMPT = 8, 8, 3
 REPLAY_SEQ = SEQ - 1  # the replay checks' rows: of odd length, padded for sequence parallelism at TP 2
 MICRO_BATCH = 2
 EXPERTS, TOPK = 4, 2
-STEPS = 20  # the skipped-against-computed prev runs
 
 
 def make_batch(seed: int, ragged: bool = True) -> dict[str, torch.Tensor]:
@@ -447,12 +446,21 @@ def build_errors(cases: dict[str, dict]) -> dict[str, str]:
     return messages
 
 
-def world_one(rank: int, world_size: int) -> dict:
+LAYOUTS = {"tp2": ({"tensor_model_parallel_size": 2}, 2, "allgather"),
+           "pp2": ({"pipeline_model_parallel_size": 2}, 1, "allgather"),
+           "ep2": ({"expert_model_parallel_size": 2}, 1, "alltoall")}
+
+
+def world(rank: int, world_size: int) -> dict:
+    """The reference, the recorded routes, the named errors and the TP-1 checks (TP 1 over DP 2), then the checks of
+    each of `LAYOUTS`: one process group, Megatron's groups per layout."""
+    from megatron.core import parallel_state
+
     from megatron_grpo.megatron import ParallelParams, destroy_parallel, init_parallel
     from megatron_grpo.megatron.routing_replay import RouterReplay
 
-    layout = init_parallel(ParallelParams())
     try:
+        layout = init_parallel(ParallelParams())
         params = layout_params()
         full = {name: param.detach().clone() for name, param in built(params, ddp=False).named_parameters()}
         references = {}
@@ -460,28 +468,12 @@ def world_one(rank: int, world_size: int) -> dict:
             batch = make_batch(seed=41, ragged=ragged)
             references[name] = (batch, *reference(built(params, full, ddp=False), batch))
         routes = recorded_routes(params, full, replay_batch(references["ragged"][0]))
-        return {"full": full, "references": references, "routes": routes,
-                "tp1": layout_checks(params, full, references, routes, layout),
-                "errors": named_errors(params, references["ragged"][0])}
-    finally:
+        outcome = {"tp1": {"layout": (layout.tp_size, layout.pp_size, layout.ep_size, layout.dp_size),
+                           **layout_checks(params, full, references, routes, layout)}}
+        shared = {"routes": routes, "errors": named_errors(params, references["ragged"][0])}
         RouterReplay.clear_global_router_replay_instances()
-        destroy_parallel()
-
-
-LAYOUTS = {"tp2": ({"tensor_model_parallel_size": 2}, 2, "allgather"),
-           "pp2": ({"pipeline_model_parallel_size": 2}, 1, "allgather"),
-           "ep2": ({"expert_model_parallel_size": 2}, 1, "alltoall")}
-
-
-def world_two(rank: int, world_size: int, full, references, routes) -> dict:
-    from megatron.core import parallel_state
-
-    from megatron_grpo.megatron import ParallelParams, destroy_parallel, init_parallel
-    from megatron_grpo.megatron.routing_replay import RouterReplay
-
-    outcome = {}
-    try:
-        for name, (sizes, tp, dispatcher) in LAYOUTS.items():  # one process group, Megatron's groups per layout
+        parallel_state.destroy_model_parallel()
+        for name, (sizes, tp, dispatcher) in LAYOUTS.items():
             layout = init_parallel(ParallelParams(**sizes))
             params = layout_params(tp, dispatcher)
             outcome[name] = {"layout": (layout.tp_size, layout.pp_size, layout.ep_size, layout.dp_size),
@@ -491,57 +483,63 @@ def world_two(rank: int, world_size: int, full, references, routes) -> dict:
             RouterReplay.clear_global_router_replay_instances()
             parallel_state.destroy_model_parallel()
     finally:
+        RouterReplay.clear_global_router_replay_instances()
         destroy_parallel()
-    return outcome
+    return {**shared, "layouts": outcome}
 
 
 @pytest.fixture(scope="module")
-def one() -> dict:
-    (result,) = run_on_ranks(1, world_one)
-    return result
+def ranks() -> list[dict]:
+    return run_on_ranks(2, world)
 
 
 @pytest.fixture(scope="module")
-def two(one) -> list[dict]:
-    return run_on_ranks(2, world_two, one["full"], one["references"], one["routes"])
+def one(ranks) -> dict:
+    """Rank 0's reference-side results: the recorded routes and the named errors."""
+    return ranks[0]
 
 
-def every_layout(one, two):
-    yield "tp1", one["tp1"]
+@pytest.fixture(scope="module")
+def two(ranks) -> list[dict]:
+    """Each rank's checks, by layout."""
+    return [rank["layouts"] for rank in ranks]
+
+
+def every_layout(two):
     for rank in two:
-        for name, result in rank.items():
-            yield name, result
+        yield from rank.items()
 
 
-def test_layouts_are_tp2_pp2_and_ep2_over_dp2(two):
+def test_layouts_are_tp1_over_dp2_tp2_pp2_and_ep2_over_dp2(two):
+    assert [rank["tp1"]["layout"] for rank in two] == [(1, 1, 1, 2)] * 2
     assert [rank["tp2"]["layout"] for rank in two] == [(2, 1, 1, 1)] * 2
     assert [rank["pp2"]["layout"] for rank in two] == [(1, 2, 1, 1)] * 2
     assert [rank["ep2"]["layout"] for rank in two] == [(1, 1, 2, 2)] * 2
 
 
-def test_train_step_gradient_equals_the_float64_reference_with_the_auxiliary_losses(one, two):
-    for name, result in every_layout(one, two):
+def test_train_step_gradient_equals_the_float64_reference_with_the_auxiliary_losses(two):
+    for name, result in every_layout(two):
         assert result["expected_norm"] > 1e-3
         assert result["grad_error"] <= MODEL_GRAD_RTOL * result["grad_scale"], (name, result["grad_error"])
         # the norm of every rank's gradient, expert parallelism included, is the whole model's
         assert result["metrics"]["grad_norm"] == pytest.approx(result["expected_norm"], rel=MODEL_GRAD_RTOL), name
 
 
-def test_the_auxiliary_losses_are_reported_the_same_in_every_layout_of_the_same_batch(one, two):
-    reference = one["tp1"]["metrics"]
+def test_the_auxiliary_losses_are_reported_the_same_in_every_layout_of_the_same_batch(two):
+    reference = two[0]["tp1"]["metrics"]
     assert reference["load_balancing_loss"] > 0 and reference["z_loss"] > 0
-    for name, result in every_layout(one, two):
+    for name, result in every_layout(two):
         if name == "tp2":  # another batch (see layout_checks)
             continue
         for key in ("load_balancing_loss", "z_loss"):  # means of fp32 sums of a few dozen tokens
             assert result["metrics"][key] == pytest.approx(reference[key], rel=1e-5), (name, key)
 
 
-def test_replayed_routes_are_the_routes_of_the_prev_reference_and_training_forwards_bitwise(one, two):
-    for name, result in every_layout(one, two):
+def test_replayed_routes_are_the_routes_of_the_prev_reference_and_training_forwards_bitwise(two):
+    for name, result in every_layout(two):
         replay = result["replay"]
         assert replay["local_layers"], name
-        forwards = ROWS // MICRO_BATCH // (2 if name == "ep2" else 1)  # microbatches per pass on this rank
+        forwards = ROWS // MICRO_BATCH // result["layout"][3]  # microbatches per pass on this rank (of DP)
         assert set(replay["forwards"].values()) == {3 * forwards}, name  # prev, natural (for the metric), training
         assert set(replay["reference_forwards"].values()) == {forwards}, name
         assert replay["prev_maps_replayed"] and replay["training_maps_replayed"], name
@@ -551,27 +549,28 @@ def test_replayed_routes_are_the_routes_of_the_prev_reference_and_training_forwa
         assert replay["metrics"]["router_replay_changed_fraction"] > 0, name
 
 
-def test_the_recorder_keeps_each_tokens_route_from_the_forward_that_read_it_first(one, two):
-    for name, result in every_layout(one, two):
+def test_the_recorder_keeps_each_tokens_route_from_the_forward_that_read_it_first(ranks, one, two):
+    for name, result in every_layout(two):
         assert result["recorder_keeps_the_first_reading_route"], name
     # every layer of the whole model, on every rank (a pipeline stage records its own: all-reduced), [B, S, L, k]
     assert one["routes"].shape == (ROWS, REPLAY_SEQ, 2, TOPK) and one["routes"].dtype == torch.int64
     assert torch.equal(one["routes"][:, -1], torch.arange(TOPK).expand(ROWS, 2, TOPK))  # never read: 0 .. k-1
+    assert torch.equal(ranks[1]["routes"], one["routes"])  # each rank recorded them: the same
 
 
-def test_under_replay_the_prev_pass_equals_the_training_forward_bitwise(one, two):
-    for name, result in every_layout(one, two):
+def test_under_replay_the_prev_pass_equals_the_training_forward_bitwise(two):
+    for name, result in every_layout(two):
         assert result["replay"]["prev_equals_curr"], name
 
 
-def test_altered_routes_change_the_logprobs_as_a_model_forced_to_them_predicts(one, two):
-    for name, result in every_layout(one, two):
+def test_altered_routes_change_the_logprobs_as_a_model_forced_to_them_predicts(two):
+    for name, result in every_layout(two):
         assert result["replay"]["altered_equals_forced"], name
         assert result["replay"]["altered_change"] > 1e-3, name
 
 
 def test_the_routing_metrics_are_the_same_on_every_rank_and_say_what_replay_changed(two):
-    for name in LAYOUTS:
+    for name in ("tp1", *LAYOUTS):
         metrics = [rank[name]["replay"]["metrics"] for rank in two]
         for key in ("router_replay_changed_fraction", "router_replay_token_mult_prob_error",
                     "router_replay_off_token_mult_prob_error", "load_balancing_loss", "z_loss"):
