@@ -23,6 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_grpo.megatron.ddp import gradient, main_grad_as_grad, unwrapped, zero_grads
 
@@ -108,6 +109,10 @@ def optimizer_step(model: torch.nn.Module, optimizer: Optimizer, clip_grad: floa
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     """Clips to a total norm over the whole model-parallel model (TP duplicates counted once); 0 = no clipping.
 
+    A weight Megatron marks `shared` (the output layer's copy of the embedding on the last pipeline stage, whose
+    gradient is all-reduced with the embedding's) is left out of the norm, as Megatron's optimizer leaves it out, so
+    that it counts once.
+
     A Mixture-of-Experts model's expert parameters (Megatron marks them `allreduce=False`) live on one expert-parallel
     rank each: their squares are summed over Megatron's expert-tensor × expert × pipeline group (expert-TP
     duplicates counted once), the other parameters' over TP × PP, and the norm is the root of both sums, as
@@ -116,9 +121,10 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     Returns the norm before clipping.
     """
     grads = [(p, grad) for p in model.parameters() if (grad := gradient(p)) is not None]
+    counted = [(p, grad) for p, grad in grads if param_is_not_shared(p)]
     expert_tp_group = parallel_state.get_expert_tensor_parallel_group() if _has_experts(model) else None
     dense_squares, expert_squares = [], []
-    for param, grad in grads:
+    for param, grad in counted:
         if not getattr(param, "allreduce", True):
             if param_is_not_tensor_parallel_duplicate(param, expert_tp_group):
                 expert_squares.append(grad.float().square().sum())
