@@ -9,6 +9,9 @@ PIP_INSTALL := $(BIN)/pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 STAMP := $(VENV)/.installed
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu) $(CONSTRAINTS)
 NVCC ?= nvcc
+# Where nvcc exists, the SASS check (tests/ops/test_cuda_static.py) disassembles the kernels with these two tools,
+# which not every CUDA toolkit install ships: their PyPI wheels are small and run without a GPU.
+CUDA_TOOLS := nvidia-cuda-cuobjdump==13.5.37 nvidia-cuda-nvdisasm==13.5.37
 
 # megatron-core 0.17+ declares Python >= 3.12 and imports triton undeclared; its code runs on 3.11, so the tests of
 # the code that imports megatron.core run against it too, from a private target directory (the .venv keeps 0.16.x).
@@ -30,6 +33,7 @@ $(STAMP): $(SOURCES)
 	$(PIP_INSTALL) --upgrade pip setuptools wheel ninja
 	$(PIP_INSTALL) torch
 	$(PIP_INSTALL) --no-build-isolation -e '.[test,bench]'
+	if command -v $(NVCC) >/dev/null 2>&1; then $(PIP_INSTALL) $(CUDA_TOOLS); fi
 	touch $@
 
 install: $(STAMP)
@@ -95,10 +99,19 @@ bench-packing: install
 bench-step: install
 	$(BIN)/megatron-grpo --nproc-per-node 1 bench step --out $(RESULTS)
 
-# Compile-check the CUDA kernels with plain nvcc (no torch headers needed); runs nothing.
+# Compile-check the CUDA kernels with plain nvcc (no torch headers needed); runs nothing. The PTX, the cubins and
+# ptxas's report (registers, spills) stay in $(CUDA_CHECK_DIR), where tests/ops/test_cuda_static.py reads them.
+CUDA_SOURCES := csrc/logprob_cuda.cu csrc/top_p_cuda.cu
+CUDA_CHECK_DIR := build/cuda-check
 cuda-check:
-	$(NVCC) -std=c++17 -O3 -Xcompiler -Wall -Icsrc -c csrc/logprob_cuda.cu -o /tmp/megatron_grpo_logprob_cuda.o \
-	  -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+	mkdir -p $(CUDA_CHECK_DIR)
+	for source in $(CUDA_SOURCES); do \
+	  name=$$(basename $$source .cu); \
+	  $(NVCC) -std=c++17 -O3 -Xcompiler -Wall -Icsrc -c $$source -o $(CUDA_CHECK_DIR)/$$name.o \
+	    -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -Xptxas -v \
+	    --keep --keep-dir $(CUDA_CHECK_DIR) > $(CUDA_CHECK_DIR)/$$name.ptxas.txt 2>&1 \
+	    || { cat $(CUDA_CHECK_DIR)/$$name.ptxas.txt; exit 1; }; \
+	done
 
 # megatron-core for a GPU machine without it and without network (benchmarks/gpu_check.sh's `wheels` step): its wheel
 # for that machine's Python, downloaded here into the git-ignored .whl/, to ship with the checkout. The cp312 wheel is

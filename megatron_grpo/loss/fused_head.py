@@ -18,8 +18,9 @@ as soon as the chunk's logprobs are known. So forward, per chunk of trained rows
    `dH = scale * dlogits @ W_valid` written into the chunk's rows of the hidden gradient, and
    `dW += scale * dlogits.T @ h` (`gemm.WeightGradient`), two GEMMs.
 
-3 GEMMs instead of 4, one small all-gather per chunk, no host sync inside the loop (top-p's threshold search aside:
-it reads its candidates back once per piece of 1/16 of a chunk), and backward only hands `dH`, `dW` on.
+3 GEMMs instead of 4, one small all-gather per chunk, no host sync inside the loop (top-p's threshold search runs
+on 1/16 of a chunk's rows at a time; only its plain-torch twin, for float64 logits or the torch kernels, reads its
+candidates back, once per piece), and backward only hands `dH`, `dW` on.
 
 **The upstream gradient.** The objective's gradient with respect to the loss, d(objective)/d(loss), scales every
 row's gradient. Bound up front (`upstream_gradient`: the Megatron step knows it, the loss scale it applies times
@@ -72,7 +73,7 @@ from megatron_grpo.ops.core.gemm import (
     hidden_gradient,
     main_grad_of,
 )
-from megatron_grpo.ops.core.partials import RowStats, combine_partials, gather_partials
+from megatron_grpo.ops.core.partials import RowStats, gather_partials
 from megatron_grpo.ops.core.replay import RowSets, replay_gradient, replay_partials
 from megatron_grpo.ops.core.rows import next_token_targets
 from megatron_grpo.ops.distribution import SamplingDistribution
@@ -311,14 +312,15 @@ def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, linear: LinearCall
         partials, threshold = replay_partials(logits, targets, sets, kernels, shard.start_index, valid, True)
     else:
         threshold = kept_threshold(logits, linear.distribution, true_vocab_size=shard.true_vocab_size,
-                                   group=shard.group, scaled=True, rows_per_piece=threshold_piece_rows(chunk_rows))
+                                   group=shard.group, scaled=True, kernels=kernels,
+                                   rows_per_piece=threshold_piece_rows(chunk_rows))
         partials = kernels.logprob_partials(logits, targets, shard.start_index, valid, True, threshold)
-    stats = combine_partials(gather_partials(partials, shard.group), targets, True)
+    stats = RowStats.of(kernels.combine(gather_partials(partials, shard.group), targets, True), True)
     unfiltered = None
     if second:
-        unfiltered = combine_partials(gather_partials(
+        unfiltered = RowStats.of(kernels.combine(gather_partials(
             kernels.logprob_partials(logits, targets, shard.start_index, valid, False, None), shard.group),
-            targets, False)
+            targets, False), False)
     # Where the filter keeps every token (or there is none), the unfiltered values are the values themselves.
     unfiltered_values = unfiltered.logprob if second else (stats.logprob if reads_unfiltered else None)
     return ChunkStats(RowValues(stats.logprob, stats.entropy, unfiltered_values), stats, threshold, unfiltered)

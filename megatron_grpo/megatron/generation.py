@@ -3,7 +3,8 @@
 Each decoding step runs the whole batch through Megatron's forward-only schedule as one microbatch, so under
 pipeline parallelism it passes through every stage; only the last stage has logits. That stage samples (its TP
 ranks alike, from identically seeded generators), and `draws_from_last_stage` hands its tokens and their
-logprobs to the other stages, so every rank extends the sequences with the same tokens.
+logprobs to the other stages, so every rank extends the sequences with the same tokens. A Mixture-of-Experts
+model's routes can be recorded as the loop reads each token (`routing_replay.RouteRecorder`), for replay in training.
 """
 
 from __future__ import annotations
@@ -14,13 +15,18 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_grpo.megatron.forward import Batch, from_last_stage, model_forward, run_schedule
+from megatron_grpo.megatron.routing_replay import RouteRecorder
 
 
 def last_position_logits(model: torch.nn.Module, input_ids: torch.Tensor,
-                         last_positions: torch.Tensor | None = None) -> torch.Tensor | None:
+                         last_positions: torch.Tensor | None = None,
+                         routes: RouteRecorder | None = None) -> torch.Tensor | None:
     """This TP rank's `[B, V_local]` logits of the last position of `input_ids` `[B, S]` (or, `last_positions`
     `[B]`, of row `b`'s position `last_positions[b]`: right-padded rows of different lengths, the padding after it
-    unseen under causal attention) on the last pipeline stage (no gradient), None on the other stages."""
+    unseen under causal attention) on the last pipeline stage (no gradient), None on the other stages.
+
+    `routes`: the routers record their routes, and `routes` keeps those of the positions each row reads for the
+    first time (up to its last position)."""
 
     def last_position(output_tensor: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
         if last_positions is None:
@@ -29,7 +35,12 @@ def last_position_logits(model: torch.nn.Module, input_ids: torch.Tensor,
         return output_tensor[rows, last_positions.to(output_tensor.device)]
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
-        return model_forward(model, next(data_iterator)["input_ids"]), last_position
+        record = None
+        if routes is not None:
+            last = (last_positions if last_positions is not None
+                    else torch.full((input_ids.shape[0],), input_ids.shape[1] - 1))
+            record = routes.on_forward(last)
+        return model_forward(model, next(data_iterator)["input_ids"], record=record), last_position
 
     with torch.no_grad():
         outputs = run_schedule(forward_step, model, [{"input_ids": input_ids}], forward_only=True)

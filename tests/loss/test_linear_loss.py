@@ -436,8 +436,11 @@ def test_top_p_searches_a_sixteenth_of_a_chunk_at_a_time(monkeypatch):
     that its temporaries stay near the size of a bf16 chunk buffer, whatever the vocab (`threshold_piece_rows`)."""
     from megatron_grpo.ops.core import filtering
 
-    seen, select = [], filtering._select_top_p
-    monkeypatch.setattr(filtering, "_select_top_p", lambda x, *args: seen.append(x.shape[0]) or select(x, *args))
+    seen = []
+    for name in ("_select_top_p", "_select_top_p_fused"):  # (plain torch, or the fused kernels where they serve)
+        select = getattr(filtering, name)
+        monkeypatch.setattr(filtering, name,
+                            lambda x, *args, select=select: seen.append(x.shape[0]) or select(x, *args))
     hidden, weight, batch = make_problem(seed=6, dtype=torch.float32)
     ClippedPGLoss(loss_config()).on_hidden_states(hidden, weight, batch, distribution=FILTERS["top-p"], chunk_rows=32,
                                                   shard=VocabShard(true_vocab_size=VOCAB), **_counts(batch))
