@@ -9,14 +9,17 @@ Every workaround lives here, with its reason (docs/design.md, "Platforms and Meg
 3. `dist_checkpointing` calls `torch.cuda.synchronize()`; with no device there is nothing to wait for: no-op.
 4. Megatron-Core 0.19's DDP asks `torch.cuda.current_stream()` for the stream that waits on CUDA-graph events
    before each gradient reduction; without a device it gets a stream that has nothing to wait for.
+5. Under context parallelism RoPE takes this rank's zigzag chunks of its table (padded `[s, b]` batches) with
+   `get_pos_emb_on_this_cp_rank`, whose index is built `pin_memory=True` and moved with `.cuda()` (Megatron-Core 0.16
+   and 0.19): without CUDA the same chunks are taken with an index on the table's device.
 
 Handled where they arise rather than by patching:
-5. The RNG tracker: `model_parallel_cuda_manual_seed` needs CUDA RNG state, so `parallel.init_parallel` asks
+6. The RNG tracker: `model_parallel_cuda_manual_seed` needs CUDA RNG state, so `parallel.init_parallel` asks
    for Megatron's inference tracker on CPU (its forks are no-ops; dropout then draws from the CPU generator).
-6. `sequence_parallel` needs TE's LayerNorm: `model.build_gpt_model` keeps it off (its local spec has torch's);
+7. `sequence_parallel` needs TE's LayerNorm: `model.build_gpt_model` keeps it off (its local spec has torch's);
    a script's own GPTModel with TE can turn it on, and the fused paths then gather its hidden states
    (`hidden_states.py`).
-7. `megatron.core.optimizer` allocates on "cuda" in its constructor: on the CPU the policy's optimizer is a torch
+8. `megatron.core.optimizer` allocates on "cuda" in its constructor: on the CPU the policy's optimizer is a torch
    one over the gradients Megatron's DDP reduced into `main_grad` (`optimizer.py`).
 """
 
@@ -30,7 +33,7 @@ _applied = False
 
 
 def apply_cpu_support() -> bool:
-    """Applies workarounds 1-4 once if CUDA is unavailable; returns whether the process runs on the CPU."""
+    """Applies workarounds 1-5 once if CUDA is unavailable; returns whether the process runs on the CPU."""
     global _applied
     if torch.cuda.is_available():
         return False
@@ -38,11 +41,26 @@ def apply_cpu_support() -> bool:
         torch.cuda.current_device = _cpu_device
         torch.cuda.synchronize = _no_synchronize
         torch.cuda.current_stream = _CpuStream
+        from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
         from megatron.core.pipeline_parallel import schedules
 
         schedules.torch = _CpuFactoryTorch()
+        for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):  # each imported it by name
+            module.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
         _applied = True
     return True
+
+
+def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """Megatron's `get_pos_emb_on_this_cp_rank` without CUDA: chunks r and 2·CP−1−r of the table's 2·CP along
+    `seq_dim`."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    size, rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([rank, 2 * size - rank - 1], device=pos_emb.device)
+    chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[seq_dim + 1:])
+    chunks = chunks.index_select(seq_dim, index)
+    return chunks.view(*chunks.shape[:seq_dim], -1, *chunks.shape[seq_dim + 2:])
 
 
 def _cpu_device() -> str:

@@ -60,6 +60,7 @@ from megatron_grpo.megatron.context_parallel import (
     context_parallel_size,
     context_shard,
     gather_from_context_parallel,
+    padded_for_context_parallel,
     split_for_context_parallel,
 )
 from megatron_grpo.megatron.ddp import is_ddp
@@ -246,9 +247,12 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
     A forward-only pass through Megatron's schedule; with pipeline parallelism the last stage broadcasts the
     result to the other stages. With context parallelism every CP rank is given the full batch, computes the
     logprobs of its share of each sequence, and returns the whole `[B, S]` (one all-gather over the CP group per
-    padded pass, or per packed microbatch). A packed batch's sequences must each be a multiple of 2·CP long;
+    padded pass, or per packed microbatch). Padded rows are extended to a multiple of 2·CP for the pass
+    (`padded_for_context_parallel`); a packed batch's sequences must each be a multiple of 2·CP long, and
     `max_tokens_per_microbatch` pads them so.
     """
+    width = batch["input_ids"].shape[1]
+    batch = padded_for_context_parallel(batch)
     input_ids = batch["input_ids"]
     context = context_shard()
     packing = None
@@ -289,7 +293,7 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
         logprobs = torch.empty(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     else:
         logprobs = _whole_per_token(outputs, microbatches, packing)
-    return from_last_stage(logprobs)
+    return from_last_stage(logprobs)[:, :width]
 
 
 def _whole_per_token(per_microbatch: list[torch.Tensor], microbatches: list[Batch],
@@ -351,6 +355,9 @@ def train_step(
     The batch's values (token ids within the model's vocab, finite advantages and rewards) are checked once here,
     in one host sync (`loss.check_batch_values`); the passes and the loss then skip their own checks of values in
     every microbatch (`check_inputs=False`). A bad value is a `ValueError` naming its batch key.
+
+    Under context parallelism the rows are extended to a multiple of 2·CP for the step
+    (`padded_for_context_parallel`: untrained positions after every row's end), and the results cut back to `S`.
     """
     if plan.compute_reference_logprobs and reference_model is None:
         raise ValueError("reference_model: the plan computes reference logprobs, but none was given")
@@ -375,7 +382,8 @@ def train_step(
         raise ValueError("batch['cu_seqlens']: train_step takes the rollout padded, [B, S], and packs each optimizer "
                          "step itself with StepConfig.max_tokens_per_microbatch")
     step_rows = _rows_per_optimizer_step(step, batch["input_ids"].shape[0])
-    batch = dict(batch)
+    width = batch["input_ids"].shape[1]
+    batch = dict(padded_for_context_parallel(batch))
     passes_run: dict[str, int] = {}
     if plan.compute_reference_logprobs:
         # Unfiltered, as NeMo-RL's reference pass: the KL compares the current and reference full distributions.
@@ -431,10 +439,11 @@ def train_step(
                                         else torch.empty_like(curr_logprobs))
     else:
         prev_logprobs = curr_logprobs if plan.prev_from_current else batch["prev_logprobs"]
+    reference_logprobs = batch.get("reference_policy_logprobs")
     return TrainStepResult(
-        curr_logprobs=curr_logprobs,
-        prev_logprobs=prev_logprobs,
-        reference_policy_logprobs=batch.get("reference_policy_logprobs"),
+        curr_logprobs=curr_logprobs[:, :width],
+        prev_logprobs=prev_logprobs[:, :width],
+        reference_policy_logprobs=None if reference_logprobs is None else reference_logprobs[:, :width],
         step_metrics=step_metrics,
         passes_run=passes_run,
     )
