@@ -26,6 +26,7 @@ attention; `takes_packed_sequences(model)` says whether a model's attention take
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 from contextlib import nullcontext
@@ -211,13 +212,16 @@ class _GatherOverContext(torch.autograd.Function):
     def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         out = local.new_empty((group.size() * local.shape[0], *local.shape[1:]))
-        dist.all_gather_into_tensor(out, local.contiguous(), group=group)
+        # torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (which now warn) to *_single.
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        all_gather(out, local.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         out = grad.new_empty((grad.shape[0] // ctx.group.size(), *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        reduce_scatter(out, grad.contiguous(), group=ctx.group)
         return out, None
 
 
@@ -304,6 +308,7 @@ class VarlenSignature:
     takes_gqa: bool
 
     @classmethod
+    @functools.lru_cache(maxsize=8)
     def of(cls, fn: Callable) -> VarlenSignature:
         parameters = inspect.signature(fn).parameters
         if "window_size" in parameters:
