@@ -219,6 +219,7 @@ def summarise(records: dict[str, list[dict]], rewards: dict[str, list[float]], c
             "train_phase_s": statistics.median(r["train_time_s"] for r in rows),
             "peak_extra_mib": max(r["peak_extra_mib"] for r in rows),
             "train_phase_s_per_step": [r["train_time_s"] for r in rows],
+            "peak_extra_mib_per_step": [r["peak_extra_mib"] for r in rows],
             "rewards": rewards[name],
             "first_learned_step": first_learned_step(rewards[name]),
             "last_window_reward": sum(rewards[name][-WINDOW:]) / min(WINDOW, len(rewards[name])),

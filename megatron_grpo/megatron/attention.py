@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import itertools
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -176,7 +177,10 @@ class TorchDotProductAttention(MegatronModule):
 
     def _per_sequence(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       lengths: list[int]) -> torch.Tensor:
-        """One causal SDPA per sequence of the packed row (`[t, h, d]`)."""
+        """One causal attention per sequence of the packed row (`[t, h, d]`): on the CPU without dropout through its
+        flash kernels into one output (`_CpuPackedAttention`), else one SDPA each, concatenated."""
+        if query.device.type == "cpu" and self._dropout() == 0 and _CPU_FLASH is not None:
+            return _CpuPackedAttention.apply(query, key, value, lengths, self.softmax_scale)
         pieces = [self._attend(q[:, None], k[:, None], v[:, None], causal=True)[:, 0] for q, k, v in
                   zip(query.split(lengths), key.split(lengths), value.split(lengths), strict=True)]
         return torch.cat(pieces)
@@ -202,6 +206,66 @@ class TorchDotProductAttention(MegatronModule):
                 pieces.append(self._attend(q, keys[start:end], values[start:end], causal=True))
             local, start = local + 2 * chunk, start + length
         return torch.cat(pieces)
+
+
+# The CPU's flash-attention kernels, which SDPA dispatches to for 4-D CPU inputs without dropout (torch 2.2+).
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+class _CpuPackedAttention(torch.autograd.Function):
+    """Causal attention within each sequence of a packed row, `[t, hq, d]` queries on `[t, hkv, d]` keys and values,
+    through the CPU flash kernels SDPA itself uses, each sequence's output written into one `[t, hq, d]` tensor.
+    Autograd keeps that output and a logsumexp per sequence and head: one SDPA call per sequence and a
+    concatenation would keep every sequence's output twice (SDPA's own, and the concatenated copy the next layer
+    reads). Grouped key heads are repeated per sequence (Megatron's grouping) and their gradients summed back."""
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int],
+                scale: float) -> torch.Tensor:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        bounds = _bounds(lengths)
+        logsumexps = []
+        for start, end in bounds:
+            q, k, v = _heads_first(query, key, value, start, end)
+            piece, logsumexp = _CPU_FLASH(q, k, v, 0.0, True, scale=scale)
+            out[start:end] = piece[0].transpose(0, 1)
+            logsumexps.append(logsumexp)
+        ctx.save_for_backward(query, key, value, out, *logsumexps)
+        ctx.bounds, ctx.scale = bounds, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        query, key, value, out, *logsumexps = ctx.saved_tensors
+        grads = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for tensor in (query, key, value)]
+        groups = query.shape[1] // key.shape[1]
+        for (start, end), logsumexp in zip(ctx.bounds, logsumexps, strict=True):
+            q, k, v = _heads_first(query, key, value, start, end)
+            pieces = _CPU_FLASH_BACKWARD(grad[start:end].transpose(0, 1)[None], q, k, v,
+                                         out[start:end].transpose(0, 1)[None], logsumexp, 0.0, True, scale=ctx.scale)
+            for target, piece in zip(grads, pieces, strict=True):
+                piece = piece[0].transpose(0, 1)  # [L, hq, d]
+                if target.shape[1] != piece.shape[1]:  # a key head's gradient: the sum over its query heads
+                    piece = piece.unflatten(1, (target.shape[1], groups)).sum(dim=2)
+                target[start:end] = piece
+        return *grads, None, None
+
+
+def _bounds(lengths: list[int]) -> list[tuple[int, int]]:
+    ends = list(itertools.accumulate(lengths))
+    return list(zip([0, *ends[:-1]], ends))
+
+
+def _heads_first(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, start: int,
+                 end: int) -> list[torch.Tensor]:
+    """Tokens `start:end` of `[t, h, d]` queries, keys and values as `[1, h, L, d]` views (the flash kernels' 4-D
+    layout), the key and value heads repeated to the queries'."""
+    groups = query.shape[1] // key.shape[1]
+    pieces = [query[start:end], key[start:end], value[start:end]]
+    if groups > 1:
+        pieces[1:] = [piece.repeat_interleave(groups, dim=1) for piece in pieces[1:]]
+    return [piece.transpose(0, 1)[None] for piece in pieces]
 
 
 class _GatherOverContext(torch.autograd.Function):

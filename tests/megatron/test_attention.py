@@ -95,20 +95,28 @@ def _qkv(tokens: int, query_groups: int, seed: int, dtype=torch.float64) -> list
 
 
 def _packed_against_reference() -> dict:
-    """THD outputs and gradients against `reference_attention`, per number of key heads and scale."""
+    """THD outputs and gradients against `reference_attention`, per number of key heads and scale, through the CPU's
+    flash kernels into one output; and (`"sdpa"`) through the fallback of one SDPA per sequence (dropout, or CUDA
+    in fp32)."""
+    from megatron_grpo.megatron import attention
+
     errors = {}
     cu_seqlens = cu_seqlens_of(LENGTHS)
-    for groups in (4, 2, 1):
-        for scale in (None, 0.3):
+    flash = attention._CPU_FLASH
+    for groups, scale, path in [(g, s, "flash") for g in (4, 2, 1) for s in (None, 0.3)] + [(2, 0.3, "sdpa")]:
+        attention._CPU_FLASH = flash if path == "flash" else None
+        try:
             q, k, v = _qkv(sum(LENGTHS), groups, seed=groups)
             out = core_attention(groups, softmax_scale=scale)(q, k, v, None, packed_seq_params=thd_params(cu_seqlens))
             upstream = torch.randn_like(out)
             grads = torch.autograd.grad(out, (q, k, v), upstream)
-            q_ref, k_ref, v_ref = (t.detach().clone().requires_grad_() for t in (q, k, v))
-            expected = reference_attention(q_ref, k_ref, v_ref, LENGTHS, scale or HEAD_DIM ** -0.5)
-            expected_grads = torch.autograd.grad(expected, (q_ref, k_ref, v_ref), upstream.view_as(expected))
-            errors[groups, scale] = [relative_error(out.view_as(expected), expected)] + [
-                relative_error(g, e) for g, e in zip(grads, expected_grads)]
+        finally:
+            attention._CPU_FLASH = flash
+        q_ref, k_ref, v_ref = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        expected = reference_attention(q_ref, k_ref, v_ref, LENGTHS, scale or HEAD_DIM ** -0.5)
+        expected_grads = torch.autograd.grad(expected, (q_ref, k_ref, v_ref), upstream.view_as(expected))
+        errors[groups, scale, path] = [relative_error(out.view_as(expected), expected)] + [
+            relative_error(g, e) for g, e in zip(grads, expected_grads)]
     return errors
 
 
@@ -247,9 +255,11 @@ def single() -> dict:
 
 
 def test_packed_sequences_equal_a_plain_attention_of_each_sequence(single):
-    """Outputs and dQ, dK, dV of the THD path (one causal SDPA per sequence on the CPU) against the float64
-    reference, with 4, 2 and 1 key heads for 4 query heads, at the default and a given softmax scale."""
-    assert set(single["packed"]) == {(groups, scale) for groups in (4, 2, 1) for scale in (None, 0.3)}
+    """Outputs and dQ, dK, dV of the THD path (on the CPU, its flash kernels one sequence at a time) against the
+    float64 reference, with 4, 2 and 1 key heads for 4 query heads, at the default and a given softmax scale; and
+    of the fallback, one SDPA per sequence."""
+    assert set(single["packed"]) == {(groups, scale, "flash") for groups in (4, 2, 1) for scale in (None, 0.3)} | {
+        (2, 0.3, "sdpa")}
     for case, errors in single["packed"].items():
         assert max(errors) <= RTOL64, (case, errors)
 
