@@ -13,15 +13,15 @@ NVCC ?= nvcc
 # megatron-core 0.17+ declares Python >= 3.12 and imports triton undeclared; its code runs on 3.11, so the tests of
 # the code that imports megatron.core run against it too, from a private target directory (the .venv keeps 0.16.x).
 # Only megatron_grpo/megatron/ imports megatron.core (tests/test_layering.py), so this second pass runs its tests
-# (tests/megatron/: the hooks, schedules, DDP, the fused paths, checkpoints, the examples), the runner's distributed
-# checkpoint and Megatron's notices, and of the end-to-end jobs the layouts (DDP, the pipeline schedule, the
-# checkpoint of any layout) and the two example scripts. The runner's other tests reach Megatron only through that
-# package.
+# (tests/megatron/: the hooks, schedules, DDP, the optimizer, the fused paths, checkpoints, Megatron's notices, the
+# examples), the runner's distributed checkpoint, and of the end-to-end jobs the layouts (DDP, the pipeline schedule,
+# the checkpoint of any layout), the two example scripts and the README's script. The runner's other tests reach
+# Megatron only through that package.
 MCORE_NEW ?= 0.19.2
 TRITON ?= 3.9.0
 MCORE_NEW_DIR := build/megatron-core-$(MCORE_NEW)
 MEGATRON_TESTS := tests/megatron tests/runner/test_grpo_checkpoint.py
-MCORE_NEW_SLOW := tests/runner/test_grpo_layouts.py tests/megatron/test_example_training_loop.py
+MCORE_NEW_SLOW := tests/runner/test_grpo_layouts.py tests/megatron/test_example_training_loop.py tests/test_readme_python.py
 
 .PHONY: install demo demo-figure lint test test-fast test-avx2 test-mcore-new bench bench-linear bench-packing bench-step cuda-check gpu-wheels clean
 

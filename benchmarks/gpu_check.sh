@@ -234,7 +234,7 @@ PY
 
 step_roofline() {
   if [ "$DRY_RUN" = 1 ]; then echo "skipped (dry run): needs a CUDA device"; return $SKIPPED; fi
-  "$PYTHON" megatron_grpo/bench/roofline.py 2>&1 | tee -i "$OUT/roofline.txt"
+  "$PYTHON" -m megatron_grpo bench roofline 2>&1 | tee -i "$OUT/roofline.txt"
   return "${PIPESTATUS[0]}"
 }
 

@@ -15,6 +15,8 @@ BENCHMARKS = {
     "linear": ("megatron_grpo.bench.linear", "the fused linear + logprob op against its peers, per TP, dtype, rows"),
     "packing": ("megatron_grpo.bench.packing", "padded against packed microbatches on the ragged task (under "
                                                "torchrun: `megatron-grpo --nproc-per-node 2 bench packing`)"),
+    "roofline": ("megatron_grpo.bench.roofline", "the fused CUDA kernels' bytes per second against a device copy's (a "
+                                                 "CUDA machine)"),
     "step": ("megatron_grpo.bench.step", "the whole GRPO train step in four configurations, each adding one feature "
                                          "(under torchrun: `megatron-grpo --nproc-per-node 1 bench step`)"),
 }

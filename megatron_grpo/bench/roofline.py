@@ -40,12 +40,16 @@ def copy_roof_gb_s() -> float:
     return 2 * src.numel() / median_ms(lambda: dst.copy_(src)) / 1e6
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Prints the table; takes no options."""
+    if argv:
+        print(f"usage: megatron-grpo bench roofline (no options), got {' '.join(argv)}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
-        print("kernel_roofline: no CUDA device", file=sys.stderr)
+        print("bench roofline: no CUDA device", file=sys.stderr)
         return 2
     if not fused_supports(torch.device("cuda")):
-        print("kernel_roofline: megatron_grpo._C has no CUDA kernels (build with a CUDA torch and nvcc)",
+        print("bench roofline: megatron_grpo._C has no CUDA kernels (build with a CUDA torch and nvcc)",
               file=sys.stderr)
         return 1
     roof = copy_roof_gb_s()
@@ -82,6 +86,3 @@ def main() -> int:
             del logits
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

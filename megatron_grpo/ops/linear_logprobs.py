@@ -193,8 +193,8 @@ def _linear_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 
 
 @_linear_op.register_fake
-def _(hidden, weight, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
-      chunk_rows, check_inputs, implementation):
+def _linear_op_fake(hidden, weight, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p,
+                    with_entropy, chunk_rows, check_inputs, implementation):
     rows, dtype = hidden.shape[0], compute_dtype(hidden.dtype)
     ctx = torch.library.get_ctx()
     trained, kept = ctx.new_dynamic_size(), ctx.new_dynamic_size()
@@ -240,9 +240,9 @@ def _linear_backward_op(hidden: torch.Tensor, hidden_rows: torch.Tensor, weight:
 
 
 @_linear_backward_op.register_fake
-def _(hidden, hidden_rows, weight, targets, index, logprob, lse, mean_x, threshold, grad_logprob, grad_entropy,
-      main_grad, rows, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, chunk_rows, implementation,
-      need_hidden, need_weight):
+def _linear_backward_op_fake(hidden, hidden_rows, weight, targets, index, logprob, lse, mean_x, threshold,
+                             grad_logprob, grad_entropy, main_grad, rows, start_index, true_vocab_size, group_name,
+                             logit_scale, top_k, top_p, chunk_rows, implementation, need_hidden, need_weight):
     grad_hidden = hidden_rows.new_empty((rows, hidden_rows.shape[1]) if need_hidden else (0,))
     return grad_hidden, weight.new_empty(weight.shape if need_weight and main_grad is None else (0,))
 

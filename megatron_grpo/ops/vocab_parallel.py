@@ -114,8 +114,8 @@ def _logprobs_op(logits: torch.Tensor, targets: torch.Tensor, start_index: Optio
 
 
 @_logprobs_op.register_fake
-def _(logits, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
-      check_inputs, implementation):
+def _logprobs_op_fake(logits, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p,
+                      with_entropy, check_inputs, implementation):
     rows, dtype = logits.shape[0], compute_dtype(logits.dtype)
 
     def per_row(present: bool = True) -> torch.Tensor:
@@ -143,8 +143,8 @@ def _logprobs_backward_op(logits: torch.Tensor, targets: torch.Tensor, logprob: 
 
 
 @_logprobs_backward_op.register_fake
-def _(logits, targets, logprob, lse, mean_x, threshold, grad_logprob, grad_entropy, start_index, true_vocab_size,
-      group_name, logit_scale, top_k, top_p, implementation):
+def _logprobs_backward_op_fake(logits, targets, logprob, lse, mean_x, threshold, grad_logprob, grad_entropy,
+                               start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, implementation):
     return logits.new_empty_strided(logits.shape, (gradient_row_stride(logits), 1))
 
 

@@ -16,7 +16,8 @@ import sys
 COMMANDS = {
     "train": ("megatron_grpo.runner.train_cli", "train a policy with GRPO, one rank per process under torchrun"),
     "plan": ("megatron_grpo.runner.plan_cli", "print the logprob-pass plan of a config, and why"),
-    "bench": ("megatron_grpo.bench", "run a benchmark: `bench logprob`, `linear`, `scheduler`, `packing` or `step`"),
+    "bench": ("megatron_grpo.bench", "run a benchmark: `bench logprob`, `linear`, `scheduler`, `packing`, `step` or "
+                                     "`roofline`"),
     "report": ("megatron_grpo.runner.report_cli", "plot runs' reward, entropy, ratio, clip fraction and step time"),
 }
 EXIT_USAGE = 2
