@@ -9,8 +9,9 @@ softmax scale, grouped-query heads) and takes both, with torch's attention kerne
 - padded `[s, b, h, d]`: one `F.scaled_dot_product_attention`, causal, or under the mask given;
 - packed (`PackedSeqParams(qkv_format="thd")`, `[t, h, d]`): on CUDA in fp16 / bf16 without dropout, one call of
   torch's `varlen_attn` (FlashAttention) over the row, under its 2.10 or its 2.11+ signature (`VarlenSignature`);
-  elsewhere (the CPU, fp32, dropout) one causal SDPA per sequence: only each sequence's own `[L, L]` scores exist,
-  never the row's `[t, t]`;
+  elsewhere causal attention one sequence at a time: on the CPU (without dropout) its flash kernels, each
+  sequence's output written into one tensor (`_CpuPackedAttention`), else one SDPA per sequence. Only each
+  sequence's own `[L, L]` scores exist, never the row's `[t, t]`;
 - context-parallel shares (CP > 1), padded or packed, split by Megatron's zigzag (rank r holds chunks r and
   2·CP−1−r of each sequence's 2·CP): K and V are all-gathered over the CP group (one collective per layer, its
   backward one reduce-scatter), put in sequence order, and each of the rank's two query chunks of a sequence

@@ -23,7 +23,8 @@ VOCAB, PADDED, HIDDEN, FFN, SEQ, ROWS = 30, 32, 16, 32, 16, 8
 LAYOUTS = {"cp1": (1, 1), "cp2": (1, 2), "cp2_tp2": (2, 2)}  # name: (TP, CP) on 4 ranks; DP = 4 / (TP · CP)
 PACKED_TOKENS = 2 * SEQ  # packed microbatches of at most two sequences
 PATHS = {"materialised": (False, False), "fused_linear": (True, False), "loss_fused": (True, True)}
-GPT_LOSSES = ("seq_mean_token_mean",)  # the tiny GPTModel: the CP attention under a loss with CP sequence sums
+GPT_LOSSES = ("seq_mean_token_mean",)  # the tiny GPTModel: the CP attention under a loss with CP sequence sums,
+GPT_PATHS = ("materialised", "loss_fused")  # from its logits and from its hidden states
 LOSSES = {
     "token_mean": dict(loss_agg_mode="token-mean", ratio_clip_c=1.3, reference_policy_kl_penalty=0.2,
                        use_importance_sampling_correction=True,
@@ -209,18 +210,18 @@ def _run_layout(tp: int, cp: int, packed: bool) -> dict:
     batch = {key: value[layout.dp_rank * rows:(layout.dp_rank + 1) * rows] for key, value in full.items()}
     model = wrap_in_ddp(_build_model(tp, cp))
     vocab = vocab_shard_of(model, VOCAB)
-    results = _step_paths(model, vocab, batch, packed, counts, LOSSES)
+    results = _step_paths(model, vocab, batch, packed, counts, LOSSES, PATHS)
     if packed:
         results["train_step"] = _packed_train_step(model, batch, vocab)
     gpt = wrap_in_ddp(_build_gpt_model(tp, cp))
     results["gpt"] = _step_paths(gpt, vocab_shard_of(gpt, VOCAB), batch, packed, counts,
-                                 {name: LOSSES[name] for name in GPT_LOSSES})
+                                 {name: LOSSES[name] for name in GPT_LOSSES}, GPT_PATHS)
     parallel_state.destroy_model_parallel()
     return results
 
 
-def _step_paths(model, vocab, batch: dict[str, torch.Tensor], packed: bool, counts, losses: dict) -> dict:
-    """On every path: `compute_logprobs` of this DP rank's rows, and per loss one forward-backward through
+def _step_paths(model, vocab, batch: dict[str, torch.Tensor], packed: bool, counts, losses: dict, paths) -> dict:
+    """On each of `paths`: `compute_logprobs` of this DP rank's rows, and per loss one forward-backward through
     Megatron's schedule (its metrics, every parameter's gradient, the curr logprobs), all gathered whole."""
     from megatron.core import parallel_state
 
@@ -234,7 +235,8 @@ def _step_paths(model, vocab, batch: dict[str, torch.Tensor], packed: bool, coun
     plan = LogprobPlan(compute_reference_logprobs=False, compute_prev_logprobs=True, prev_from_current=False,
                        reasons=())
     results: dict = {"logprobs": {}}
-    for path, (fused_linear, fused_loss) in PATHS.items():
+    for path in paths:
+        fused_linear, fused_loss = PATHS[path]
         # Packed: compute_logprobs packs the rows itself (each sequence padded to a multiple of 2·CP under CP).
         results["logprobs"][path] = _all_rows(compute_logprobs(
             model, batch, micro_batch_size=2, vocab=vocab, fused_linear=fused_linear,
@@ -593,11 +595,11 @@ def test_context_parallel_equals_cp1_through_megatrons_schedule(ranks, layout, p
     """Loss, every metric, every gradient and the curr logprobs (the chunk boundaries included) of each path and
     loss equal the CP 1 layout's, padded or packed alike; compute_logprobs returns the full token-aligned logprobs."""
     for rank in range(4):
-        _assert_same_results(ranks[rank][layout, packed], ranks[rank]["cp1", packed], LOSSES)
+        _assert_same_results(ranks[rank][layout, packed], ranks[rank]["cp1", packed], LOSSES, PATHS)
 
 
-def _assert_same_results(actual: dict, expected: dict, losses) -> None:
-    for path in PATHS:
+def _assert_same_results(actual: dict, expected: dict, losses, paths) -> None:
+    for path in paths:
         # Logprobs: the same row maths, another GEMM blocking (MODEL_LOGPROB_ATOL's reason).
         torch.testing.assert_close(actual["logprobs"][path], expected["logprobs"][path], rtol=0,
                                    atol=MODEL_LOGPROB_ATOL)
@@ -621,10 +623,11 @@ def _assert_same_results(actual: dict, expected: dict, losses) -> None:
 @pytest.mark.parametrize("layout", ["cp2", "cp2_tp2"])
 def test_gpt_model_with_the_torch_attention_under_context_parallelism_equals_cp1(ranks, layout, packed):
     """The tiny GPTModel (RoPE, grouped-query heads) on `torch_attention_layer_spec()`: its attention all-gathers K
-    and V over CP. Loss, metrics, every gradient and the logprobs of each path equal CP 1's, padded and packed."""
+    and V over CP. Loss, metrics, every gradient and the logprobs from its logits and from its hidden states (the
+    loss-fused path) equal CP 1's, padded and packed."""
     for rank in range(4):
         expected, actual = ranks[rank]["cp1", packed]["gpt"], ranks[rank][layout, packed]["gpt"]
-        _assert_same_results(actual, expected, GPT_LOSSES)
+        _assert_same_results(actual, expected, GPT_LOSSES, GPT_PATHS)
 
 
 @pytest.mark.parametrize("layout", ["cp2", "cp2_tp2"])
