@@ -344,7 +344,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant, run first")
     parser.add_argument("--response-tokens", type=int, nargs=2, metavar=("MIN", "MAX"),
                         help="the long setting: synthetic rollouts with responses of MIN to MAX random digits "
-                             "(configs/grpo_tiny_cpu_long.yaml); no learning curve")
+                             "(configs/grpo_tiny_cpu_long.yaml); no learning curve (default: the task's own rollouts)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     parser.add_argument("--verbose", action="store_true", help="show Megatron-Core's notices, filtered by default")
     return parser.parse_args(argv)

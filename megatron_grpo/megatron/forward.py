@@ -31,8 +31,9 @@ def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, *, hidden_sta
     `position_ids`: each token's position in its sequence, required).
 
     Packed batches go through Megatron's THD path, `PackedSeqParams(qkv_format="thd")` of the whole sequences (under
-    CP `CP ×` the share's `cu_seqlens`), which the model's core attention must take (`attention.takes_packed_sequences`:
-    `TorchDotProductAttention` or Transformer Engine's; else a ValueError naming `cu_seqlens`); RoPE then restarts in
+    CP `CP ×` the share's `cu_seqlens`), which the model's core attention must take
+    (`attention.takes_packed_sequences`: `TorchDotProductAttention` or Transformer Engine's; else a ValueError naming
+    `cu_seqlens`); RoPE then restarts in
     every sequence, and learned absolute positions read `position_ids` (default: restarting at 0 in every sequence;
     a packed batch's own, `loss.packing.pack_rows`, are 0 on padding). Padded rows: that attention is causal without
     a mask; Megatron's local `DotProductAttention` gets an explicit causal mask (True = masked out), on the batch's

@@ -169,7 +169,7 @@ class PolicyConfig(StrictSection):
 
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
-    context_parallel_size: int  # each sequence split over this many ranks; > 1 is refused by this runner
+    context_parallel_size: int  # each sequence split over this many ranks (the attention all-gathers K and V)
     train_global_batch_size: int  # sequences per optimizer step, all DP ranks
     train_micro_batch_size: int  # sequences per microbatch per DP rank
     precision: Literal["fp32", "bf16"]  # no fp16: the train step does no loss scaling
