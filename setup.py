@@ -112,6 +112,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_grpo", "megatron_grpo.*"]),
+    package_data={"megatron_grpo.runner": ["nemo_rl_known_keys.txt"]},  # `plan --nemo-rl-config` checks keys with it
     ext_modules=kernel_extensions(),
     cmdclass={"build_ext": build_ext_class()},
     install_requires=["torch>=2.4", "megatron-core>=0.16", "pyyaml", "numpy", "psutil", "tqdm", "tensorboard"],

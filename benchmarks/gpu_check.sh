@@ -65,7 +65,7 @@ export WORK WHEELS=.whl SITE="$PWD/build/gpu_check_site"  # SITE: megatron-core 
 # tests/bench/test_bench_gpu_check.py checks that GPU_TESTS and LINEAR_TESTS name every file with a `gpu`-marked case.
 export GPU_TESTS="${GPU_TESTS:-tests/ops/test_gpu_kernels.py tests/ops/test_logprob_op.py tests/ops/test_logprob_errors.py \
 tests/ops/test_logprob_filtered.py tests/ops/test_logprob_temperature.py \
-tests/ops/test_linear_logprobs.py tests/loss/test_linear_loss.py tests/megatron/test_attention.py}"
+tests/ops/test_linear_logprobs.py tests/loss/test_linear_loss.py tests/ops/test_kept_set.py tests/megatron/test_attention.py}"
 export CPU_TESTS="${CPU_TESTS:-tests/ops/test_logprob_op.py tests/ops/test_logprob_errors.py}"
 # The fused linear op's GPU-specific tests (split-row and production shapes, peak memory, the loss-fused path in
 # bf16): their own step and budget. Its small-shape cuda cases run in `tests`.

@@ -24,7 +24,8 @@ PassMode = Literal["auto", "compute", "skip"]  # logprob_passes.reference
 PrevMode = Literal["auto", "compute", "skip", "generation", "loglinear", "linear", "compute_and_compare"]
 NUM_OPTIONAL_PASSES = 2  # reference and prev
 # What reads the prev logprobs besides the ratio: the mismatch metrics, identically trivial with prev = generation.
-MISMATCH_METRICS = ("token_mult_prob_error", "gen_kl_error", "sampling_importance_ratio", "is_oob_ratio")
+MISMATCH_METRICS = ("token_mult_prob_error", "gen_kl_error", "sampling_importance_ratio", "is_oob_ratio",
+                    "gen_ratio_outside_band")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,10 @@ class LogprobPlan:
     `prev_approximation`: the loss takes prev from the generation logprobs or interpolates it (no pass; see
     `megatron_grpo.loss.prev_approximation`). `compare_approximations`: the pass runs and the loss also logs each
     approximation's error against it.
+
+    `seq_logprob_error_threshold`: NeMo-RL's sequence mask by logprob error, which the step applies inside the loss
+    (`LossCall.seq_logprob_error_threshold`): from the prev pass when it runs, else from the training forward's
+    curr.detach(), the prev policy exactly there; the step's normalisation is then deferred to its last forward.
     """
 
     compute_reference_logprobs: bool
@@ -47,6 +52,7 @@ class LogprobPlan:
     reasons: tuple[str, ...]
     prev_approximation: ApproximationMethod | None = None
     compare_approximations: bool = False
+    seq_logprob_error_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.prev_approximation is not None:
@@ -60,6 +66,9 @@ class LogprobPlan:
                              "(prev_from_current=True) or approximate it (prev_approximation)")
         if self.compare_approximations and (not self.compute_prev_logprobs or self.prev_from_current):
             raise ValueError("LogprobPlan: compare_approximations compares with the prev pass the loss uses")
+        if self.seq_logprob_error_threshold is not None and self.prev_approximation is not None:
+            raise ValueError("LogprobPlan: the sequence mask by logprob error reads a computed prev, not an "
+                             "approximated one")
 
     @property
     def prev_source(self) -> str:
@@ -100,7 +109,7 @@ class PlanKeys:
     error_threshold: str = "error_threshold"
     dropout: str = "dropout"
     kl_penalty: str = "ClippedPGLossConfig.reference_policy_kl_penalty"
-    kl_in_reward: str = "ClippedPGLossConfig.use_kl_in_reward"
+    kl_in_reward: str = "ClippedPGLossConfig.kl_in_sequence_reward"
     force_on_policy: str = "ClippedPGLossConfig.force_on_policy_ratio"
     importance_sampling: str = "ClippedPGLossConfig.use_importance_sampling_correction"
     prev_mode: str = "prev_mode"
@@ -122,9 +131,13 @@ class PlanInputs:
     global_batch: int  # sequences per optimizer step, all DP ranks
     dropout: bool  # any dropout > 0 in the trained model: its train-mode forward is not the prev policy
     kl_penalty: float  # the loss's reference_policy_kl_penalty (> 0: a KL needs reference logprobs)
-    staleness: int = 0  # how many optimizer steps older than the trained weights a rollout's weights may be
-    error_threshold: float | None = None  # masking of sequences by prev-logprob error before the loss; None = off
-    kl_in_reward: bool = False  # the loss's use_kl_in_reward: the KL reads prev before the loss
+    staleness: int | None = 0  # how many optimizer steps older than the trained weights a rollout's weights may be;
+    #   None: stale without a known bound (NeMo-RL's ready_first sampler)
+    error_threshold: float | None = None  # NeMo-RL's seq_logprob_error_threshold: sequences masked by the error of
+    #   generation against prev (in the loss; `LogprobPlan.seq_logprob_error_threshold`); None = off
+    kl_in_reward: bool = False  # the loss's kl_in_sequence_reward: the KL reads prev before the loss
+    prev_readers: tuple[str, ...] = ()  # other readers of prev before the loss, each a phrase naming its key (a
+    #   NeMo-RL config's OPD advantage, `teacher - prev`)
     force_on_policy: bool = False  # the loss's force_on_policy_ratio
     reference_mode: PassMode = "auto"
     prev_mode: PrevMode = "auto"
@@ -143,7 +156,7 @@ class PlanInputs:
             global_batch=global_batch,
             dropout=dropout,
             kl_penalty=loss.reference_policy_kl_penalty,
-            kl_in_reward=loss.use_kl_in_reward,
+            kl_in_reward=loss.kl_in_sequence_reward,
             force_on_policy=loss.force_on_policy_ratio,
             importance_sampling=loss.use_importance_sampling_correction,
             **settings,
@@ -173,13 +186,23 @@ class PlanInputs:
             causes.append(f"{keys.dropout} > 0 makes the train-mode forward differ from the prev policy")
         return causes
 
+    @property
+    def error_mask_in_training_forward(self) -> bool:
+        """Whether the sequence mask by logprob error can read the training forward's curr.detach() instead of a
+        prev pass: exactly when that forward is the prev policy. The mask then changes the step's counts during its
+        forwards, which deferred normalisation absorbs (the loss is linear in its divisors)."""
+        return self.error_threshold is not None and not self.training_forward_differences()
+
     def prev_consumers_before_loss(self) -> list[str]:
         """What reads prev logprobs before the loss runs, so they cannot come from the training forward."""
         keys, consumers = self.keys, []
-        if self.error_threshold is not None:
+        if self.error_threshold is not None and not self.error_mask_in_training_forward:
             consumers.append(f"{keys.error_threshold} = {self.error_threshold} masks sequences by prev logprobs")
         if self.kl_in_reward and self.kl_active:
-            consumers.append(f"{keys.kl_in_reward} with {keys.kl_penalty} > 0 puts a KL of prev logprobs in the reward")
+            consumers.append(f"{keys.kl_in_reward} with {keys.kl_penalty} > 0 puts a KL of prev logprobs in the "
+                             "reward, hence in advantages that the first backward needs and that enter the loss "
+                             "non-linearly, so they cannot wait for the training forward")
+        consumers.extend(self.prev_readers)
         return consumers
 
 
@@ -200,12 +223,15 @@ def plan_logprob_passes(inputs: PlanInputs) -> LogprobPlan:
         reasons=(reference_reason, prev.reason),
         prev_approximation=prev.approximation,
         compare_approximations=prev.compare,
+        seq_logprob_error_threshold=inputs.error_threshold,
     )
 
 
 def _global_conflicts(inputs: PlanInputs) -> list[str]:
     """Conflicts that hold whatever the per-pass overrides say."""
     keys, problems = inputs.keys, []
+    if inputs.staleness is not None and inputs.staleness < 0:
+        problems.append(f"{keys.staleness}: must be >= 0, got {inputs.staleness}")
     if inputs.rollout_batch % inputs.global_batch:
         problems.append(f"{keys.rollout_batch} ({inputs.rollout_batch}) must be a multiple of {keys.global_batch} "
                         f"({inputs.global_batch})")
@@ -288,15 +314,25 @@ def _plan_prev(inputs: PlanInputs, problems: list[str]) -> _PrevDecision:
     if differences:
         return _PrevDecision(False, f"prev logprobs skipped: {keys.force_on_policy} makes the loss use curr.detach() "
                                     "and nothing reads them before the loss.")
-    if inputs.staleness > 0:
+    nothing_reads = "nothing reads prev before the loss" + _mask_in_forward(inputs)
+    if inputs.staleness != 0:
+        bound = "no known bound" if inputs.staleness is None else f"= {inputs.staleness}"
+        separator = ": " if inputs.staleness is None else " "
         return _PrevDecision(False, (
-            f"prev logprobs skipped, the loss uses curr.detach(): stale rollouts ({keys.staleness} = "
-            f"{inputs.staleness}) with one update per rollout ({keys.rollout_batch} = {keys.global_batch}): the "
-            "prev policy is the training forward's; the IS weights use curr against generation, and nothing "
-            "reads prev before the loss."))
+            f"prev logprobs skipped, the loss uses curr.detach(): stale rollouts ({keys.staleness}{separator}{bound}) "
+            f"with one update per rollout ({keys.rollout_batch} = {keys.global_batch}): the prev policy is the "
+            f"training forward's; the IS weights use curr against generation, and {nothing_reads}."))
     return _PrevDecision(False, (
         f"prev logprobs skipped, the loss uses curr.detach(): the step is on-policy ({keys.rollout_batch} = "
-        f"{keys.global_batch}, {keys.staleness} = 0, {keys.dropout} = 0) and nothing reads them before the loss."))
+        f"{keys.global_batch}, {keys.staleness} = 0, {keys.dropout} = 0) and {nothing_reads}."))
+
+
+def _mask_in_forward(inputs: PlanInputs) -> str:
+    """The end of a skip reason when the sequence mask by logprob error moves into the training forward."""
+    if not inputs.error_mask_in_training_forward:
+        return ""
+    return (f": {inputs.keys.error_threshold} = {inputs.error_threshold} masks sequences inside the training "
+            "forward, by its detached logprobs, and the loss is normalised once the step's masked counts are known")
 
 
 def _approximation_conflicts(inputs: PlanInputs, mode: str) -> list[str]:
@@ -320,6 +356,8 @@ def _approximation_conflicts(inputs: PlanInputs, mode: str) -> list[str]:
     if inputs.kl_in_reward and inputs.kl_active:
         problems.append(f"{setting} and {keys.kl_in_reward}: the reward's KL reads prev before the loss, and the "
                         "interpolation needs curr from the training forward; use compute")
+    problems.extend(f"{setting} and {reader}: the interpolation needs curr from the training forward; use compute"
+                    for reader in inputs.prev_readers)
     if inputs.dropout:
         problems.append(f"{setting} and {keys.dropout}: curr from a train-mode forward with dropout is not the "
                         "policy to interpolate; use compute")

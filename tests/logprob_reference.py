@@ -123,9 +123,23 @@ def expected_filtered_logprobs(
 ) -> Expected:
     """`expected_logprobs` under the filtered distribution: logprob -inf (and no gradient) for a filtered
     target, the entropy of the filtered distribution, and gradient 0 on filtered logits."""
+    keep = filtered_keep_mask(full_logits.detach().to(torch.float64)[:, :true_vocab_size], top_k, top_p)
+    return expected_kept_logprobs(full_logits, targets, true_vocab_size, keep, grad_logprob, grad_entropy)
+
+
+def expected_kept_logprobs(
+    full_logits: torch.Tensor,
+    targets: torch.Tensor,
+    true_vocab_size: int,
+    keep: torch.Tensor,
+    grad_logprob: torch.Tensor | None = None,
+    grad_entropy: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+) -> Expected:
+    """`expected_logprobs` of `softmax(logit_scale * x)` over the tokens `keep` (bool `[T, true_vocab_size]`) marks
+    in each row: a replayed kept set, or a filter's; logprob -inf (no gradient) for a target outside it."""
     x = full_logits.detach().to(torch.float64)[:, :true_vocab_size].clone().requires_grad_(True)
-    keep = filtered_keep_mask(x.detach(), top_k, top_p)
-    log_p = torch.log_softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
+    log_p = torch.log_softmax((x * logit_scale).masked_fill(~keep, float("-inf")), dim=-1)
     trained = targets >= 0
     target_lp = log_p.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
     logprob = torch.where(trained, target_lp, torch.zeros(()))
@@ -144,8 +158,9 @@ def expected_filtered_logprobs(
     if objective.requires_grad:
         (g,) = torch.autograd.grad(objective, x)
         grad[:, :true_vocab_size] = g
-        terms[:, :true_vocab_size] = _gradient_terms(x.detach(), keep, targets, p.detach(), entropy.detach(),
-                                                     torch.isfinite(logprob.detach()), grad_logprob, grad_entropy)
+        terms[:, :true_vocab_size] = logit_scale * _gradient_terms(
+            x.detach() * logit_scale, keep, targets, p.detach(), entropy.detach(), torch.isfinite(logprob.detach()),
+            grad_logprob, grad_entropy)
     return Expected(logprob=logprob.detach(), entropy=entropy.detach(), grad=grad, grad_terms=terms)
 
 

@@ -1,4 +1,4 @@
-"""Benchmarks: `megatron-grpo bench logprob|linear|scheduler|packing|step ...`.
+"""Benchmarks: `megatron-grpo bench logprob|linear|scheduler|packing|step|replay ...`.
 
 Each writes its report, data and plot under runs/bench unless `--out` names a place; `make bench` and
 `make bench-linear` refresh the committed results in benchmarks/results/."""
@@ -19,6 +19,9 @@ BENCHMARKS = {
                                                  "CUDA machine)"),
     "step": ("megatron_grpo.bench.step", "the whole GRPO train step in four configurations, each adding one feature "
                                          "(under torchrun: `megatron-grpo --nproc-per-node 1 bench step`)"),
+    "replay": ("megatron_grpo.bench.replay", "the runner with a top-p sampler and stale rollouts, recomputing against "
+                                             "replaying the kept sets (under torchrun: `megatron-grpo "
+                                             "--nproc-per-node 2 bench replay`)"),
 }
 
 

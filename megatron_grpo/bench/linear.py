@@ -245,7 +245,7 @@ LOSS_CONFIG = dict(
     ratio_clip_min=0.2, ratio_clip_max=0.28, ratio_clip_c=None, disable_ppo_ratio=False, loss_agg_mode="token-mean",
     max_response_length=None, sequence_level_importance_ratio=False, sequence_level_importance_weight="product",
     reference_policy_kl_penalty=0.0, reference_policy_kl_type="k3", kl_input_clamp_value=None,
-    kl_output_clamp_value=None, use_kl_in_reward=False, use_on_policy_kl_approximation=False,
+    kl_output_clamp_value=None, kl_in_sequence_reward=False, use_on_policy_kl_approximation=False,
     use_importance_sampling_correction=False,
     truncated_importance_sampling={"type": None, "ratio_min": None, "ratio_max": None},
     force_on_policy_ratio=False, use_cispo=False, positive_example_nll_weight=0.0, entropy_coef=0.0,

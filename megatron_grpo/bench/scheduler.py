@@ -12,7 +12,9 @@ training phase (logprob passes + train step) and of the whole step (generation i
 With `--prev-modes auto,compute,...` the variants are instead the config under each `logprob_passes.prev` mode
 (the reference pass as the config says), compared by step time, the prev pass's share of it, the reward curve
 and the step where the reward's 10-step mean first reaches 0.9 (`scheduler_prev_modes_<config>.md`, `.json` and
-a `.png` of the reward curves).
+a `.png` of the reward curves). `--seq-logprob-error-threshold X` sets `grpo.seq_logprob_error_threshold` in every
+variant (the sequence mask by logprob error, which `auto` runs in the training forward where it can); the report
+then gives the share of sequences it masked.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"--staleness: must be >= 0, got {args.staleness}")
         if args.staleness is not None:
             cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, max_rollout_staleness=args.staleness))
+        if args.seq_logprob_error_threshold is not None:  # through the config's checks, the threshold's among them
+            grpo = dataclasses.replace(cfg.grpo, seq_logprob_error_threshold=args.seq_logprob_error_threshold)
+            cfg = load_config(dataclasses.replace(cfg, grpo=grpo).to_mapping())
         configs = (with_prev_modes(cfg, args.prev_modes) if args.prev_modes
                    else {"auto": cfg, "compute": with_all_passes_computed(cfg)})
         plans = {name: plan_for(variant) for name, variant in configs.items()}
@@ -84,7 +89,8 @@ def main(argv: list[str]) -> int:
         if layout.rank == 0 and args.prev_modes:
             summary = summarise_prev_modes(records, rewards, plans, cfg, world_size=layout.world_size,
                                            tp_size=layout.tp_size)
-            write_prev_modes_report(summary, args.out, args.config, argv, args.staleness)
+            write_prev_modes_report(summary, args.out, args.config, argv, args.staleness,
+                                    args.seq_logprob_error_threshold)
         elif layout.rank == 0:
             summary = summarise(records, plans, cfg, world_size=layout.world_size, tp_size=layout.tp_size)
             write_report(summary, args.out)
@@ -152,47 +158,63 @@ def summarise_prev_modes(records: dict[str, list[dict]], rewards: dict[str, list
             "last_window_reward": sum(rewards[name][-WINDOW:]) / min(WINDOW, len(rewards[name])),
             "identical_rewards_to_first": rewards[name] == rewards[first],
             "approximation_errors": {key: statistics.median(r[key] for r in rows) for key in error_keys},
+            "masked_fraction": (statistics.fmean(r["masked_seqs_by_logprob_error_fraction"] for r in rows)
+                                if "masked_seqs_by_logprob_error_fraction" in rows[0] else None),
             "reason": plans[name].reasons[1],
         }
     return {
         "config": {"tp": tp_size, "world_size": world_size, "threads_per_rank": torch.get_num_threads(),
                    "rollout_sequences": cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt,
                    "global_batch": cfg.policy.train_global_batch_size, "staleness": cfg.grpo.max_rollout_staleness,
+                   "seq_logprob_error_threshold": cfg.grpo.seq_logprob_error_threshold,
                    "layers": cfg.policy.model.num_layers, "hidden": cfg.policy.model.hidden_size},
         "steps": len(rewards[first]),
         "steps_timed": len(records[first]),
         "modes": modes,
         "machine": machine_description(torch.device("cpu")),
+        "load_average": [round(load, 2) for load in os.getloadavg()],  # 1, 5, 15 min, as the run ends: the machine
+        #   is shared
         "date": datetime.date.today().isoformat(),
     }
 
 
 def write_prev_modes_report(summary: dict, out: Path, config: Path, argv: list[str],
-                            staleness: int | None = None) -> None:
-    """`scheduler_prev_modes_<config stem>[_staleness<N>].md` and `.json`, and a `.png` of the reward curves."""
-    stem = f"scheduler_prev_modes_{config.stem}" + (f"_staleness{staleness}" if staleness is not None else "")
+                            staleness: int | None = None, threshold: float | None = None) -> None:
+    """`scheduler_prev_modes_<config stem>[_staleness<N>][_threshold<X>].md` and `.json`, and a `.png` of the reward
+    curves."""
+    stem = (f"scheduler_prev_modes_{config.stem}" + (f"_staleness{staleness}" if staleness is not None else "")
+            + (f"_threshold{threshold:g}" if threshold is not None else ""))
     setup = summary["config"]
     modes = summary["modes"]
+    masked = all(m["masked_fraction"] is not None for m in modes.values())
     lines = [
         f"# Scheduler benchmark: `logprob_passes.prev` modes on `{config}`",
         "",
         f"- date: {summary['date']}",
         f"- machine: {summary['machine']}, shared with other jobs (timings are noisy: medians, and ratios taken "
-        "within one run)",
+        "within one run)"
+        + (f"; load average {', '.join(map(str, summary['load_average']))} (1, 5, 15 min) as the run ended"
+           if "load_average" in summary else ""),
         f"- command: `torchrun --nproc-per-node {setup['world_size']} -m megatron_grpo bench scheduler "
         f"{' '.join(argv)}`",
         "",
         f"TP={setup['tp']} over {setup['world_size']} ranks, {setup['threads_per_rank']} thread(s) per rank, "
         f"{setup['rollout_sequences']} sequences per rollout, {setup['global_batch']} per optimizer step, staleness "
-        f"{setup['staleness']}; {summary['steps']} steps per mode, interleaved, times are medians of the last "
+        f"{setup['staleness']}"
+        + (f", grpo.seq_logprob_error_threshold {setup['seq_logprob_error_threshold']:g}"
+           if setup.get("seq_logprob_error_threshold") is not None else "")
+        + f"; {summary['steps']} steps per mode, interleaved, times are medians of the last "
         f"{summary['steps_timed']}.",
         "",
-        "| prev mode | prev from | IS correction | step (s) | vs first | prev pass share | reward, last 10 | "
-        "10-step mean >= 0.9 after | same rewards as first |",
-        "|---|---|---|---|---|---|---|---|---|",
-        *(f"| {name} | {m['prev_source']} | {'on' if m['is_correction'] else 'off'} | {m['step_s']:.4f} | "
-          f"{m['step_time_vs_first']:.2f} | "
-          f"{100 * m['prev_pass_share']:.1f}% | {m['last_window_reward']:.3f} | "
+        "| prev mode | prev from | IS correction | prev passes per step | step (s) | vs first | prev pass share | "
+        + ("sequences masked (mean) | " if masked else "")
+        + "reward, last 10 | 10-step mean >= 0.9 after | same rewards as first |",
+        "|---|---|---|---|---|---|---|" + ("---|" if masked else "") + "---|---|---|",
+        *(f"| {name} | {m['prev_source']} | {'on' if m['is_correction'] else 'off'} | {m['prev_passes_per_step']} | "
+          f"{m['step_s']:.4f} | {m['step_time_vs_first']:.2f} | "
+          f"{100 * m['prev_pass_share']:.1f}% | "
+          + (f"{100 * m['masked_fraction']:.1f}% | " if masked else "")
+          + f"{m['last_window_reward']:.3f} | "
           f"{str(m['first_learned_step']) + ' steps' if m['first_learned_step'] is not None else 'never'} | "
           f"{m['identical_rewards_to_first']} |" for name, m in modes.items()),
     ]
@@ -307,4 +329,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--staleness", type=int, default=None, metavar="N",
                         help="run with grpo.max_rollout_staleness = N instead of the config's (default: the "
                              "config's); the report's name then ends in _staleness<N>")
+    parser.add_argument("--seq-logprob-error-threshold", type=float, default=None, metavar="X",
+                        help="run with grpo.seq_logprob_error_threshold = X instead of the config's (default: the "
+                             "config's); the report's name then ends in _threshold<X>")
     return parser.parse_args(argv)

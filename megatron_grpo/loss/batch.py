@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
+from megatron_grpo.loss.kept_set_batch import KEPT_SET_KEYS, check_kept_set_values
 from megatron_grpo.loss.packing import SequenceLayout
 from megatron_grpo.ops.current import HiddenStates
 
@@ -106,6 +107,9 @@ def validate_batch(
         _check_shape("labels", labels, [(batch_size, seq_len)])
         if labels.dtype != torch.int64:
             raise ValueError(f"batch['labels']: expected dtype torch.int64, got {labels.dtype}")
+    if check_values:  # (the kept sets' form is checked wherever they are read)
+        check_kept_set_values(batch, trained_token_targets(batch["input_ids"] if labels is None else labels, mask),
+                              response_tokens(batch, layout, row_aligned), None)
     return LossBatch(
         input_ids=batch["input_ids"], mask=mask, advantages=_on_mask(advantages, mask), rewards=rewards, **logprobs,
         layout=layout, labels=labels,
@@ -114,12 +118,29 @@ def validate_batch(
 
 def check_batch_values(batch: Mapping[str, torch.Tensor], true_vocab_size: int) -> None:
     """The checks of a batch's values, in one host sync: token ids in `[0, true_vocab_size)`, finite advantages (and
-    rewards, when given). For a caller that then runs the loss and the ops with `check_inputs=False` (the Megatron
-    train step checks its rollout once, not each microbatch of each pass). A bad value is a `ValueError` naming its
-    key."""
+    rewards, when given); and the kept sets' (`loss.kept_set_batch`, two more) where the batch carries them. For a
+    caller that then runs the loss and the ops with `check_inputs=False` (the Megatron train step checks its rollout
+    once, not each microbatch of each pass). A bad value is a `ValueError` naming its key."""
     input_ids, advantages = _tensor(batch, "input_ids"), _tensor(batch, "advantages")
     if input_ids.numel() == 0:
         return
+    _check_ids_and_advantages(batch, input_ids, advantages, true_vocab_size)
+    if any(key in batch for key in KEPT_SET_KEYS):
+        mask, layout = _mask_and_layout(batch)
+        check_kept_set_values(batch, trained_token_targets(input_ids, mask), response_tokens(batch, layout),
+                              true_vocab_size)
+
+
+def response_tokens(batch: Mapping[str, torch.Tensor], layout: SequenceLayout, row_aligned: bool = False
+                    ) -> torch.Tensor:
+    """bool, per token: the positions that may carry a kept set: `token_mask` set, a sequence's first token
+    excluded (`row_aligned`, a context-parallel share: row `t`'s target's, none excluded)."""
+    response = _tensor(batch, "token_mask") != 0
+    return response if row_aligned else response & ~layout.sequence_starts
+
+
+def _check_ids_and_advantages(batch: Mapping[str, torch.Tensor], input_ids: torch.Tensor, advantages: torch.Tensor,
+                              true_vocab_size: int) -> None:
     rewards = batch.get("rewards")
     finite = [torch.isfinite(advantages).all()]
     if isinstance(rewards, torch.Tensor):

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron_grpo.loss.logprob_error_mask import check_threshold
 from megatron_grpo.loss.metrics import Aggregation
 from megatron_grpo.loss.prev_approximation import PrevApproximation, StepVersions
 from megatron_grpo.loss.reductions import Count
@@ -38,15 +39,24 @@ class PrevSource:
 @dataclass(frozen=True)
 class LossCall:
     """How to compute one microbatch's loss: its normalisation, the vocab shard and the trained distribution, where
-    prev comes from, this rank's share of the sequences under context parallelism, and how the current logprobs are
-    computed. Only the two global counts have no default."""
+    prev comes from, which sequences a logprob error masks, this rank's share of the sequences under context
+    parallelism, and how the current logprobs are computed. Only the two global counts have no default; they are
+    None exactly when the normalisation is deferred."""
 
-    global_valid_tokens: Count  # trained tokens of the whole optimizer step: all microbatches, all DP ranks
-    global_valid_seqs: Count  # sequences with a trained token, likewise
+    global_valid_tokens: Count | None  # trained tokens of the whole optimizer step: all microbatches, all DP ranks
+    global_valid_seqs: Count | None  # sequences with a trained token, likewise
     shard: VocabShard = field(default_factory=VocabShard)  # where the logits' vocab columns sit; default unsharded
     distribution: SamplingDistribution = field(default_factory=SamplingDistribution)  # the policy trained: the
     #   one the rollouts were sampled from (1 / temperature, top-k / top-p); default softmax(logits)
     prev: PrevSource = field(default_factory=PrevSource)
+    seq_logprob_error_threshold: float | None = None  # NeMo-RL's sequence mask, applied in the loss
+    #   (`loss.logprob_error_mask`): a sequence whose mean exp(|generation - prev|) exceeds it leaves the loss and the
+    #   counts; prev is the batch's `prev_logprobs` when it carries them (a prev pass), else curr.detach(). The
+    #   counts are then known only after every forward: it needs `defer_normalisation`
+    defer_normalisation: bool = False  # the step normalises once, after the last forward: the loss returns its sums
+    #   (the global counts are None) and reports the count they are to be divided by (`metrics.NORMALISER`), and
+    #   every normalised-sum metric is a sum too (`megatron.apply_deferred_normalisation` divides gradients and
+    #   metrics)
     context: ContextShard | None = None  # this CP rank's share of each sequence (the batch is row-aligned)
     inplace_backward: bool = False  # the logits are this call's alone (a Megatron forward step's are): backward may
     #   write their gradient into their buffer; used where exactly one op reads them
@@ -54,13 +64,28 @@ class LossCall:
     loss_fused: bool = True  # from hidden states: the loss-fused head (its gradient in forward, 3 GEMMs, not 4)
     chunk_rows: int | None = None  # from hidden states: trained rows per chunk; None: the ops' default
     implementation: Implementation = "auto"  # the kernels: "auto", "fused" or "torch"
+    kept_set_metrics: bool = True  # with kept sets in the batch: kept_set_mass and kept_set_differs (forward-only op
+    #   calls: two when the loss trains on one of the sets, three on the loss-fused head)
 
     def __post_init__(self) -> None:
-        for name in ("global_valid_tokens", "global_valid_seqs"):
+        counts = ("global_valid_tokens", "global_valid_seqs")
+        given = [name for name in counts if getattr(self, name) is not None]
+        if self.defer_normalisation and given:
+            raise ValueError(f"{' and '.join(given)}: given with defer_normalisation=True, where the step divides by "
+                             "the counts the forwards report; pass None")
+        if not self.defer_normalisation and len(given) < len(counts):
+            missing = [name for name in counts if name not in given]
+            raise ValueError(f"{' and '.join(missing)}: required (the step's global count), unless "
+                             "defer_normalisation=True")
+        for name in given:
             check_count(name, getattr(self, name))
+        check_threshold(self.seq_logprob_error_threshold)
+        if self.seq_logprob_error_threshold is not None and not self.defer_normalisation:
+            raise ValueError("seq_logprob_error_threshold: the mask drops sequences in the forward, so the step's "
+                             "counts are known only after its last forward; it needs defer_normalisation=True")
 
     @classmethod
-    def of(cls, global_valid_tokens: Count, global_valid_seqs: Count, **options: Any) -> LossCall:
+    def of(cls, global_valid_tokens: Count | None, global_valid_seqs: Count | None, **options: Any) -> LossCall:
         """A call from keyword options, where None means the field's default (a keyword API's unset argument)."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
@@ -89,8 +114,9 @@ class StepLoss(Protocol):
     `step_loss` returns this microbatch's share of the optimizer step's loss, already normalised by the call's global
     counts (so the shares of all microbatches and DP ranks add up to the step's loss), and its detached metrics:
     `"loss"` (the share's value) and `"curr_logprobs"` (`[B, S]`, the batch's layout: the step hands them back), with
-    `"prev_logprobs"` too when prev is approximated. `metric_aggregation` says how each metric aggregates over
-    microbatches and DP ranks."""
+    `"prev_logprobs"` too when prev is approximated. With `call.defer_normalisation` the share is an unnormalised sum
+    and the metrics hold `metrics.NORMALISER`, the count it is to be divided by (summed over microbatches and ranks).
+    `metric_aggregation` says how each metric aggregates over microbatches and DP ranks."""
 
     @property
     def metric_aggregation(self) -> Mapping[str, Aggregation]: ...

@@ -34,8 +34,10 @@ from megatron_grpo.loss.call import LossCall, PrevSource
 from megatron_grpo.loss.config import ClippedPGLossConfig
 from megatron_grpo.loss.fused_head import loss_fused_linear
 from megatron_grpo.loss.importance import ImportanceWeights, finite_or_zero, importance_weights
+from megatron_grpo.loss.kept_set_batch import KEPT_SET_OFFSETS, kept_set_of, without_kept_set
 from megatron_grpo.loss.kl import kl_estimate
-from megatron_grpo.loss.metrics import METRIC_AGGREGATION, Aggregation
+from megatron_grpo.loss.logprob_error_mask import mask_by_logprob_error
+from megatron_grpo.loss.metrics import METRIC_AGGREGATION, NORMALISER, Aggregation
 from megatron_grpo.loss.packing import SequenceLayout
 from megatron_grpo.loss.prev_approximation import (
     VERSION_KEY,
@@ -58,9 +60,19 @@ from megatron_grpo.loss.reductions import (
 from megatron_grpo.ops.context_shard import ContextShard
 from megatron_grpo.ops.core.backends import Implementation
 from megatron_grpo.ops.core.dtypes import in_compute_dtype
-from megatron_grpo.ops.current import CurrentLogprobs, HiddenStates, ModelOutput, current_logprobs
+from megatron_grpo.ops.current import (
+    CurrentLogprobs,
+    HiddenStates,
+    KeptSetMetrics,
+    ModelOutput,
+    current_logprobs,
+    kept_set_metrics,
+)
 from megatron_grpo.ops.distribution import SamplingDistribution
+from megatron_grpo.ops.kept_set import KeptSet
 from megatron_grpo.ops.vocab_shard import VocabShard
+
+RATIO_BAND = (0.9, 1.1)  # gen_ratio_outside_band: the band of exp(prev - generation) TRL's and vLLM's reports use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,11 +113,27 @@ class ClippedPGLoss:
       (`nonfinite_generation_logprobs` counts the others), `sampling_importance_ratio` (mean weight after
       truncation) and, with truncation, `is_oob_ratio`: the fraction of trained tokens out of bounds, or for
       `seq-mask-tis` the fraction of sequences rejected (then `is_oob_token_ratio` is the token fraction);
+      `gen_ratio_outside_band`: the fraction of those tokens whose ratio `exp(prev - generation)` lies outside
+      [0.9, 1.1] (`RATIO_BAND`);
+    - with the rollout engine's kept sets in the batch (`kept_set_offsets`, `kept_set_ids`; `LossCall.kept_set_metrics`,
+      on by default): `kept_set_mass`, the token mean of the engine's set's probability under this forward's
+      unfiltered distribution (at the sampling temperature), and `kept_set_differs`, the fraction of trained tokens
+      whose set recomputed from this forward's logits (top-k / top-p) differs from the engine's
+      (`ops.kept_set_metrics`: forward-only op calls, two when the loss trains on one of the sets); with
+      `generation_logprobs` also `kept_set_replayed_ratio_outside_band` and `kept_set_recomputed_ratio_outside_band`,
+      the fraction of those tokens whose `exp(curr - generation)` lies outside [0.9, 1.1] with curr over the engine's
+      set and over the recomputed one (ratio 0, outside, for a token the recomputed set drops): both ways on the
+      same tokens and weights, whichever the loss trains;
     - `curr_logprobs` `[B, S]`: the current logprobs (0 where a token is not trained or was filtered out);
       `prev_logprobs` `[B, S]` too when prev is approximated (`prev_approximation`);
     - with `compare_approximations`: `prox_<method>_<kind>` for each approximation of `loss.prev_approximation`
       against the batch's computed prev (AReaL's `metrics` mode): `abs_error`, `rel_error`, `is_weight_abs_error`,
       `ratio_abs_error`, token means.
+    - with `seq_logprob_error_threshold`: NeMo-RL's `num_masked_seqs_by_logprob_error`, `{max,mean,min}_seq_mult_
+      prob_error` and their `_after_mask` twins, `masked_correct_pct` (with the batch's `rewards`), and this project's
+      `masked_seqs_by_logprob_error_fraction` and `num_valid_samples_before_mask` (`loss.logprob_error_mask`); every
+      other metric is over the sequences the mask kept;
+    - with `defer_normalisation`: `loss_normaliser`, the count the step divides the summed loss by.
     The mismatch metrics always use the prev logprobs the ratio used, `curr.detach()` when the pass was skipped.
     With prev from the generation logprobs they would compare prev with itself, so they are absent.
     """
@@ -126,19 +154,22 @@ class ClippedPGLoss:
         logits: torch.Tensor | None,
         batch: Mapping[str, torch.Tensor],
         *,
-        global_valid_tokens: Count,
-        global_valid_seqs: Count,
+        global_valid_tokens: Count | None = None,
+        global_valid_seqs: Count | None = None,
         shard: VocabShard | None = None,
         distribution: SamplingDistribution | None = None,
         prev_logprobs_from_current: bool | None = None,
         prev_approximation: PrevApproximation | None = None,
         compare_approximations: StepVersions | None = None,
+        seq_logprob_error_threshold: float | None = None,
+        defer_normalisation: bool | None = None,
         curr_logprobs: torch.Tensor | None = None,
         curr_entropy: torch.Tensor | None = None,
         curr_unfiltered_logprobs: torch.Tensor | None = None,
         inplace_backward: bool | None = None,
         check_inputs: bool | None = None,
         context: ContextShard | None = None,
+        kept_set_metrics: bool | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This microbatch's globally normalised loss and its detached metrics (see the class docstring), from the
         model's logits `[B, S, V_local]` (the output tensor a Megatron `forward_step` hands its loss function).
@@ -155,6 +186,16 @@ class ClippedPGLoss:
         `prev_approximation`, the generation logprobs or AReaL's interpolation (`loss.prev_approximation`), which
         needs `batch['rollout_weight_version']` `[B]` for the interpolations. `compare_approximations` (the step's
         versions), with prev from the batch, adds the approximations' errors against it to the metrics.
+        `seq_logprob_error_threshold` (NeMo-RL's key, default None: off): the sequences whose mean
+        `exp(|generation - prev|)` over their trained tokens exceeds it leave the loss, its metrics and the counts
+        (`loss.logprob_error_mask`, with NeMo-RL's metrics); prev is `batch['prev_logprobs']` when given, else
+        curr.detach(). It needs `defer_normalisation=True`: the counts over the step are known only once every
+        microbatch's forward has masked its sequences.
+        `defer_normalisation` (default False): the global counts are None, and the loss and its normalised-sum
+        metrics are sums; `metrics['loss_normaliser']` is the count of this microbatch they are to be divided by
+        (trained tokens for `token-mean`, sequences with a trained token for the `seq-mean-*` modes), and the step
+        divides once by its sum over the step (`megatron.apply_deferred_normalisation`). With VAPO's NLL and a
+        `seq-mean-*` mode the loss has two divisors: a ValueError.
         `inplace_backward` (default False): the logits are this loss's alone (nothing reads them after it, as in a
         Megatron forward step): backward writes their gradient into their buffer (`vocab_parallel_logprobs`), guarded
         by autograd's version counter; taken where one op reads the logits (not with a KL under a filter, which
@@ -180,7 +221,9 @@ class ClippedPGLoss:
         """
         call = LossCall.of(global_valid_tokens, global_valid_seqs, shard=shard, distribution=distribution,
                            prev=PrevSource(prev_logprobs_from_current, prev_approximation, compare_approximations),
-                           inplace_backward=inplace_backward, check_inputs=check_inputs, context=context)
+                           seq_logprob_error_threshold=seq_logprob_error_threshold,
+                           defer_normalisation=defer_normalisation, inplace_backward=inplace_backward,
+                           check_inputs=check_inputs, context=context, kept_set_metrics=kept_set_metrics)
         precomputed = self._check_precomputed(logits, curr_logprobs, curr_entropy, curr_unfiltered_logprobs,
                                               filtered=call.distribution.filtered)
         return self._evaluate(logits, batch, call, precomputed=precomputed)
@@ -191,18 +234,21 @@ class ClippedPGLoss:
         weight: torch.Tensor,
         batch: Mapping[str, torch.Tensor],
         *,
-        global_valid_tokens: Count,
-        global_valid_seqs: Count,
+        global_valid_tokens: Count | None = None,
+        global_valid_seqs: Count | None = None,
         shard: VocabShard | None = None,
         distribution: SamplingDistribution | None = None,
         prev_logprobs_from_current: bool | None = None,
         prev_approximation: PrevApproximation | None = None,
         compare_approximations: StepVersions | None = None,
+        seq_logprob_error_threshold: float | None = None,
+        defer_normalisation: bool | None = None,
         loss_fused: bool | None = None,
         chunk_rows: int | None = None,
         implementation: Implementation | None = None,
         check_inputs: bool | None = None,
         context: ContextShard | None = None,
+        kept_set_metrics: bool | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The same loss and metrics from final hidden states `[B, S, H]` and this rank's `[V_local, H]` output
         weight shard (logits `hidden @ weight.T`, under `distribution`), without materialising the logits. `hidden`'s
@@ -210,14 +256,17 @@ class ClippedPGLoss:
 
         `loss_fused` (default True): the loss-fused head (`megatron_grpo.loss.fused_head`), the loss's gradient
         computed chunk by chunk in forward, 3 GEMMs instead of 4, exact for every setting of this loss because it is
-        sequence-additive; no top-k / top-p. `loss_fused=False`: the current logprobs from
-        `vocab_parallel_linear_logprobs` (backward recomputes each chunk's logits; any distribution). The other
+        sequence-additive; no recomputed top-k / top-p (the engine's kept sets replay). `loss_fused=False`: the
+        current logprobs from `vocab_parallel_linear_logprobs` (backward recomputes each chunk's logits; any
+        distribution). The other
         keywords as for `__call__` (the fields of `LossCall`); the batch's values are checked once here, never per
         chunk."""
         call = LossCall.of(global_valid_tokens, global_valid_seqs, shard=shard, distribution=distribution,
                            prev=PrevSource(prev_logprobs_from_current, prev_approximation, compare_approximations),
-                           loss_fused=loss_fused, chunk_rows=chunk_rows, implementation=implementation,
-                           check_inputs=check_inputs, context=context)
+                           seq_logprob_error_threshold=seq_logprob_error_threshold,
+                           defer_normalisation=defer_normalisation, loss_fused=loss_fused, chunk_rows=chunk_rows,
+                           implementation=implementation, check_inputs=check_inputs, context=context,
+                           kept_set_metrics=kept_set_metrics)
         return self.step_loss(HiddenStates(hidden, weight), batch, call)
 
     def step_loss(self, output: ModelOutput, batch: Mapping[str, torch.Tensor],
@@ -231,19 +280,40 @@ class ClippedPGLoss:
     def _loss_fused(self, output: HiddenStates, batch: Mapping[str, torch.Tensor],
                     call: LossCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss-fused head: the batch checked once, then each chunk of sequences' loss on its current tensors."""
-        inputs = validate_batch(batch, output, self._requirements(self._prev_from_current(call.prev), call.prev),
+        inputs = validate_batch(batch, output, self._requirements(self._prev_from_current(call.prev), call),
                                 check_values=call.check_inputs, row_aligned=call.context is not None)
         self._check_counts(call, inputs)
         per_chunk = dataclasses.replace(call, check_inputs=False)
+        kept = self._kept_set(batch, call)
+        if call.distribution.filtered and self.config.kl_in_loss:
+            raise ValueError("loss_fused: the loss-fused head computes the replayed kept sets' logprobs only, and the "
+                             "KL to the reference reads unfiltered ones (loss_fn.reference_policy_kl_penalty > 0); "
+                             "use loss_fused=False")
 
         def sequence_loss(sequences: Mapping[str, torch.Tensor], curr: torch.Tensor, entropy: torch.Tensor):
             return self._evaluate(None, sequences, per_chunk,
                                   precomputed=CurrentLogprobs(logprobs=curr, entropy=entropy))
 
-        return loss_fused_linear(sequence_loss, output.hidden, output.weight, inputs.targets, batch,
-                                 shard=call.shard, distribution=call.distribution, chunk_rows=call.chunk_rows,
-                                 check_inputs=call.check_inputs, implementation=call.implementation,
-                                 shift=call.context is None, context=call.context)
+        loss, metrics = loss_fused_linear(
+            sequence_loss, output.hidden, output.weight, inputs.targets, without_kept_set(batch), shard=call.shard,
+            distribution=call.distribution, chunk_rows=call.chunk_rows, check_inputs=call.check_inputs,
+            implementation=call.implementation, shift=call.context is None, context=call.context,
+            kept_set=kept if call.distribution.replay_kept_set else None)
+        if kept is not None and call.kept_set_metrics:
+            metrics.update(_kept_set_metric_means(kept_set_metrics(
+                output, inputs.targets, kept, shard=call.shard, distribution=call.distribution,
+                check_inputs=call.check_inputs, chunk_rows=call.chunk_rows, implementation=call.implementation,
+                shift=call.context is None), inputs.mask, inputs.generation_logprobs))
+        return loss, metrics
+
+    @staticmethod
+    def _kept_set(batch: Mapping[str, torch.Tensor], call: LossCall) -> KeptSet | None:
+        """The batch's kept sets (`loss.kept_set_batch`), which a replaying distribution requires."""
+        kept = kept_set_of(batch)
+        if kept is None and call.distribution.replay_kept_set:
+            raise ValueError(f"batch[{KEPT_SET_OFFSETS!r}] is missing: required by distribution.replay_kept_set (the "
+                             "rollout engine's kept set of every token, docs/design.md's batch contract)")
+        return kept
 
     def _evaluate(
         self,
@@ -256,15 +326,18 @@ class ClippedPGLoss:
         `precomputed` ones, then the per-token terms, the reduction and the metrics."""
         cfg, prev_source, context = self.config, call.prev, call.context
         prev_from_current = self._prev_from_current(prev_source)
+        self._check_deferral(call)
         given = None if precomputed is None else {"curr_logprobs": precomputed.logprobs,
                                                   "curr_entropy": precomputed.entropy}
-        inputs = validate_batch(batch, output, self._requirements(prev_from_current, prev_source), current=given,
+        inputs = validate_batch(batch, output, self._requirements(prev_from_current, call), current=given,
                                 check_values=call.check_inputs, row_aligned=context is not None)
         self._check_counts(call, inputs)
+        kept = self._kept_set(batch, call) if precomputed is None else None
         current = precomputed if precomputed is not None else current_logprobs(
             output, inputs.targets, shard=call.shard, distribution=call.distribution, shift=context is None,
             with_unfiltered=cfg.kl_in_loss, inplace_backward=call.inplace_backward, check_inputs=call.check_inputs,
-            chunk_rows=call.chunk_rows, implementation=call.implementation)
+            chunk_rows=call.chunk_rows, implementation=call.implementation, kept_set=kept,
+            with_kept_set_metrics=call.kept_set_metrics)
         trained = inputs.mask.bool()
         zero = torch.zeros((), dtype=torch.float32, device=trained.device)
         curr, entropy = (torch.where(trained, in_compute_dtype(values), zero)
@@ -272,6 +345,13 @@ class ClippedPGLoss:
         curr_unfiltered = None  # the KL's current logprobs, where a sampling filter makes them differ
         if cfg.kl_in_loss and current.unfiltered_logprobs is not None:
             curr_unfiltered = torch.where(trained, in_compute_dtype(current.unfiltered_logprobs), zero)
+        masking = None
+        if call.seq_logprob_error_threshold is not None:  # before anything reads the mask or the counts
+            masking = mask_by_logprob_error(
+                curr.detach() if inputs.prev_logprobs is None else inputs.prev_logprobs, inputs.generation_logprobs,
+                inputs.mask, call.seq_logprob_error_threshold, inputs.layout, context=context,
+                rewards=_optional_rewards(batch, inputs))
+            inputs = dataclasses.replace(inputs, mask=masking.mask)
         approximation, compare = prev_source.approximation, prev_source.compare_with
         alpha = self._interpolation_weights(batch, inputs, approximation, compare)
         if approximation is not None:
@@ -293,11 +373,13 @@ class ClippedPGLoss:
             per_token_loss = weights.weights * per_token_loss
         if cfg.entropy_coef != 0:
             per_token_loss = per_token_loss - cfg.entropy_coef * entropy
+        deferred = call.defer_normalisation  # sums now, divided once by the step (counts of 1 here)
+        valid_tokens, valid_seqs = (1, 1) if deferred else (call.global_valid_tokens, call.global_valid_seqs)
         aggregate = partial(
             aggregate_loss,
             mode=cfg.loss_agg_mode,
-            global_valid_tokens=call.global_valid_tokens,
-            global_valid_seqs=call.global_valid_seqs,
+            global_valid_tokens=valid_tokens,
+            global_valid_seqs=valid_seqs,
             max_response_length=cfg.max_response_length,
             layout=inputs.layout,
             context=context,
@@ -312,7 +394,7 @@ class ClippedPGLoss:
             loss = loss + cfg.reference_policy_kl_penalty * aggregate(kl, kl_mask)
         nll = None
         if cfg.positive_example_nll_weight > 0:
-            nll = self._positive_example_nll(curr, inputs.rewards, mask, call.global_valid_tokens, inputs.layout)
+            nll = self._positive_example_nll(curr, inputs.rewards, mask, valid_tokens, inputs.layout)
             loss = loss + cfg.positive_example_nll_weight * nll
         with torch.no_grad():
             metrics = self._metrics(loss, curr, prev, inputs, mask, policy, weights, kl, kl_mask, entropy, nll, context,
@@ -320,15 +402,42 @@ class ClippedPGLoss:
                                     and approximation.method == "generation")
             if approximation is not None:
                 metrics["prev_logprobs"] = prev.detach()
+            if masking is not None:
+                metrics.update(masking.metrics)
+            if deferred:
+                metrics[NORMALISER] = self._normaliser(inputs, context)
             if errors is not None:
                 metrics.update({name: token_mean(value.to(torch.float32), mask) for name, value in errors.items()})
+            if current.kept_set is not None:
+                metrics.update(_kept_set_metric_means(current.kept_set, inputs.mask, inputs.generation_logprobs))
         return loss, metrics
+
+    def _check_deferral(self, call: LossCall) -> None:
+        """What the sequence mask and deferred normalisation cannot serve, each a ValueError naming the keys."""
+        cfg = self.config
+        if call.defer_normalisation and cfg.positive_example_nll_weight > 0 and cfg.loss_agg_mode != "token-mean":
+            raise ValueError(f"defer_normalisation with loss_fn.positive_example_nll_weight > 0 and "
+                             f"loss_fn.loss_agg_mode = {cfg.loss_agg_mode}: the step divides its loss by one count "
+                             "after the last forward, but VAPO's NLL divides by the trained tokens and the seq-mean "
+                             "modes by the sequences")
+        if call.seq_logprob_error_threshold is not None and call.prev.approximation is not None:
+            raise ValueError(f"seq_logprob_error_threshold and prev_approximation={call.prev.approximation.method!r}: "
+                             "the mask compares the generation logprobs with a computed prev (a pass, or curr.detach() "
+                             "where it is exact); set at most one")
+
+    def _normaliser(self, inputs: LossBatch, context: ContextShard | None) -> torch.Tensor:
+        """Deferred normalisation: the count of this microbatch (after the sequence mask) that `loss_agg_mode`
+        divides by, its trained tokens or its sequences with one (reported by one rank of a CP group)."""
+        if self.config.loss_agg_mode == "token-mean":
+            return inputs.mask.sum()
+        sequences = sequences_with_tokens(inputs.mask, inputs.layout, context=context).sum()
+        return sequences if context is None or context.counts_sequences else torch.zeros_like(sequences)
 
     @staticmethod
     def _check_counts(call: LossCall, inputs: LossBatch) -> None:
         """With `check_inputs` (one host sync): each global count is finite, and at least what this microbatch alone
-        holds (0 is an empty step, where this microbatch has nothing to train either)."""
-        if not call.check_inputs:
+        holds (0 is an empty step, where this microbatch has nothing to train either). Deferred: no counts."""
+        if not call.check_inputs or call.defer_normalisation:
             return
         mask = inputs.mask
         here = (mask.sum(), (inputs.layout.sum(mask) > 0).sum())
@@ -414,10 +523,12 @@ class ClippedPGLoss:
             check_generation_logprobs(inputs.generation_logprobs, inputs.mask, user)
         return interpolation_weights(behave, versions)
 
-    def _requirements(self, prev_from_current: bool, prev: PrevSource) -> BatchRequirements:
+    def _requirements(self, prev_from_current: bool, call: LossCall) -> BatchRequirements:
         """Which optional batch keys this call needs, each with the reason a missing one's error gives."""
-        cfg, approximation, compare = self.config, prev.approximation, prev.compare_with
+        cfg, approximation, compare = self.config, call.prev.approximation, call.prev.compare_with
         generation_users = []
+        if call.seq_logprob_error_threshold is not None:
+            generation_users.append("seq_logprob_error_threshold")
         if cfg.use_importance_sampling_correction:
             generation_users.append("loss_fn.use_importance_sampling_correction")
         if cfg.kl_in_loss and cfg.use_on_policy_kl_approximation:
@@ -428,7 +539,7 @@ class ClippedPGLoss:
             generation_users.append("compare_approximations")
         prev_reason = ("unless prev_logprobs_from_current=True (or loss_fn.force_on_policy_ratio, or a "
                        "prev_approximation)")
-        reference_reason = "because loss_fn.reference_policy_kl_penalty > 0 and loss_fn.use_kl_in_reward is false"
+        reference_reason = "because loss_fn.reference_policy_kl_penalty > 0 and loss_fn.kl_in_sequence_reward is false"
         return BatchRequirements(
             prev_logprobs=None if prev_from_current or approximation is not None else prev_reason,
             generation_logprobs=f"by {' and '.join(generation_users)}" if generation_users else None,
@@ -561,6 +672,7 @@ class ClippedPGLoss:
                 kl_estimate(safe_generation, prev, self.config.reference_policy_kl_type), finite
             ),
             "sampling_importance_ratio": token_mean(weights.weights, mask),
+            "gen_ratio_outside_band": token_mean(_outside_band(torch.exp(prev - safe_generation)), finite),
         }
         oob = weights.out_of_bounds
         if oob is None:
@@ -573,3 +685,38 @@ class ClippedPGLoss:
             metrics["is_oob_ratio"] = token_mean(oob.to(torch.float32), mask)
         return metrics
 
+
+
+def _optional_rewards(batch: Mapping[str, torch.Tensor], inputs: LossBatch) -> torch.Tensor | None:
+    """The batch's per-sequence `rewards` when it carries them (the mask's `masked_correct_pct` reads them)."""
+    if inputs.rewards is not None:
+        return inputs.rewards
+    rewards = batch.get("rewards")
+    if not isinstance(rewards, torch.Tensor):
+        return None
+    inputs.layout.check_per_sequence("rewards", rewards)
+    return rewards
+
+
+def _outside_band(ratio: torch.Tensor) -> torch.Tensor:
+    """1.0 where `ratio` lies outside `RATIO_BAND`, else 0.0."""
+    return ((ratio < RATIO_BAND[0]) | (ratio > RATIO_BAND[1])).to(torch.float32)
+
+
+def _kept_set_metric_means(kept: KeptSetMetrics, mask: torch.Tensor,
+                           generation: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """`kept_set_mass` and `kept_set_differs`, token means over the trained tokens (the mass over those whose
+    target is in its set: with unchecked inputs one may not be); with generation logprobs, the fraction of the tokens
+    (with a finite one) whose ratio `exp(curr - generation)` lies outside `RATIO_BAND` when curr replays the engine's
+    set, and when it recomputes the filter (a target outside the recomputed set has ratio 0: outside)."""
+    finite = mask * torch.isfinite(kept.mass)
+    zero = torch.zeros((), dtype=kept.mass.dtype, device=kept.mass.device)
+    metrics = {"kept_set_mass": token_mean(torch.where(finite.bool(), kept.mass, zero).to(torch.float32), finite),
+               "kept_set_differs": token_mean(kept.differs.to(torch.float32), mask)}
+    if generation is not None:
+        scored = mask * torch.isfinite(generation)
+        safe = torch.where(scored.bool(), generation.to(kept.replayed.dtype), zero)
+        for name, curr in (("replayed", kept.replayed), ("recomputed", kept.recomputed)):
+            ratio = torch.exp(torch.where(scored.bool(), curr, zero) - safe)
+            metrics[f"kept_set_{name}_ratio_outside_band"] = token_mean(_outside_band(ratio), scored)
+    return metrics

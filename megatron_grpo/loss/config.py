@@ -75,7 +75,7 @@ class ClippedPGLossConfig(StrictSection):
     reference_policy_kl_type: KLType = "k3"
     kl_input_clamp_value: float | None = 20.0  # NeMo-RL's calculate_kl: clamp of log r; null = no clamp
     kl_output_clamp_value: float | None = 10.0  # ...and of the weighted KL; null = no clamp
-    use_kl_in_reward: bool = False
+    kl_in_sequence_reward: bool = False  # ours (not NeMo-RL's use_kl_in_reward): the KL in each sequence's reward
     use_on_policy_kl_approximation: bool = False
     use_importance_sampling_correction: bool = False
     truncated_importance_sampling: TruncatedImportanceSamplingConfig = dataclasses.field(
@@ -88,7 +88,7 @@ class ClippedPGLossConfig(StrictSection):
     @property
     def kl_in_loss(self) -> bool:
         """Whether the loss itself carries the reference-policy KL term."""
-        return self.reference_policy_kl_penalty > 0 and not self.use_kl_in_reward
+        return self.reference_policy_kl_penalty > 0 and not self.kl_in_sequence_reward
 
     def conflicts(self) -> list[str]:
         """Every contradictory combination of fields, each naming the `loss_fn.<key>`s involved."""
@@ -147,10 +147,10 @@ class ClippedPGLossConfig(StrictSection):
             value = getattr(self, key)
             if value is not None and value <= 0:
                 problems.append(f"loss_fn.{key}: must be > 0 (or null), got {value}")
-        if self.use_on_policy_kl_approximation and self.use_kl_in_reward:
+        if self.use_on_policy_kl_approximation and self.kl_in_sequence_reward:
             problems.append(
-                "loss_fn.use_on_policy_kl_approximation and loss_fn.use_kl_in_reward: the approximation weights the "
-                "KL term of the loss, which use_kl_in_reward removes; set at most one"
+                "loss_fn.use_on_policy_kl_approximation and loss_fn.kl_in_sequence_reward: the approximation weights "
+                "the KL term of the loss, which kl_in_sequence_reward removes; set at most one"
             )
         return problems
 

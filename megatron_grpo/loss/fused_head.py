@@ -23,7 +23,8 @@ output layer does, as for the op. Chunks hold whole sequences, so a loss term th
 a chunk of its own. A packed batch (`[1, T]` with `cu_seqlens`, `loss.packing`) is cut the same way, each chunk a
 run of whole packed sequences (a packed sub-batch of its own); under context parallelism the CP ranks cut the same
 chunks. The value and metrics come from one more loss evaluation on the whole microbatch's (detached) logprobs.
-No top-k / top-p here (use the op, `vocab_parallel_linear_logprobs`). The loss is a Python callable, so
+No recomputed top-k / top-p here (use the op, `vocab_parallel_linear_logprobs`); a rollout engine's kept sets are
+replayed (`kept_set=`, `ops.core.replay`), each chunk reading its rows' sets. The loss is a Python callable, so
 this is an eager autograd Function, not a traceable op.
 """
 
@@ -38,7 +39,12 @@ import torch.distributed as dist
 from megatron_grpo.loss.packing import CU_SEQLENS, SequenceLayout
 from megatron_grpo.ops.context_shard import ContextShard
 from megatron_grpo.ops.core.backends import Implementation
-from megatron_grpo.ops.core.checks import check_linear_inputs, check_target_ids
+from megatron_grpo.ops.core.checks import (
+    check_kept_set_argument,
+    check_kept_values,
+    check_linear_inputs,
+    check_target_ids,
+)
 from megatron_grpo.ops.core.chunking import chunk_rows_for, sequence_chunks
 from megatron_grpo.ops.core.dtypes import compute_dtype
 from megatron_grpo.ops.core.gemm import (
@@ -50,8 +56,10 @@ from megatron_grpo.ops.core.gemm import (
     main_grad_of,
 )
 from megatron_grpo.ops.core.partials import combine_partials, gather_partials
+from megatron_grpo.ops.core.replay import RowSets, replay_gradient, replay_partials
 from megatron_grpo.ops.core.rows import next_token_targets, row_gradient
 from megatron_grpo.ops.distribution import SamplingDistribution
+from megatron_grpo.ops.kept_set import KeptSet
 from megatron_grpo.ops.linear_logprobs import LinearCall
 from megatron_grpo.ops.vocab_shard import VocabShard
 
@@ -75,6 +83,7 @@ class LossFusedCall:
     token_spans: list[tuple[int, int]]  # each chunk's flat rows [start, stop) (known on the host)
     linear: LinearCall  # shard, valid columns, scale and kernels
     shift: bool = True  # row t scores token t + 1 (token-aligned outputs); False: row t's own target (row-aligned)
+    kept: list[RowSets] | None = None  # each chunk's kept sets, replayed (`ops.core.replay`)
 
 
 class LossFusedLinear(torch.autograd.Function):
@@ -93,12 +102,12 @@ class LossFusedLinear(torch.autograd.Function):
         largest = max((sum(call.rows_per_sequence[sl]) for sl in call.sequences_per_chunk), default=0)
         buffer = chunk_buffer(largest, valid, hidden)  # one aligned logits buffer for every chunk
         first_row = 0  # of the chunk, among the trained rows
-        for sequences, span in zip(call.sequences_per_chunk, call.token_spans, strict=True):
+        for number, (sequences, span) in enumerate(zip(call.sequences_per_chunk, call.token_spans, strict=True)):
             count = sum(call.rows_per_sequence[sequences])
             rows = call.trained_rows[first_row:first_row + count] - span[0]  # within the chunk
             first_row += count
             LossFusedLinear.chunk(hidden, weight_valid, sequences, span, rows, buffer[:count], call, grad_hidden,
-                                  weight_gradient, logprobs, entropy)
+                                  weight_gradient, logprobs, entropy, None if call.kept is None else call.kept[number])
         with torch.no_grad():
             loss, metrics = call.loss_fn(call.batch, logprobs, entropy)
         metrics_out.update(metrics)
@@ -121,10 +130,12 @@ class LossFusedLinear(torch.autograd.Function):
 
     @staticmethod
     def chunk(hidden, weight_valid, sequences: slice, span: tuple[int, int], rows: torch.Tensor, buffer: torch.Tensor,
-              call: LossFusedCall, grad_hidden, weight_gradient: WeightGradient, logprobs, entropy) -> None:
+              call: LossFusedCall, grad_hidden, weight_gradient: WeightGradient, logprobs, entropy,
+              kept: RowSets | None = None) -> None:
         """Forward, loss gradient and backward of one chunk of whole sequences, the flat rows `span`, whose trained
         rows are `rows` (indices among the chunk's rows; no host sync here), its logits in `buffer`; fills its rows of
-        `logprobs`, `entropy` (aligned with the tokens) and `grad_hidden`, and adds its share to `weight_gradient`."""
+        `logprobs`, `entropy` (aligned with the tokens) and `grad_hidden`, and adds its share to `weight_gradient`.
+        `kept`: the trained rows' kept sets, replayed."""
         linear = call.linear
         kernels, start, valid, scale = (linear.kernels, linear.shard.start_index, linear.valid_cols,
                                         linear.distribution.logit_scale)
@@ -132,7 +143,11 @@ class LossFusedLinear(torch.autograd.Function):
         h = hidden.reshape(-1, hidden.shape[-1])[first:stop].index_select(0, rows)
         row_targets = call.targets.reshape(-1)[first:stop].index_select(0, rows)
         logits = chunk_logits(h, weight_valid, scale, buffer)
-        partials = kernels.logprob_partials(logits, row_targets, start, valid, True, None)
+        threshold = None
+        if kept is None:
+            partials = kernels.logprob_partials(logits, row_targets, start, valid, True, None)
+        else:  # the engine's kept sets (`core.replay`)
+            partials, threshold = replay_partials(logits, row_targets, kept, kernels, start, valid, True)
         stats = combine_partials(gather_partials(partials, linear.shard.group), row_targets, True)
         # The rows' logprobs and entropies as leaves at their tokens' positions: row t scores token t + 1, or, when the
         # targets were shifted before (row-aligned: context parallelism), its own position. When shifting, a
@@ -153,9 +168,13 @@ class LossFusedLinear(torch.autograd.Function):
                                                               allow_unused=True)
         grad_logprob_rows = _rows_of(grad_logprobs, positions, stats.lse)
         grad_entropy_rows = None if grad_entropy is None else _rows_of(grad_entropy, positions, stats.lse)
-        kernels.logprob_backward(logits, row_targets, start, valid, stats.lse,
-                                 None if grad_entropy_rows is None else stats.mean_x, grad_logprob_rows,
-                                 grad_entropy_rows, logits, None)  # in place: logits become dlogits
+        mean_x = None if grad_entropy_rows is None else stats.mean_x
+        patch = None if kept is None else replay_gradient(logits, row_targets, kept, threshold, stats.lse, mean_x,
+                                                          grad_logprob_rows, grad_entropy_rows, start, valid)
+        kernels.logprob_backward(logits, row_targets, start, valid, stats.lse, mean_x, grad_logprob_rows,
+                                 grad_entropy_rows, logits, threshold)  # in place: logits become dlogits
+        if patch is not None:
+            patch.write(logits)
         dh = hidden_gradient(logits, weight_valid, scale, h.new_empty(h.shape))
         grad_hidden.view(-1, hidden.shape[-1])[first:stop].index_copy_(0, rows, dh)
         weight_gradient.add(logits, h, scale)
@@ -183,6 +202,7 @@ def loss_fused_linear(
     implementation: Implementation = "auto",
     shift: bool = True,
     context: ContextShard | None = None,
+    kept_set: KeptSet | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`loss_fn`'s loss and metrics on the current logprobs and entropies of the trained tokens, from final hidden
     states `[B, S, H]` and this rank's `[V_local, H]` output weight shard, with the gradient computed in forward
@@ -194,7 +214,8 @@ def loss_fused_linear(
     every sequence's first token (`loss.packing.next_token_targets_of`), so no logprob crosses a boundary.
     `loss_fn(batch, curr_logprobs, curr_entropy)` must be sequence-additive: its value on a subset of the
     sequences (`batch` cut by `SequenceLayout.select`) is their share of the whole (e.g. `ClippedPGLoss` with the
-    global counts bound). `distribution`: its scale only (a filtered one is a ValueError).
+    global counts bound). `distribution`: its scale, or its replayed kept sets (`replay_kept_set` with `kept_set`,
+    the `KeptSet` of the positions of `targets`); a recomputed top-k / top-p is a ValueError.
     `chunk_rows`: trained rows per chunk (whole sequences); None picks one as the op does (`chunk_rows_for`).
     `shift=False`: `targets` are each row's own (already shifted) targets, and the logprobs stay with the rows, as
     for a context-parallel rank's row-aligned share (padded, or packed with the share's own `cu_seqlens`).
@@ -203,10 +224,11 @@ def loss_fused_linear(
     meets its peers chunk by chunk.
     """
     distribution = SamplingDistribution() if distribution is None else distribution
-    if distribution.filtered:
+    if distribution.recomputes_filter:
         raise ValueError(f"distribution: the loss-fused path has no top-k / top-p (got top_k={distribution.top_k!r}, "
                          f"top_p={distribution.top_p!r}); use vocab_parallel_linear_logprobs and the loss on its "
-                         "logprobs")
+                         "logprobs, or replay the engine's kept sets (replay_kept_set)")
+    check_kept_set_argument(kept_set, distribution, targets)
     if hidden.dim() != 3 or hidden.shape[:2] != targets.shape:
         raise ValueError(f"hidden must be [B, S, H] with [B, S] = the targets' shape {tuple(targets.shape)}, got "
                          f"{tuple(hidden.shape)}")
@@ -216,6 +238,8 @@ def loss_fused_linear(
     shard = (VocabShard() if shard is None else shard).resolve(weight.shape[0])
     if check_inputs:
         check_target_ids(targets, shard)
+        if kept_set is not None:
+            check_kept_values(kept_set, targets.reshape(-1), shard, shift)
     layout = (SequenceLayout.packed(batch[CU_SEQLENS], targets.shape[1]) if CU_SEQLENS in batch
               else SequenceLayout.padded(*targets.shape, device=targets.device))
     trained = targets >= 0  # a trained row scores a token of its own sequence (shifting: token t + 1)
@@ -235,9 +259,15 @@ def loss_fused_linear(
                                                                             hidden.dtype)
     linear = LinearCall.of(weight, sum(per_sequence), shard, distribution, True, budget, implementation)
     chunks = sequence_chunks(cut_counts, budget)
+    kept = None
+    if kept_set is not None:  # each chunk's trained rows, a run of `trained_rows`
+        bounds = [0]
+        for sequences in chunks:
+            bounds.append(bounds[-1] + sum(per_sequence[sequences]))
+        kept = RowSets.of_groups(kept_set, trained_rows, [slice(a, b) for a, b in zip(bounds, bounds[1:])], shift)
     call = LossFusedCall(loss_fn=loss_fn, batch=batch, layout=layout, targets=targets, trained_rows=trained_rows,
                          rows_per_sequence=per_sequence, sequences_per_chunk=chunks,
-                         token_spans=layout.token_spans(chunks), linear=linear, shift=shift)
+                         token_spans=layout.token_spans(chunks), linear=linear, shift=shift, kept=kept)
     metrics: dict[str, torch.Tensor] = {}
     loss, _, _ = LossFusedLinear.apply(hidden, weight, call, metrics)
     return loss, metrics

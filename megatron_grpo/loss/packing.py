@@ -22,6 +22,8 @@ from functools import cached_property
 
 import torch
 
+from megatron_grpo.loss.kept_set_batch import as_positions, with_kept_set
+
 CU_SEQLENS = "cu_seqlens"
 POSITION_IDS = "position_ids"  # optional [1, T] positions of a packed batch (default: restarting per sequence)
 
@@ -170,9 +172,10 @@ class SequenceLayout:
                ) -> dict[str, torch.Tensor]:
         """The batch of consecutive `sequences` alone, in the same layout: per-token tensors (`token_shape` first)
         cut to their tokens (`span`, from `token_spans`, or read here), per-sequence ones (`[N]`) to their entries,
-        `cu_seqlens` rebased to 0."""
+        `cu_seqlens` rebased to 0; kept sets (`loss.kept_set_batch`) to those of their tokens."""
+        batch, kept = as_positions(batch)
         if not self.is_packed:
-            return {key: value[sequences] for key, value in batch.items()}
+            return with_kept_set({key: value[sequences] for key, value in batch.items()}, kept)
         start, stop = span if span is not None else self.token_spans([sequences])[0]
         selected = {}
         for key, value in batch.items():
@@ -185,7 +188,7 @@ class SequenceLayout:
             else:
                 raise ValueError(f"batch[{key!r}]: neither per-token {list(self.token_shape)} nor per-sequence "
                                  f"[{self.num_sequences}], got {list(value.shape)}")
-        return selected
+        return with_kept_set(selected, kept)
 
     def _check_per_token(self, key: str, tensor: torch.Tensor) -> None:
         if tuple(tensor.shape[:2]) != self.token_shape:
@@ -218,7 +221,9 @@ def pack_rows(batch: Mapping[str, torch.Tensor], rows: list[int], lengths: list[
     and padded at its end to a multiple of `pad_multiple` (zeros: untrained). `num_tokens`: pad the last sequence
     further so the batch holds exactly that many tokens (e.g. one length for every microbatch of a pipeline).
     The packed batch carries `position_ids` `[1, T]`: each sequence's positions from 0, and 0 on its padding, so
-    that no padding reaches past the model's position embeddings."""
+    that no padding reaches past the model's position embeddings. Kept sets (`loss.kept_set_batch`) follow their
+    tokens; padding has none."""
+    batch, kept = as_positions(batch)
     token_shape = tuple(batch["input_ids"].shape)
     spans = [-(-lengths[r] // pad_multiple) * pad_multiple for r in rows]
     total = sum(spans)
@@ -253,7 +258,7 @@ def pack_rows(batch: Mapping[str, torch.Tensor], rows: list[int], lengths: list[
         cu.append(cu[-1] + span)
     packed[CU_SEQLENS] = torch.tensor(cu, dtype=torch.int32, device=device)
     packed[POSITION_IDS] = positions
-    return packed
+    return with_kept_set(packed, kept)
 
 
 def first_fit_decreasing(lengths: list[int], max_tokens: int) -> list[list[int]]:

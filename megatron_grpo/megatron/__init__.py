@@ -14,6 +14,7 @@ from megatron_grpo._lazy import lazy_exports
 _EXPORTS = {
     "AdamOverMainGrad": "megatron_grpo.megatron.optimizer",
     "AdamParams": "megatron_grpo.megatron.optimizer",
+    "apply_deferred_normalisation": "megatron_grpo.megatron.step",
     "apply_cpu_support": "megatron_grpo.megatron.cpu_support",
     "build_gpt_model": "megatron_grpo.megatron.model",
     "build_optimizer": "megatron_grpo.megatron.optimizer",

@@ -25,6 +25,7 @@ from megatron.core import parallel_state
 from megatron.core import utils as megatron_utils
 from megatron.core.utils import get_batch_on_this_cp_rank
 
+from megatron_grpo.loss.kept_set_batch import as_positions, with_kept_set
 from megatron_grpo.loss.packing import CU_SEQLENS, POSITION_IDS, SequenceLayout
 from megatron_grpo.megatron.transformer_engine import transformer_engine_usable
 from megatron_grpo.ops.context_shard import ContextShard
@@ -66,9 +67,15 @@ def split_for_context_parallel(batch: Batch) -> dict[str, torch.Tensor]:
     other per-token tensor (those shaped like `input_ids`) shifted so position `t` belongs to `labels[t] =
     input_ids[t + 1]`; per-sequence tensors unchanged. Padded: `S` must be a multiple of 2·CP (Megatron's zigzag),
     else a ValueError naming `batch['input_ids']`. Packed: every sequence's length must be a multiple of 2·CP, else
-    a ValueError naming `batch['cu_seqlens']`; the share's `cu_seqlens` are the local ones (`cu_seqlens // CP`)."""
-    if CU_SEQLENS in batch:
-        return _split_packed(batch)
+    a ValueError naming `batch['cu_seqlens']`; the share's `cu_seqlens` are the local ones (`cu_seqlens // CP`).
+    Kept sets (`loss.kept_set_batch`) are shifted and split with the per-token tensors: row `t` holds token
+    `t + 1`'s."""
+    batch, kept = as_positions(batch)
+    return with_kept_set(_split_packed(batch) if CU_SEQLENS in batch else _split_padded(batch), kept)
+
+
+def _split_padded(batch: Batch) -> dict[str, torch.Tensor]:
+    """`split_for_context_parallel` of a padded batch: the shift, then Megatron's zigzag."""
     input_ids = batch["input_ids"]
     size = context_parallel_size()
     if input_ids.dim() != 2 or input_ids.shape[1] % (2 * size):
@@ -90,16 +97,18 @@ def split_for_context_parallel(batch: Batch) -> dict[str, torch.Tensor]:
 def padded_for_context_parallel(batch: Batch) -> Batch:
     """A padded `[B, S]` batch with every per-token tensor (shaped like `input_ids`) extended with zeros to the next
     multiple of 2·CP, the length the zigzag split needs: untrained positions after every row's end, which causal
-    attention never lets a real token see (`train_step` and `compute_logprobs` cut the results back to `S`). A
-    packed batch (its sequences padded when packed) or CP 1: `batch` itself."""
+    attention never lets a real token see (`train_step` and `compute_logprobs` cut the results back to `S`); kept
+    sets follow their tokens, and the added positions hold none. A packed batch (its sequences padded when packed)
+    or CP 1: `batch` itself."""
     multiple = 2 * context_parallel_size()
     input_ids = batch["input_ids"]
     missing = -input_ids.shape[1] % multiple
     if multiple == 2 or CU_SEQLENS in batch or not missing:
         return batch
-    return {key: torch.cat([value, value.new_zeros((value.shape[0], missing, *value.shape[2:]))], dim=1)
-            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == input_ids.shape else value
-            for key, value in batch.items()}
+    batch, kept = as_positions(batch)  # the kept sets follow their tokens; the added positions hold none
+    return with_kept_set({key: torch.cat([value, value.new_zeros((value.shape[0], missing, *value.shape[2:]))], dim=1)
+                          if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == input_ids.shape
+                          else value for key, value in batch.items()}, kept)
 
 
 def _split_packed(batch: Batch) -> dict[str, torch.Tensor]:

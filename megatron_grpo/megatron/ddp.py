@@ -55,6 +55,15 @@ def zero_grads(model: torch.nn.Module) -> None:
         param.grad = None
 
 
+def scale_gradients(model: torch.nn.Module, factor: float) -> None:
+    """Multiplies the step's gradients by `factor` in place: each parameter's DDP `main_grad` (views of DDP's
+    buffers), or its `.grad` outside DDP. Deferred normalisation divides them so, once, before clipping."""
+    for param in model.parameters():
+        grad = gradient(param)
+        if grad is not None:
+            grad.mul_(factor)
+
+
 def gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
     """The reduced gradient of `param`: DDP's `main_grad` when wrapped, else `.grad`."""
     main_grad = getattr(param, "main_grad", None)

@@ -8,6 +8,12 @@
 - `train_step` runs the logprob passes the plan asks for, then one optimizer step per global batch of the
   rollout (`optimizer.optimizer_step`), and returns curr logprobs, prev logprobs (backfilled from curr when the
   pass was skipped) and the passes it ran, the same on every rank. The sync and async loops both call it.
+- Deferred normalisation (`make_forward_step(..., defer_normalisation=True)`, `StepConfig.defer_normalisation`,
+  and always under the plan's sequence mask by logprob error, which changes the counts during the forwards): each
+  microbatch's loss is its unnormalised sum, the loss reports the count it divides by, and
+  `apply_deferred_normalisation` sums those counts over the microbatches and DP ranks and divides the gradients
+  once, before clipping and the optimizer. The loss is linear in its divisor, so this equals global counts known
+  beforehand up to rounding, for every aggregation mode.
 
 Batches follow the contract in docs/design.md: dicts of `[B, S]` tensors aligned with `input_ids` (position 0 has no
 logprob), or packed (`[1, T]` with `cu_seqlens`, `loss.packing`) where `make_forward_step` and `compute_logprobs`
@@ -29,7 +35,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -42,6 +48,8 @@ from megatron_grpo.loss import (
     trained_token_mask,
 )
 from megatron_grpo.loss.call import LossCall, PrevSource, StepLoss
+from megatron_grpo.loss.kept_set_batch import KEPT_SET_KEYS, as_positions, kept_set_of, with_kept_set
+from megatron_grpo.loss.metrics import NORMALISER, Aggregation
 from megatron_grpo.loss.packing import (
     CU_SEQLENS,
     POSITION_IDS,
@@ -63,7 +71,7 @@ from megatron_grpo.megatron.context_parallel import (
     padded_for_context_parallel,
     split_for_context_parallel,
 )
-from megatron_grpo.megatron.ddp import is_ddp
+from megatron_grpo.megatron.ddp import is_ddp, scale_gradients
 from megatron_grpo.megatron.forward import (
     Batch,
     ForwardStep,
@@ -110,6 +118,8 @@ class StepConfig:
     #   micro_batch_size rows; None: padded microbatches
     logprob_max_tokens_per_microbatch: int | None = None  # the same for the prev and reference passes (forward
     #   only, so they may take more); None: max_tokens_per_microbatch
+    defer_normalisation: bool = False  # divide the gradients once by the counts the forwards report, not by counts
+    #   known before them (`make_forward_step`); the plan's sequence mask by logprob error turns it on by itself
 
 
 @dataclass(frozen=True)
@@ -130,21 +140,26 @@ def make_forward_step(
     plan: LogprobPlan,
     *,
     num_microbatches: int,
-    global_valid_tokens: Count,
-    global_valid_seqs: Count,
     vocab: VocabShard,
+    global_valid_tokens: Count | None = None,
+    global_valid_seqs: Count | None = None,
     distribution: SamplingDistribution | None = None,
     fused_linear: bool = False,
     fused_loss: bool = False,
     versions: StepVersions | None = None,
     check_inputs: bool | None = None,
+    defer_normalisation: bool = False,
 ) -> ForwardStep:
     """A `forward_step(data_iterator, model) -> (output_tensor, loss_func)` for one optimizer step.
 
     `loss_fn` follows `megatron_grpo.loss.StepLoss` (`ClippedPGLoss` does): each microbatch's loss is
     `loss_fn.step_loss(output, batch, call)`, where `call` is one `LossCall` that says everything else:
     - the counts: `global_valid_*` count the whole optimizer step (all microbatches, all DP ranks); the loss is
-      normalised by them, so the per-microbatch losses sum to the step's loss;
+      normalised by them, so the per-microbatch losses sum to the step's loss. With `defer_normalisation=True`
+      there are none: each microbatch's loss is a sum, and after the schedule `apply_deferred_normalisation(model,
+      loss_fn, metrics)` divides the gradients (and the loss metrics) once by the counts the loss reported, before
+      the optimizer step. The plan's sequence mask by logprob error (`plan.seq_logprob_error_threshold`, applied
+      in the loss from the batch's prev or curr.detach()) changes the counts during the forwards, so it needs it;
     - `vocab` (this rank's `VocabShard`) and `distribution` (`SamplingDistribution`, the policy trained: pass the
       sampling settings', `SamplingDistribution.of_sampling`, so that it is the one the rollouts came from; None:
       softmax(logits));
@@ -187,11 +202,19 @@ def make_forward_step(
                         "loss that follows megatron_grpo.loss.StepLoss, as ClippedPGLoss does")
     if fused_loss and not fused_linear:
         raise ValueError("fused_loss: needs fused_linear=True")
+    threshold = plan.seq_logprob_error_threshold
+    if threshold is not None and not defer_normalisation:
+        raise ValueError(f"defer_normalisation: the plan masks sequences by logprob error in the forward "
+                         f"(seq_logprob_error_threshold = {threshold}), so the step's counts are known only after its "
+                         "last forward; pass defer_normalisation=True (no counts), then "
+                         "apply_deferred_normalisation(model, loss_fn, metrics) before the optimizer step")
     call = LossCall.of(global_valid_tokens, global_valid_seqs, shard=vocab, distribution=distribution,
-                       prev=prev_source(plan, versions), context=context_shard(), inplace_backward=True,
+                       prev=prev_source(plan, versions), seq_logprob_error_threshold=threshold,
+                       defer_normalisation=defer_normalisation, context=context_shard(), inplace_backward=True,
                        check_inputs=check_inputs, loss_fused=fused_loss)
-    if fused_loss and call.distribution.filtered:
-        raise ValueError("fused_loss: no top-k / top-p on the loss-fused path (use fused_linear alone)")
+    if fused_loss and call.distribution.recomputes_filter:
+        raise ValueError("fused_loss: no recomputed top-k / top-p on the loss-fused path (use fused_linear alone, or "
+                         "replay the rollout engine's kept sets: replay_kept_set)")
     # Megatron divides the returned loss in place by num_microbatches, and DDP averages over the DP ranks: hand
     # it a scaled copy (a new tensor, so `metrics["loss"]`, the loss's own detached value, stays unscaled).
     loss_scale = num_microbatches * parallel_state.get_data_parallel_world_size()
@@ -209,6 +232,32 @@ def make_forward_step(
         return batch_forward(model, batch, hidden_states=fused_linear), partial(loss_func, batch, model)
 
     return forward_step
+
+
+def apply_deferred_normalisation(model: torch.nn.Module, loss_fn: StepLoss,
+                                 microbatch_metrics: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Finishes an optimizer step run with `make_forward_step(..., defer_normalisation=True)`, after Megatron's
+    schedule and before clipping and the optimizer: the counts the loss reported (`loss_normaliser`, after any
+    sequence mask) summed over the microbatches and the DP × CP ranks, the gradients divided by them (DDP's
+    `main_grad`, or `.grad`), and the step's metrics returned aggregated as `train_step` reports them, the loss and
+    the other normalised sums divided too. `microbatch_metrics`: what the schedule returned (none on a pipeline
+    stage other than the last, whose counts are broadcast to it). The same on every rank."""
+    return _normalised(model, metrics_from_last_stage(_aggregate(microbatch_metrics, loss_fn)),
+                       loss_fn.metric_aggregation)
+
+
+def _normalised(model: torch.nn.Module, metrics: dict[str, float],
+                aggregation: Mapping[str, Aggregation]) -> dict[str, float]:
+    """The gradients and the normalised-sum metrics of a deferred step divided by its summed normaliser (0: an
+    empty step, whose sums are 0, divided by 1 as the loss divides a global count of 0)."""
+    if NORMALISER not in metrics:
+        raise ValueError(f"metrics: no {NORMALISER!r}: the loss reports it only when the forward step was made with "
+                         "defer_normalisation=True")
+    metrics = dict(metrics)
+    normaliser = max(metrics.pop(NORMALISER), 1.0)
+    scale_gradients(model, 1.0 / normaliser)
+    return {name: value / normaliser if aggregation.get(name) is Aggregation.NORMALISED_SUM else value
+            for name, value in metrics.items()}
 
 
 def prev_source(plan: LogprobPlan, versions: StepVersions | None = None) -> PrevSource:
@@ -263,13 +312,17 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
         microbatches = _split(batch, micro_batch_size)
     if context is not None:  # the split shifts every per-token tensor of a microbatch: hand it the tokens alone,
         # and a mark shifted with them that is False on each sequence's last row (it has no target)
-        microbatches = [{**{key: mb[key] for key in ("input_ids", CU_SEQLENS, POSITION_IDS) if key in mb},
+        microbatches = [{**{key: mb[key] for key in ("input_ids", CU_SEQLENS, POSITION_IDS, *KEPT_SET_KEYS)
+                            if key in mb},
                          _HAS_TARGET: torch.ones_like(mb["input_ids"], dtype=torch.bool)} for mb in microbatches]
 
-    def logprob_func(targets: torch.Tensor, output_tensor: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
+    replay = distribution is not None and distribution.replay_kept_set
+
+    def logprob_func(targets: torch.Tensor, kept, output_tensor: torch.Tensor,
+                     non_loss_data: bool = True) -> torch.Tensor:
         output = HiddenStates(*_in_compute_dtype(model, output_tensor)) if fused_linear else output_tensor
         return current_logprobs(output, targets, shard=vocab, distribution=distribution, with_entropy=False,
-                                check_inputs=check_inputs, shift=context is None).logprobs
+                                check_inputs=check_inputs, shift=context is None, kept_set=kept).logprobs
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
         microbatch = next(data_iterator)
@@ -280,7 +333,12 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
         else:  # row-aligned: each row scores its label; the last row of a sequence has none
             microbatch = split_for_context_parallel(microbatch)
             targets = microbatch["labels"].masked_fill(~microbatch[_HAS_TARGET], -1)
-        return batch_forward(model, microbatch, hidden_states=fused_linear), partial(logprob_func, targets)
+        kept = kept_set_of(microbatch) if replay else None
+        if kept is not None:  # replayed: only the sampled tokens, which carry a kept set, are scored
+            targets = targets.masked_fill(kept.lengths().view(targets.shape) == 0, -1)
+        elif replay:
+            raise ValueError(f"batch[{KEPT_SET_KEYS[0]!r}] is missing: required by distribution.replay_kept_set")
+        return batch_forward(model, microbatch, hidden_states=fused_linear), partial(logprob_func, targets, kept)
 
     was_training = model.training
     model.eval()
@@ -344,8 +402,9 @@ def train_step(
     (wrapped in Megatron's DDP when DP > 1) and `vocab` its shard, `vocab_shard_of(model, true_vocab_size)`; the
     reference model shares it. `reference_model` is needed only when `plan.compute_reference_logprobs`.
     `prepare_batch`, when given, maps the batch once the logprob passes are in it and before any optimizer step:
-    the readers of prev logprobs before the loss (sequence masking by logprob error, the KL in the reward) work
-    there.
+    a reader of prev logprobs before the loss (the runner's KL in the reward) works there. The plan's sequence mask
+    by logprob error runs inside the loss instead, with the normalisation deferred (`StepConfig.defer_normalisation`
+    is then on whatever it says).
 
     With prev from the generation logprobs (the plan's `prev_approximation`), they are the batch's prev from the
     start. An interpolated prev (or the comparison with it) needs `prev_version`, the weight version of the
@@ -383,6 +442,7 @@ def train_step(
                          "step itself with StepConfig.max_tokens_per_microbatch")
     step_rows = _rows_per_optimizer_step(step, batch["input_ids"].shape[0])
     width = batch["input_ids"].shape[1]
+    deferred = step.defer_normalisation or plan.seq_logprob_error_threshold is not None
     batch = dict(padded_for_context_parallel(batch))
     passes_run: dict[str, int] = {}
     if plan.compute_reference_logprobs:
@@ -413,19 +473,24 @@ def train_step(
 
     step_metrics, step_logprobs = [], []
     rows = batch["input_ids"].shape[0]
+    by_position, kept = as_positions(batch)  # the kept sets (if any) follow their tokens into the microbatches
     for start in range(0, rows, step_rows):
-        step_batch = {key: value[start:start + step_rows] for key, value in batch.items()}
+        step_batch = with_kept_set({key: value[start:start + step_rows] for key, value in by_position.items()}, kept)
         versions = (StepVersions.of_optimizer_step(prev_version, start // step_rows, rows // step_rows)
                     if plan.needs_versions else None)
         with timer.section("forward_backward"):
             packing = None if packed_tokens is None else _packed_microbatches(step_batch, packed_tokens)
             microbatches = _split(step_batch, micro_batch_size) if packing is None else packing.microbatches
             metrics = _forward_backward(model, optimizer, loss_fn, plan, microbatches, vocab, distribution,
-                                        fused_linear=fused, fused_loss=step.fused_linear_loss, versions=versions)
+                                        fused_linear=fused, fused_loss=step.fused_linear_loss, versions=versions,
+                                        deferred=deferred)
+        aggregated = metrics_from_last_stage(_aggregate(metrics, loss_fn))
         with timer.section("optimizer"):
+            if deferred:  # the gradients divided once, before clipping
+                aggregated = _normalised(model, aggregated, loss_fn.metric_aggregation)
             lr = learning_rate(optimizer)  # the rate this step uses
             grad_norm = optimizer_step(model, optimizer, clip)
-        step_metrics.append({**metrics_from_last_stage(_aggregate(metrics, loss_fn)), "grad_norm": grad_norm,
+        step_metrics.append({**aggregated, "grad_norm": grad_norm,
                              "grad_norm_after_clip": grad_norm_after_clipping(grad_norm, clip), "lr": lr})
         if metrics:  # the per-token metrics whole (CP), back at the rollout's rows (packing)
             step_logprobs.append({key: _whole_per_token([m[key] for m in metrics], microbatches, packing)
@@ -460,9 +525,10 @@ def _forward_backward(
     fused_linear: bool = False,
     fused_loss: bool = False,
     versions: StepVersions | None = None,
+    deferred: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Fresh gradients of one optimizer step: Megatron's schedule over the microbatches, which ends in DDP's
-    reduction over the DP ranks (`megatron.ddp`).
+    reduction over the DP ranks (`megatron.ddp`); `deferred`: unnormalised, for `_normalised`.
 
     Returns the loss's metrics of each microbatch (none on pipeline stages other than the last).
     """
@@ -470,11 +536,12 @@ def _forward_backward(
         raise ValueError("model: data parallelism needs the model wrapped in Megatron-Core's DistributedDataParallel "
                          "(megatron_grpo.megatron.wrap_in_ddp), which reduces the gradients over the DP ranks (and "
                          "the context-parallel ranks, with CP)")
-    tokens, seqs = _global_valid_counts(microbatches)
+    tokens, seqs = (None, None) if deferred else _global_valid_counts(microbatches)
     forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches), global_valid_tokens=tokens,
                                      global_valid_seqs=seqs, vocab=vocab, distribution=distribution,
                                      fused_linear=fused_linear, fused_loss=fused_loss, versions=versions,
-                                     check_inputs=False)  # train_step checked the batch's values once
+                                     check_inputs=False,  # train_step checked the batch's values once
+                                     defer_normalisation=deferred)
     zero_optimizer_grads(model, optimizer)
     model.train()
     return run_schedule(forward_step, model, microbatches, forward_only=False)
@@ -499,7 +566,8 @@ def _split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     if rows == 0 or rows % micro_batch_size:
         raise ValueError(f"batch['input_ids']: {rows} sequences are not a positive multiple of "
                          f"micro_batch_size ({micro_batch_size})")
-    return [{key: value[start:start + micro_batch_size] for key, value in batch.items()}
+    batch, kept = as_positions(batch)  # the kept sets (if any) follow their tokens
+    return [with_kept_set({key: value[start:start + micro_batch_size] for key, value in batch.items()}, kept)
             for start in range(0, rows, micro_batch_size)]
 
 

@@ -33,7 +33,12 @@ from typing import Literal, Optional, overload
 import torch
 
 from megatron_grpo.ops.core.backends import Implementation, Kernels, select_kernels
-from megatron_grpo.ops.core.checks import check_linear_inputs, check_target_ids
+from megatron_grpo.ops.core.checks import (
+    check_kept_set_argument,
+    check_kept_values,
+    check_linear_inputs,
+    check_target_ids,
+)
 from megatron_grpo.ops.core.chunking import chunk_rows_for
 from megatron_grpo.ops.core.dtypes import compute_dtype
 from megatron_grpo.ops.core.filtering import kept_threshold
@@ -46,8 +51,10 @@ from megatron_grpo.ops.core.gemm import (
     main_grad_of,
 )
 from megatron_grpo.ops.core.partials import Partials, combine_partials, gather_partials
+from megatron_grpo.ops.core.replay import RowSets, replay_gradient, replay_partials
 from megatron_grpo.ops.core.rows import check_shiftable, next_token_targets, per_token, upstream_gradients
 from megatron_grpo.ops.distribution import SamplingDistribution
+from megatron_grpo.ops.kept_set import KeptSet
 from megatron_grpo.ops.vocab_shard import VocabShard
 
 
@@ -78,27 +85,32 @@ class LinearCall:
 
     @property
     def filter_active(self) -> bool:
-        return self.distribution.active(self.shard.true_vocab_size)
+        return self.distribution.replay_kept_set or self.distribution.active(self.shard.true_vocab_size)
 
 
-def linear_partials(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, call: LinearCall
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def linear_partials(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, call: LinearCall,
+                    kept: list[RowSets] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's `[rows, 3|4]` partials of the trained rows `hidden`, one chunk of logits alive at a time, and the
-    rows' top-k / top-p thresholds (None without an active filter)."""
+    rows' top-k / top-p thresholds (None without an active filter). `kept`: each chunk's kept sets to replay."""
     shard, valid = call.shard, call.valid_cols
     weight_valid = weight[:valid]
     rows = hidden.shape[0]
     filtered = call.filter_active
     partials, thresholds = [], []
     buffer = chunk_buffer(min(call.chunk_rows, rows), valid, hidden)
-    for sl in call.chunks(rows):
+    for number, sl in enumerate(call.chunks(rows)):
         logits = chunk_logits(hidden[sl], weight_valid, call.distribution.logit_scale, buffer[:sl.stop - sl.start])
-        threshold = kept_threshold(logits, call.distribution, true_vocab_size=shard.true_vocab_size,
-                                   group=shard.group, scaled=True)
+        if kept is not None:  # the engine's kept sets instead of the filter (`core.replay`)
+            partial, threshold = replay_partials(logits, targets[sl], kept[number], call.kernels, shard.start_index,
+                                                 valid, call.with_entropy)
+        else:
+            threshold = kept_threshold(logits, call.distribution, true_vocab_size=shard.true_vocab_size,
+                                       group=shard.group, scaled=True)
+            partial = call.kernels.logprob_partials(logits, targets[sl], shard.start_index, valid, call.with_entropy,
+                                                    threshold)
         if filtered:
             thresholds.append(threshold)
-        partials.append(call.kernels.logprob_partials(logits, targets[sl], shard.start_index, valid,
-                                                      call.with_entropy, threshold))
+        partials.append(partial)
     if not partials:  # no trained row: every rank still joins the one all-gather, with nothing
         empty = hidden.new_empty((0, Partials.width(call.with_entropy)), dtype=compute_dtype(hidden.dtype))
         return empty, (empty.new_empty(0) if filtered else None)
@@ -108,22 +120,27 @@ def linear_partials(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 def linear_backward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
                     mean_x: torch.Tensor | None, grad_logprob: torch.Tensor, grad_entropy: torch.Tensor | None,
                     threshold: torch.Tensor | None, call: LinearCall, grad_hidden: torch.Tensor | None,
-                    weight_gradient: WeightGradient | None) -> None:
+                    weight_gradient: WeightGradient | None, kept: list[RowSets] | None = None) -> None:
     """Writes `dH` of the trained rows into `grad_hidden` and adds `dW` to `weight_gradient` (either may be None),
-    chunk by chunk; the padding rows of `dW` never enter the GEMMs."""
+    chunk by chunk; the padding rows of `dW` never enter the GEMMs. `kept`: each chunk's replayed kept sets."""
     scale, valid = call.distribution.logit_scale, call.valid_cols
     weight_valid = weight[:valid]
     rows = hidden.shape[0]
     buffer = chunk_buffer(min(call.chunk_rows, rows), valid, hidden)
-    for sl in call.chunks(rows):
+    for number, sl in enumerate(call.chunks(rows)):
         h = hidden[sl]
         grad_logits = chunk_logits(h, weight_valid, scale, buffer[:sl.stop - sl.start])
+        patch = None if kept is None else replay_gradient(
+            grad_logits, targets[sl], kept[number], threshold[sl], lse[sl], None if mean_x is None else mean_x[sl],
+            grad_logprob[sl], None if grad_entropy is None else grad_entropy[sl], call.shard.start_index, valid)
         call.kernels.logprob_backward(
             grad_logits, targets[sl], call.shard.start_index, valid, lse[sl],
             None if mean_x is None else mean_x[sl], grad_logprob[sl],
             None if grad_entropy is None else grad_entropy[sl], grad_logits,
             None if threshold is None else threshold[sl],
         )  # in place: the chunk's logits become d(objective)/d(logits)
+        if patch is not None:
+            patch.write(grad_logits)
         if grad_hidden is not None:
             hidden_gradient(grad_logits, weight_valid, scale, grad_hidden[sl])
         if weight_gradient is not None:
@@ -152,31 +169,44 @@ def scattered(values: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Ten
 
 # ---- the traceable op ----
 
-def _shard_and_distribution(start_index, true_vocab_size, group_name, logit_scale, top_k, top_p):
+def _shard_and_distribution(start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, replay=False):
     return (VocabShard.with_group_name(start_index, true_vocab_size, group_name),
-            SamplingDistribution(logit_scale=logit_scale, top_k=top_k, top_p=top_p))
+            SamplingDistribution(logit_scale=logit_scale, top_k=top_k, top_p=top_p, replay_kept_set=replay))
+
+
+def _chunk_sets(kept_offsets, kept_ids, next_token, index, call: LinearCall) -> list[RowSets] | None:
+    """Each chunk's kept sets (`RowSets.of_groups`, one host read), or None without a kept set."""
+    if kept_offsets is None:
+        return None
+    return RowSets.of_groups(KeptSet(kept_offsets, kept_ids), index, call.chunks(index.numel()), next_token)
 
 
 @torch.library.custom_op("megatron_grpo::vocab_parallel_linear_logprobs", mutates_args=())
 def _linear_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, start_index: Optional[int],
                true_vocab_size: Optional[int], group_name: str, logit_scale: float, top_k: Optional[int],
                top_p: Optional[float], with_entropy: bool, chunk_rows: Optional[int], check_inputs: bool,
-               implementation: str
+               implementation: str, kept_offsets: Optional[torch.Tensor] = None,
+               kept_ids: Optional[torch.Tensor] = None, kept_next_token: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                           torch.Tensor]:
     """`(logprob, entropy, index, hidden_rows, lse, mean_x, threshold)` of `[rows, H]` hidden states: logprob and
     entropy `[rows]` (0 on ignored rows), `index` the trained rows' indices `[n]`, `hidden_rows` their hidden states
     `[n, H]` where some rows are ignored (a copy, which backward keeps instead of all rows; `[0, H]` when every row
     is trained: backward reads the input then), and per trained row `lse`, `mean_x` (with entropy) and the filter's
-    `threshold` (with a filter); `[0]` where absent."""
-    shard, distribution = _shard_and_distribution(start_index, true_vocab_size, group_name, logit_scale, top_k, top_p)
+    `threshold` (with a filter); `[0]` where absent. `kept_offsets`, `kept_ids`: a `KeptSet` to replay, over the
+    targets' positions before the shift (`kept_next_token`: row `r` scores position `r + 1`)."""
+    shard, distribution = _shard_and_distribution(start_index, true_vocab_size, group_name, logit_scale, top_k, top_p,
+                                                  kept_offsets is not None)
     shard = shard.resolve(weight.shape[0])
     # Whether some rows are ignored: the target check's sync says so; without it, they may be.
     index = trained_index(targets, check_target_ids(targets, shard) if check_inputs else None)
+    if check_inputs and kept_offsets is not None:
+        check_kept_values(KeptSet(kept_offsets, kept_ids), targets, shard, kept_next_token)
     gathered = index.numel() != hidden.shape[0]
     hidden_rows, target_rows = rows_at(hidden, index), rows_at(targets, index)
     call = LinearCall.of(weight, index.numel(), shard, distribution, with_entropy, chunk_rows, implementation)
-    partials, threshold = linear_partials(hidden_rows, weight.contiguous(), target_rows, call)
+    partials, threshold = linear_partials(hidden_rows, weight.contiguous(), target_rows, call,
+                                          _chunk_sets(kept_offsets, kept_ids, kept_next_token, index, call))
     stats = combine_partials(gather_partials(partials, shard.group), target_rows, with_entropy)
     if distribution.filtered and threshold is None:  # a filter that keeps this whole vocab
         threshold = torch.full_like(stats.lse, float("-inf"))
@@ -194,11 +224,13 @@ def _linear_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 
 @_linear_op.register_fake
 def _linear_op_fake(hidden, weight, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p,
-                    with_entropy, chunk_rows, check_inputs, implementation):
+                    with_entropy, chunk_rows, check_inputs, implementation, kept_offsets=None, kept_ids=None,
+                    kept_next_token=False):
     rows, dtype = hidden.shape[0], compute_dtype(hidden.dtype)
     ctx = torch.library.get_ctx()
     trained, kept = ctx.new_dynamic_size(), ctx.new_dynamic_size()
-    filtered = SamplingDistribution(logit_scale=logit_scale, top_k=top_k, top_p=top_p).filtered
+    filtered = kept_offsets is not None or SamplingDistribution(logit_scale=logit_scale, top_k=top_k,
+                                                                top_p=top_p).filtered
 
     def per_row(count, present: bool = True) -> torch.Tensor:
         return hidden.new_empty(count if present else 0, dtype=dtype)
@@ -216,11 +248,14 @@ def _linear_backward_op(hidden: torch.Tensor, hidden_rows: torch.Tensor, weight:
                         main_grad: Optional[torch.Tensor], rows: int, start_index: Optional[int],
                         true_vocab_size: Optional[int], group_name: str, logit_scale: float, top_k: Optional[int],
                         top_p: Optional[float], chunk_rows: Optional[int], implementation: str, need_hidden: bool,
-                        need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                        need_weight: bool, kept_offsets: Optional[torch.Tensor] = None,
+                        kept_ids: Optional[torch.Tensor] = None, kept_next_token: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(dH [rows, H], dW [V_local, H])` from the trained rows' hidden states (`hidden_rows`, or all of `hidden` when
     every row is trained); `[0]` for one not needed, and for dW when it was added to `main_grad`."""
     hidden_rows = hidden_rows if index.numel() != rows else hidden.contiguous()
-    shard, distribution = _shard_and_distribution(start_index, true_vocab_size, group_name, logit_scale, top_k, top_p)
+    shard, distribution = _shard_and_distribution(start_index, true_vocab_size, group_name, logit_scale, top_k, top_p,
+                                                  kept_offsets is not None)
     with_entropy = mean_x.numel() > 0
     call = LinearCall.of(weight, index.numel(), shard, distribution, with_entropy, chunk_rows, implementation)
     target_rows = rows_at(targets, index)
@@ -233,7 +268,8 @@ def _linear_backward_op(hidden: torch.Tensor, hidden_rows: torch.Tensor, weight:
     weight_gradient = WeightGradient(weight, call.valid_cols, len(call.chunks(index.numel())), main_grad) \
         if need_weight else None
     linear_backward(hidden_rows, weight, target_rows, lse, mean_x_rows, grad_logprob, grad_entropy,
-                    threshold if call.filter_active else None, call, grad_hidden_rows, weight_gradient)
+                    threshold if call.filter_active else None, call, grad_hidden_rows, weight_gradient,
+                    _chunk_sets(kept_offsets, kept_ids, kept_next_token, index, call))
     grad_hidden = scattered(grad_hidden_rows, index, rows) if need_hidden else hidden_rows.new_empty(0)
     grad_weight = weight_gradient.gradient() if need_weight else None
     return grad_hidden, grad_weight if grad_weight is not None else weight.new_empty(0)
@@ -242,7 +278,8 @@ def _linear_backward_op(hidden: torch.Tensor, hidden_rows: torch.Tensor, weight:
 @_linear_backward_op.register_fake
 def _linear_backward_op_fake(hidden, hidden_rows, weight, targets, index, logprob, lse, mean_x, threshold,
                              grad_logprob, grad_entropy, main_grad, rows, start_index, true_vocab_size, group_name,
-                             logit_scale, top_k, top_p, chunk_rows, implementation, need_hidden, need_weight):
+                             logit_scale, top_k, top_p, chunk_rows, implementation, need_hidden, need_weight,
+                             kept_offsets=None, kept_ids=None, kept_next_token=False):
     grad_hidden = hidden_rows.new_empty((rows, hidden_rows.shape[1]) if need_hidden else (0,))
     return grad_hidden, weight.new_empty(weight.shape if need_weight and main_grad is None else (0,))
 
@@ -254,25 +291,30 @@ def _setup_context(ctx, inputs, output) -> None:
     # just its trained rows. Traced, the count is symbolic: both are kept.
     traced = isinstance(hidden_rows.shape[0], torch.SymInt)
     keep_input = traced or hidden_rows.shape[0] == 0
+    (start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, _, chunk_rows, _, implementation,
+     *kept) = args
+    kept_offsets, kept_ids, kept_next_token = (kept + [None, None, False])[:3]
     ctx.save_for_backward(hidden if keep_input else hidden.new_empty((0, hidden.shape[1])), hidden_rows, weight,
-                          targets, index, logprob, lse, mean_x, threshold)
+                          targets, index, logprob, lse, mean_x, threshold, kept_offsets, kept_ids)
     ctx.rows = hidden.shape[0]
     ctx.weight = weight  # eager: the parameter itself, whose `main_grad` backward may add dW into
-    start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, _, chunk_rows, _, implementation = args
     ctx.args = (start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, chunk_rows, implementation)
+    ctx.kept_next_token = kept_next_token
     ctx.set_materialize_grads(False)  # an entropy that is only logged passes None, and its term is skipped
 
 
 def _backward(ctx, grad_logprob, grad_entropy, *_):
-    hidden, hidden_rows, weight, targets, index, logprob, lse, mean_x, threshold = ctx.saved_tensors
+    hidden, hidden_rows, weight, targets, index, logprob, lse, mean_x, threshold, kept_offsets, kept_ids = \
+        ctx.saved_tensors
     need_hidden, need_weight = ctx.needs_input_grad[:2]
     main_grad = main_grad_of(ctx.weight) if need_weight else None
     grad_hidden, grad_weight = _linear_backward_op(hidden, hidden_rows, weight, targets, index, logprob, lse, mean_x,
                                                    threshold, grad_logprob, grad_entropy, main_grad, ctx.rows,
-                                                   *ctx.args, need_hidden, need_weight)
+                                                   *ctx.args, need_hidden, need_weight, kept_offsets, kept_ids,
+                                                   ctx.kept_next_token)
     if main_grad is not None:
         grad_weight = added_to_main_grad(ctx.weight)
-    return (grad_hidden if need_hidden else None, grad_weight if need_weight else None) + (None,) * 11
+    return (grad_hidden if need_hidden else None, grad_weight if need_weight else None) + (None,) * 14
 
 
 torch.library.register_autograd("megatron_grpo::vocab_parallel_linear_logprobs", _backward,
@@ -292,6 +334,7 @@ def vocab_parallel_linear_logprobs(
     chunk_rows: int | None = ...,
     check_inputs: bool = ...,
     implementation: Implementation = ...,
+    kept_set: KeptSet | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -308,6 +351,7 @@ def vocab_parallel_linear_logprobs(
     chunk_rows: int | None = ...,
     check_inputs: bool = ...,
     implementation: Implementation = ...,
+    kept_set: KeptSet | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -323,6 +367,7 @@ def vocab_parallel_linear_logprobs(
     chunk_rows: int | None = None,
     check_inputs: bool = True,
     implementation: Implementation = "auto",
+    kept_set: KeptSet | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of `targets` under `distribution` over the logits `hidden @ weight.T` of the whole (sharded,
     unpadded) vocab, computed a chunk of rows at a time so that no `[T, V_local]` logits exist.
@@ -354,6 +399,9 @@ def vocab_parallel_linear_logprobs(
             the trained rows is a host sync of its own whenever some rows are ignored (always with `shift`, whose
             last position has no target) or, with `check_inputs=False`, may be.
         implementation: "auto" (fused kernels where available), "fused" or "torch" (the plain-torch kernels).
+        kept_set: with `distribution.replay_kept_set`, the engine's kept set of every position of `targets`, as in
+            `vocab_parallel_logprobs`; each chunk reads its rows' sets (one more host sync per call, and per
+            backward, for the chunks' bounds). No `[T, V]` mask is built.
 
     Returns:
         With `with_entropy=False` (the default) one tensor, the float32 logprobs `[...]` (float64 for float64
@@ -362,6 +410,7 @@ def vocab_parallel_linear_logprobs(
     check_linear_inputs(hidden, weight, targets, chunk_rows)
     shard = VocabShard() if shard is None else shard
     distribution = SamplingDistribution() if distribution is None else distribution
+    check_kept_set_argument(kept_set, distribution, targets)
     if shift:
         check_shiftable(targets)
         targets = next_token_targets(targets)
@@ -369,6 +418,7 @@ def vocab_parallel_linear_logprobs(
     logprob, entropy, *_ = torch.ops.megatron_grpo.vocab_parallel_linear_logprobs(
         hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1).to(torch.int64), shard.start_index,
         shard.true_vocab_size, shard.group_name, distribution.logit_scale, distribution.top_k, distribution.top_p,
-        with_entropy, chunk_rows, check_inputs, implementation)
+        with_entropy, chunk_rows, check_inputs, implementation,
+        *(() if kept_set is None else (kept_set.offsets, kept_set.ids, shift)))
     out = per_token((logprob, entropy) if with_entropy else (logprob,), batch_shape, shift)
     return out if with_entropy else out[0]

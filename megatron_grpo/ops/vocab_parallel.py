@@ -24,12 +24,20 @@ from typing import Literal, Optional, overload
 import torch
 
 from megatron_grpo.ops.core.backends import Implementation, Kernels, select_kernels
-from megatron_grpo.ops.core.checks import check_inplace_backward, check_logits_inputs, check_target_ids
+from megatron_grpo.ops.core.checks import (
+    check_inplace_backward,
+    check_kept_set_argument,
+    check_kept_values,
+    check_logits_inputs,
+    check_target_ids,
+)
 from megatron_grpo.ops.core.dtypes import compute_dtype
 from megatron_grpo.ops.core.filtering import kept_threshold
 from megatron_grpo.ops.core.partials import Partials, RowStats, combine_partials, gather_partials
+from megatron_grpo.ops.core.replay import RowSets, replay_gradient, replay_partials
 from megatron_grpo.ops.core.rows import check_shiftable, next_token_targets, per_token, upstream_gradients
 from megatron_grpo.ops.distribution import SamplingDistribution
+from megatron_grpo.ops.kept_set import KeptSet
 from megatron_grpo.ops.vocab_shard import VocabShard
 
 
@@ -42,17 +50,18 @@ class LogprobCall:
     distribution: SamplingDistribution
     with_entropy: bool
     kernels: Kernels
+    kept: RowSets | None = None  # the engine's kept sets of the rows, replayed instead of the filter
 
     @classmethod
     def of(cls, logits: torch.Tensor, shard: VocabShard, distribution: SamplingDistribution, with_entropy: bool,
-           implementation: Implementation) -> LogprobCall:
+           implementation: Implementation, kept: RowSets | None = None) -> LogprobCall:
         shard = shard.resolve(logits.shape[-1])
         return cls(shard=shard, valid_cols=shard.valid_cols(logits.shape[-1]), distribution=distribution,
-                   with_entropy=with_entropy, kernels=select_kernels(logits, implementation))
+                   with_entropy=with_entropy, kernels=select_kernels(logits, implementation), kept=kept)
 
     @property
     def filter_active(self) -> bool:
-        return self.distribution.active(self.shard.true_vocab_size)
+        return self.kept is not None or self.distribution.active(self.shard.true_vocab_size)
 
 
 def logprob_forward(logits: torch.Tensor, targets: torch.Tensor, call: LogprobCall, *, write_exps: bool = False
@@ -61,6 +70,12 @@ def logprob_forward(logits: torch.Tensor, targets: torch.Tensor, call: LogprobCa
     partials kernel, the one all-gather and the combine. `write_exps`: the kernel also overwrites the logits with
     `exp(z - m_local)` (the in-place exp mode)."""
     shard, scale = call.shard, call.distribution.logit_scale
+    if call.kept is not None:  # the engine's kept sets instead of the filter (`core.replay`)
+        with torch.no_grad():
+            partials, threshold = replay_partials(logits, targets, call.kept, call.kernels, shard.start_index,
+                                                  call.valid_cols, call.with_entropy, scale)
+        stats = combine_partials(gather_partials(partials, shard.group), targets, call.with_entropy)
+        return stats, threshold, partials
     with torch.no_grad():
         threshold = kept_threshold(logits[:, :call.valid_cols], call.distribution,
                                    true_vocab_size=shard.true_vocab_size, group=shard.group)
@@ -77,32 +92,45 @@ def logprob_backward(logits: torch.Tensor, targets: torch.Tensor, call: LogprobC
     """Writes d(objective)/d(logits) into `grad_logits` (which may be `logits` itself); no collective."""
     grad_logprob, mean_x, grad_entropy = upstream_gradients(
         grad_logprob, grad_entropy, stats.lse, stats.mean_x, None if threshold is None else stats.logprob)
+    patch = None if call.kept is None else replay_gradient(
+        logits, targets, call.kept, threshold, stats.lse, mean_x, grad_logprob, grad_entropy, call.shard.start_index,
+        call.valid_cols, call.distribution.logit_scale)  # read before the kernel may overwrite the logits
     call.kernels.logprob_backward(logits, targets, call.shard.start_index, call.valid_cols, stats.lse, mean_x,
                                   grad_logprob, grad_entropy, grad_logits, threshold,
                                   logit_scale=call.distribution.logit_scale)
+    if patch is not None:
+        patch.write(grad_logits)
 
 
 # ---- the traceable op (out-of-place backward) ----
 
 def _call(logits, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
-          implementation) -> LogprobCall:
+          implementation, kept_offsets=None, kept_ids=None, kept_next_token=False) -> LogprobCall:
     shard = VocabShard.with_group_name(start_index, true_vocab_size, group_name)
-    distribution = SamplingDistribution(logit_scale=logit_scale, top_k=top_k, top_p=top_p)
-    return LogprobCall.of(logits, shard, distribution, with_entropy, implementation)
+    distribution = SamplingDistribution(logit_scale=logit_scale, top_k=top_k, top_p=top_p,
+                                        replay_kept_set=kept_offsets is not None)
+    kept = None if kept_offsets is None else RowSets.of_rows(KeptSet(kept_offsets, kept_ids), logits.shape[0],
+                                                             kept_next_token)
+    return LogprobCall.of(logits, shard, distribution, with_entropy, implementation, kept)
 
 
 @torch.library.custom_op("megatron_grpo::vocab_parallel_logprobs", mutates_args=())
 def _logprobs_op(logits: torch.Tensor, targets: torch.Tensor, start_index: Optional[int],
                  true_vocab_size: Optional[int], group_name: str, logit_scale: float, top_k: Optional[int],
-                 top_p: Optional[float], with_entropy: bool, check_inputs: bool, implementation: str
+                 top_p: Optional[float], with_entropy: bool, check_inputs: bool, implementation: str,
+                 kept_offsets: Optional[torch.Tensor] = None, kept_ids: Optional[torch.Tensor] = None,
+                 kept_next_token: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(logprob, entropy, lse, mean_x, threshold)` of `[rows, V_local]` logits: `[rows]` each, or `[0]` for the
     entropy and E[x] without `with_entropy` and for the threshold without a filter (`-inf` rows where the filter
-    keeps everything of this vocab)."""
+    keeps everything of this vocab). `kept_offsets`, `kept_ids`: a `KeptSet` to replay, its positions those of the
+    targets before the shift (`kept_next_token`: row `r` scores position `r + 1`)."""
     call = _call(logits, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
-                 implementation)
+                 implementation, kept_offsets, kept_ids, kept_next_token)
     if check_inputs:
         check_target_ids(targets, call.shard)
+        if kept_offsets is not None:
+            check_kept_values(KeptSet(kept_offsets, kept_ids), targets, call.shard, kept_next_token)
     stats, threshold, _ = logprob_forward(logits, targets, call)
     if call.distribution.filtered and threshold is None:  # a filter that keeps this whole vocab
         threshold = torch.full_like(stats.lse, float("-inf"))
@@ -115,13 +143,15 @@ def _logprobs_op(logits: torch.Tensor, targets: torch.Tensor, start_index: Optio
 
 @_logprobs_op.register_fake
 def _logprobs_op_fake(logits, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p,
-                      with_entropy, check_inputs, implementation):
+                      with_entropy, check_inputs, implementation, kept_offsets=None, kept_ids=None,
+                      kept_next_token=False):
     rows, dtype = logits.shape[0], compute_dtype(logits.dtype)
 
     def per_row(present: bool = True) -> torch.Tensor:
         return logits.new_empty(rows if present else 0, dtype=dtype)
 
-    filtered = SamplingDistribution(logit_scale=logit_scale, top_k=top_k, top_p=top_p).filtered
+    filtered = kept_offsets is not None or SamplingDistribution(logit_scale=logit_scale, top_k=top_k,
+                                                                top_p=top_p).filtered
     return per_row(), per_row(with_entropy), per_row(), per_row(with_entropy), per_row(filtered)
 
 
@@ -130,11 +160,13 @@ def _logprobs_backward_op(logits: torch.Tensor, targets: torch.Tensor, logprob: 
                           mean_x: torch.Tensor, threshold: torch.Tensor, grad_logprob: Optional[torch.Tensor],
                           grad_entropy: Optional[torch.Tensor], start_index: Optional[int],
                           true_vocab_size: Optional[int], group_name: str, logit_scale: float,
-                          top_k: Optional[int], top_p: Optional[float], implementation: str) -> torch.Tensor:
+                          top_k: Optional[int], top_p: Optional[float], implementation: str,
+                          kept_offsets: Optional[torch.Tensor] = None, kept_ids: Optional[torch.Tensor] = None,
+                          kept_next_token: bool = False) -> torch.Tensor:
     """d(objective)/d(logits), in a new buffer with the logits' row alignment (`empty_with_alignment_of`)."""
     with_entropy = mean_x.numel() > 0
     call = _call(logits, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
-                 implementation)
+                 implementation, kept_offsets, kept_ids, kept_next_token)
     stats = RowStats(logprob=logprob, lse=lse, entropy=None, mean_x=mean_x if with_entropy else None)
     grad_logits = empty_with_alignment_of(logits)
     logprob_backward(logits, targets, call, stats, threshold if call.filter_active else None, grad_logprob,
@@ -144,24 +176,27 @@ def _logprobs_backward_op(logits: torch.Tensor, targets: torch.Tensor, logprob: 
 
 @_logprobs_backward_op.register_fake
 def _logprobs_backward_op_fake(logits, targets, logprob, lse, mean_x, threshold, grad_logprob, grad_entropy,
-                               start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, implementation):
+                               start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, implementation,
+                               kept_offsets=None, kept_ids=None, kept_next_token=False):
     return logits.new_empty_strided(logits.shape, (gradient_row_stride(logits), 1))
 
 
 def _setup_context(ctx, inputs, output) -> None:
     logits, targets, *args = inputs
     logprob, _, lse, mean_x, threshold = output
-    ctx.save_for_backward(logits, targets, logprob, lse, mean_x, threshold)
-    start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, _, _, implementation = args
+    start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, _, _, implementation, *kept = args
+    kept_offsets, kept_ids, kept_next_token = (kept + [None, None, False])[:3]
+    ctx.save_for_backward(logits, targets, logprob, lse, mean_x, threshold, kept_offsets, kept_ids)
     ctx.args = (start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, implementation)
+    ctx.kept_next_token = kept_next_token
     ctx.set_materialize_grads(False)  # an entropy that is only logged passes None, and its term is skipped
 
 
 def _backward(ctx, grad_logprob, grad_entropy, *_):
-    logits, targets, logprob, lse, mean_x, threshold = ctx.saved_tensors
+    logits, targets, logprob, lse, mean_x, threshold, kept_offsets, kept_ids = ctx.saved_tensors
     grad_logits = _logprobs_backward_op(logits, targets, logprob, lse, mean_x, threshold, grad_logprob, grad_entropy,
-                                        *ctx.args)
-    return (grad_logits,) + (None,) * 10
+                                        *ctx.args, kept_offsets, kept_ids, ctx.kept_next_token)
+    return (grad_logits,) + (None,) * 13
 
 
 torch.library.register_autograd("megatron_grpo::vocab_parallel_logprobs", _backward, setup_context=_setup_context)
@@ -268,6 +303,7 @@ def vocab_parallel_logprobs(
     inplace_backward: bool | Literal["exp"] = ...,
     check_inputs: bool = ...,
     implementation: Implementation = ...,
+    kept_set: KeptSet | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -283,6 +319,7 @@ def vocab_parallel_logprobs(
     inplace_backward: bool | Literal["exp"] = ...,
     check_inputs: bool = ...,
     implementation: Implementation = ...,
+    kept_set: KeptSet | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -297,6 +334,7 @@ def vocab_parallel_logprobs(
     inplace_backward: bool | Literal["exp"] = False,
     check_inputs: bool = True,
     implementation: Implementation = "auto",
+    kept_set: KeptSet | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of `targets` under `distribution` over the whole (sharded, unpadded) vocab: by default
     softmax(logits).
@@ -329,6 +367,12 @@ def vocab_parallel_logprobs(
             docstring); False is the traceable custom op.
         check_inputs: check target ids against the vocab (a host sync); pass False in hot loops.
         implementation: "auto" (fused kernels where available), "fused" or "torch" (the plain-torch kernels).
+        kept_set: with `distribution.replay_kept_set` (and only then), the rollout engine's kept set of every
+            position of `targets` (`KeptSet`: CSR over the flattened targets, aligned with them as the outputs are):
+            the softmax is renormalised over exactly each row's set (`megatron_grpo.ops.core.replay`); a set equal
+            to the filter's recomputed one gives the filter's results bit for bit. With `check_inputs` a malformed
+            set, or a scored target outside its set, is a ValueError (one host sync more). Sets at positions that
+            score nothing are ignored.
 
     Returns:
         With `with_entropy=False` (the default) one tensor, the float32 logprobs `[...]` (float64 for float64
@@ -338,6 +382,7 @@ def vocab_parallel_logprobs(
     check_inplace_backward(inplace_backward)
     shard = VocabShard() if shard is None else shard
     distribution = SamplingDistribution() if distribution is None else distribution
+    check_kept_set_argument(kept_set, distribution, targets, inplace_backward)
     if shift:
         check_shiftable(targets)
         targets = next_token_targets(targets)
@@ -347,13 +392,17 @@ def vocab_parallel_logprobs(
         rows_logits = rows_logits.contiguous()
     rows_targets = targets.reshape(-1).to(torch.int64).contiguous()
     if inplace_backward is False:
+        kept = () if kept_set is None else (kept_set.offsets, kept_set.ids, shift)
         logprob, entropy, *_ = torch.ops.megatron_grpo.vocab_parallel_logprobs(
             rows_logits, rows_targets, shard.start_index, shard.true_vocab_size, shard.group_name,
             distribution.logit_scale, distribution.top_k, distribution.top_p, with_entropy, check_inputs,
-            implementation)
+            implementation, *kept)
         out = (logprob, entropy) if with_entropy else (logprob,)
     else:
-        call = LogprobCall.of(rows_logits, shard, distribution, with_entropy, implementation)
+        kept = None if kept_set is None else RowSets.of_rows(kept_set, rows_targets.numel(), shift)
+        call = LogprobCall.of(rows_logits, shard, distribution, with_entropy, implementation, kept)
+        if check_inputs and kept_set is not None:
+            check_kept_values(kept_set, rows_targets, call.shard, shift)
         out = InplaceLogprobs.apply(rows_logits, rows_targets, call, inplace_backward, check_inputs)
         out = out if with_entropy else (out,)
     out = per_token(out, batch_shape, shift)

@@ -16,8 +16,8 @@ import sys
 COMMANDS = {
     "train": ("megatron_grpo.runner.train_cli", "train a policy with GRPO, one rank per process under torchrun"),
     "plan": ("megatron_grpo.runner.plan_cli", "print the logprob-pass plan of a config, and why"),
-    "bench": ("megatron_grpo.bench", "run a benchmark: `bench logprob`, `linear`, `scheduler`, `packing`, `step` or "
-                                     "`roofline`"),
+    "bench": ("megatron_grpo.bench", "run a benchmark: `bench logprob`, `linear`, `scheduler`, `packing`, `step`, "
+                                     "`roofline` or `replay`"),
     "report": ("megatron_grpo.runner.report_cli", "plot runs' reward, entropy, ratio, clip fraction and step time"),
 }
 EXIT_USAGE = 2
@@ -28,7 +28,7 @@ def usage() -> str:
     lines = [f"  {name:<7} {help_}" for name, (_module, help_) in COMMANDS.items()]
     return "\n".join([
         "usage: megatron-grpo [torchrun options] train --config FILE [--resume | --fresh] [--debug] [--verbose]",
-        "       megatron-grpo [torchrun options] bench {scheduler,packing,step} [options]",
+        "       megatron-grpo [torchrun options] bench {scheduler,packing,step,replay} [options]",
         "       megatron-grpo {plan,bench,report} [options]",
         "(`python -m megatron_grpo` is the same command)",
         "",

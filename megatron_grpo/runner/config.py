@@ -220,12 +220,18 @@ class GenerationConfig(StrictSection):
     top_k: int | None  # None = the full distribution
     top_p: float | None  # None or 1.0 = the full distribution; else the nucleus of mass top_p, after top_k
     max_new_tokens: int
+    replay_kept_set: bool  # train on the sampler's own kept set of each token instead of recomputing top_k / top_p
 
     def conflicts(self) -> list[str]:
         """The sampling rules are `SamplingDistribution`'s (the one owner), named by this section's keys."""
         problems = _failing(self, ("max_new_tokens",), _positive, "must be > 0")
-        sampling = SamplingDistribution.problems(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
-        return problems + [f"{self.key(name)}: {problem.replace('None', 'null')}" for name, problem in sampling.items()]
+        sampling = SamplingDistribution.problems(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                                 replay_kept_set=self.replay_kept_set)
+        problems += [f"{self.key(name)}: {problem.replace('None', 'null')}" for name, problem in sampling.items()]
+        if self.replay_kept_set is True and self.top_k is None and self.top_p in (None, 1.0):
+            problems.append(f"{self.key('replay_kept_set')}: true needs {self.key('top_k')} or {self.key('top_p')} "
+                            "< 1: without a filter the sampler keeps every token, and there is nothing to replay")
+        return problems
 
 
 @dataclass(frozen=True, init=False)
@@ -319,10 +325,23 @@ class Config(StrictSection):
         problems = []
         if not 0 <= self.seed <= MAX_SEED:
             problems.append(f"seed: must be in [0, 2**63 - 1], got {self.seed!r}")
-        if policy.fused_linear_loss and (generation.top_k is not None or generation.top_p is not None):
+        if policy.fused_linear_loss and (generation.top_k is not None or generation.top_p is not None) \
+                and not generation.replay_kept_set:
             problems.append(f"policy.fused_linear_loss: true does not support generation.top_k / generation.top_p "
                             f"(got top_k {generation.top_k!r}, top_p {generation.top_p!r}): set "
-                            f"policy.fused_linear_loss: false (the fused op then applies the filter)")
+                            f"policy.fused_linear_loss: false (the fused op then applies the filter), or "
+                            f"generation.replay_kept_set: true (the loss-fused head replays the sampler's kept sets)")
+        if policy.fused_linear_loss and generation.replay_kept_set and self.loss_fn.kl_in_loss:
+            problems.append("policy.fused_linear_loss: true with generation.replay_kept_set and "
+                            "loss_fn.reference_policy_kl_penalty > 0: the KL to the reference reads unfiltered "
+                            "logprobs, which the loss-fused head does not compute; set policy.fused_linear_loss: false")
+        loss = self.loss_fn
+        if self.grpo.seq_logprob_error_threshold is not None and loss.positive_example_nll_weight > 0 \
+                and loss.loss_agg_mode != "token-mean":
+            problems.append(f"grpo.seq_logprob_error_threshold with loss_fn.positive_example_nll_weight > 0 and "
+                            f"loss_fn.loss_agg_mode = {loss.loss_agg_mode}: the mask runs in the loss, which the step "
+                            "then divides by one count, but VAPO's NLL divides by the trained tokens and the seq-mean "
+                            "modes by the sequences; use token-mean, or no NLL term")
         tp, pp = "policy.tensor_model_parallel_size", "policy.pipeline_model_parallel_size"
         return problems + _divisibility([
             (tp, policy.tensor_model_parallel_size, "policy.model.num_attention_heads", model.num_attention_heads),

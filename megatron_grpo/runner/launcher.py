@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 # The commands this launcher starts under torchrun; any other runs in one process (`megatron-grpo plan ...`).
-LAUNCHED = (("train",), ("bench", "scheduler"), ("bench", "packing"), ("bench", "step"))
+LAUNCHED = (("train",), ("bench", "scheduler"), ("bench", "packing"), ("bench", "step"), ("bench", "replay"))
 # torchrun's options that choose another program than `-m megatron_grpo`
 FOREIGN_PROGRAM_OPTIONS = ("module", "no_python", "run_path")
 # torchrun's modules that log through loggers of their own, some imported only when a job starts
@@ -54,9 +54,9 @@ def main(argv: list[str]) -> int:
     foreign = [name for name in FOREIGN_PROGRAM_OPTIONS if getattr(args, name, False)]
     if foreign or not any([command, *command_args][:len(launched)] == list(launched) for launched in LAUNCHED):
         what = f"--{foreign[0].replace('_', '-')}" if foreign else f"`{command}`"
-        print(f"error: megatron-grpo launches `train`, `bench scheduler`, `bench packing` and `bench step` under "
-              f"torchrun, not {what}; run other commands without torchrun options (`megatron-grpo plan ...`), and "
-              "other programs with torchrun",
+        print(f"error: megatron-grpo launches `train`, `bench scheduler`, `bench packing`, `bench step` and "
+              f"`bench replay` under torchrun, not {what}; run other commands without torchrun options "
+              "(`megatron-grpo plan ...`), and other programs with torchrun",
               file=sys.stderr)
         return train_cli.EXIT_CONFIG
 

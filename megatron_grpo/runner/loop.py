@@ -184,6 +184,8 @@ class Trainer:
             "rollout_weight_version": torch.full((rollout.input_ids.shape[0],), queued.weight_version,
                                                  dtype=torch.int64),
         }
+        if rollout.kept_set is not None:  # the sampler's kept sets: replayed (generation.replay_kept_set), and logged
+            batch.update(kept_set_offsets=rollout.kept_set_offsets, kept_set_ids=rollout.kept_set_ids)
         device_batch = {key: value.to(self.layout.device) for key, value in batch.items()}
         shaping = None
         if PrevLogprobShaping.needed(self.cfg):  # reads prev logprobs after their pass, before the loss
@@ -202,6 +204,7 @@ class Trainer:
             **mean_over_optimizer_steps(result.step_metrics),
             **(shaping.metrics if shaping is not None else {}),
             **self._pass_metrics(step, result.passes_run),
+            **self._kept_set_metrics(rollout),
             "sample": self.task.tokenizer.decode(rollout.input_ids[0].tolist()),
             "rollout_weight_version": queued.weight_version,
             "rollout_age": queued.age,
@@ -230,6 +233,18 @@ class Trainer:
             "groups_without_variance": int(groups_without_variance),
             "num_groups": self.cfg.grpo.num_prompts_per_step,
         }
+
+    def _kept_set_metrics(self, rollout: Rollout) -> dict[str, Any]:
+        """`rollout_kept_set_size`: the sampler's kept ids per response token, over all DP ranks (8 bytes each in the
+        batch, with 8 per token of offsets), where the distribution is filtered."""
+        if rollout.kept_set is None:
+            return {}
+        totals = torch.tensor([float(rollout.kept_set_ids.numel()), float(rollout.token_mask.sum())],
+                              dtype=torch.float64).to(self.layout.device)
+        if self.layout.dp_size > 1:
+            dist.all_reduce(totals, group=self.layout.dp_group)
+        ids, tokens = totals.tolist()
+        return {"rollout_kept_set_size": ids / max(tokens, 1.0)}
 
     def _pass_metrics(self, step: int, passes_run: dict[str, int]) -> dict[str, Any]:
         """Which optional logprob passes ran this step, and how many were skipped since step 0."""

@@ -3,8 +3,9 @@
 Prints which extra forward passes each step runs, why, and how many are saved, and writes the resolved config
 (every key, inherited and default values included) to `<run_dir>/config.yaml`, unless the run directory already
 holds a run (whose config `train` rewrites when it starts). With `--nemo-rl-config` it reads
-a NeMo-RL GRPO config in NeMo-RL's own layout (with its `defaults:` inheritance), prints our plan for it, the
-keys it did not map, and where NeMo-RL would decide otherwise. A bad or unreadable config prints its
+a NeMo-RL GRPO config in NeMo-RL's own layout (with its `defaults:` inheritance), prints the loop NeMo-RL runs for
+it, our plan for it, where NeMo-RL would decide otherwise, the keys with no say in the plan and, apart, the keys
+NeMo-RL does not know (with the nearest known one). A bad or unreadable config prints its
 ConfigError (every problem, each naming its key) and exits with status 2. Never imports torch or Megatron-Core.
 """
 
@@ -112,14 +113,14 @@ def format_plan(plan: LogprobPlan, inputs: PlanInputs) -> str:
 
 
 def _plan_nemo_rl(path: str) -> int:
-    from megatron_grpo.runner.nemo_rl_config import comparison_lines, nemo_rl_plan_view
+    from megatron_grpo.runner.nemo_rl_config import NEMO_RL_COMMIT, comparison_lines, nemo_rl_plan_view
 
     try:
         view = nemo_rl_plan_view(path)
     except ConfigError as err:
         print(f"{path}: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    header = [f"NeMo-RL config: {' <- '.join(reversed(view.files))}"]
+    header = [f"NeMo-RL config: {' <- '.join(reversed(view.files))}", f"NeMo-RL loop: {view.loop.description}"]
     try:
         plan = plan_logprob_passes(view.inputs)
     except ConfigError as err:
@@ -134,6 +135,10 @@ def _plan_nemo_rl(path: str) -> int:
         _bullets(comparison_lines(view, plan.compute_reference_logprobs, plan.compute_prev_logprobs)),
         "not mapped (no say in the plan):",
         _key_list(view.unmapped_keys),
+        f"unknown to NeMo-RL at commit {NEMO_RL_COMMIT[:8]} (no effect there):",
+        _key_list(f"{key}: {note}" for key, note in view.unknown_keys),
+        "read, no say in the plan yet:",
+        _bullets(view.not_yet) if view.not_yet else "  - none",
         "read from policy:",
         _key_list(["policy.train_global_batch_size", *dropout_source_lines()]),
         "sections that do not concern the plan:",
@@ -157,7 +162,8 @@ def dropout_source_lines() -> list[str]:
 
 def _key_list(keys) -> str:
     """One key per line, or `  - none`."""
-    return "\n".join(f"  - {key}" for key in keys) if keys else "  - none"
+    lines = [f"  - {key}" for key in keys]
+    return "\n".join(lines) if lines else "  - none"
 
 
 def _bullets(lines: list[str]) -> str:

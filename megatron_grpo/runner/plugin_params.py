@@ -57,7 +57,7 @@ def step_config(cfg: Config) -> StepConfig:
         micro_batch_size=cfg.policy.train_micro_batch_size,
         clip_grad=cfg.policy.optimizer.clip_grad,
         distribution=SamplingDistribution.of_sampling(cfg.generation.temperature, cfg.generation.top_k,
-                                                      cfg.generation.top_p),
+                                                      cfg.generation.top_p, cfg.generation.replay_kept_set),
         fused_linear_logprobs=cfg.policy.fused_linear_logprobs,
         fused_linear_loss=cfg.policy.fused_linear_loss,
         max_tokens_per_microbatch=packing.train_mb_tokens if packing.enabled else None,

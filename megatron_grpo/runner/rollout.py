@@ -12,7 +12,9 @@ hands the sampling ranks' tokens to the ranks without logits.
 Every group of rows (the samples of one prompt) draws from its own generator, which the caller keys by the
 prompt's global index: the TP ranks draw the same tokens without another collective, and a prompt's samples do
 not depend on which data-parallel rank holds it. The log-probability of each drawn token under that same
-sampling distribution is returned as `generation_logprobs`.
+sampling distribution is returned as `generation_logprobs`, and, where the distribution is filtered (top-k / top-p),
+the kept set each token was drawn from (`Rollout.kept_set`, an `ops.KeptSet` over the rollout's positions), which
+training replays with `generation.replay_kept_set`.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import torch.distributed as dist
 
 from megatron_grpo.ops.core.filtering import kept_threshold, mask_filtered
 from megatron_grpo.ops.distribution import SamplingDistribution
+from megatron_grpo.ops.kept_set import KeptSet
 
 LogitsFn = Callable[..., Optional[torch.Tensor]]  # (input_ids [B, S], last_positions=[B] when ragged)
-ShareDraws = Callable[[torch.Tensor], torch.Tensor]  # [2, B] float64 (tokens, logprobs): the sampling ranks' on all
+ShareDraws = Callable[[torch.Tensor], torch.Tensor]  # the sampling ranks' tensor on every rank: [2, B] float64 draws
+#   (tokens, logprobs), and [B, V] uint8 kept masks where the distribution is filtered
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,14 @@ class Rollout:
     generation_logprobs: torch.Tensor  # float32: log p_sampling(token); 0 outside token_mask
     prompt_length: int
     prompt_lengths: Optional[torch.Tensor] = None  # [B] int64: each row's prompt length; None: all prompt_length
+    kept_set_offsets: Optional[torch.Tensor] = None  # the kept sets (`kept_set`), where the distribution is filtered
+    kept_set_ids: Optional[torch.Tensor] = None
+
+    @property
+    def kept_set(self) -> Optional[KeptSet]:
+        """The kept set each response token was drawn from, over the `[B, S]` positions flattened (empty elsewhere);
+        None where the sampling distribution has no filter."""
+        return None if self.kept_set_offsets is None else KeptSet(self.kept_set_offsets, self.kept_set_ids)
 
     @property
     def responses(self) -> torch.Tensor:
@@ -101,7 +113,8 @@ def generate(
     The rows split into `len(generators)` equal groups of consecutive rows; group `i` draws from
     `generators[i]`. Every TP rank must pass the same prompts and generators in the same state; the result is
     then identical on every rank and deterministic for a given seed. `share_draws` (needed where `logits_fn`
-    returns None on some ranks) maps this rank's draws to the sampling ranks' draws.
+    returns None on some ranks) maps this rank's draws (and, with a filter, kept masks) to the sampling ranks'.
+    With a top-k / top-p filter the rollout records each token's kept set (`Rollout.kept_set`).
     """
     batch, prompt_length = prompts.shape
     if not generators or batch % len(generators):
@@ -121,8 +134,11 @@ def generate(
     rows = torch.arange(batch)
     finished = torch.zeros(batch, dtype=torch.bool)
     steps = 0
+    filtered = params.distribution.recomputed().recomputes_filter
+    kept = _KeptSets()
     for _ in range(params.max_new_tokens):
         draws = torch.zeros(2, batch, dtype=torch.float64)  # tokens, their logprobs: exact in float64
+        kept_mask = torch.zeros(batch, true_vocab_size, dtype=torch.uint8) if filtered else None
         seen = input_ids[:, :prompt_length + steps].contiguous()
         logits = logits_fn(seen, last_positions=ends - 1) if ragged else logits_fn(seen)
         if logits is not None:
@@ -131,8 +147,13 @@ def generate(
             tokens = torch.cat([torch.multinomial(log_probs[start:start + group_rows].exp(), 1, generator=generator)
                                 for start, generator in zip(range(0, batch, group_rows), generators)]).squeeze(1)
             draws = torch.stack([tokens.double(), log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).double()])
+            if filtered:
+                kept_mask = torch.isfinite(log_probs).to(torch.uint8)
         if share_draws is not None:
             draws = share_draws(draws)
+            kept_mask = share_draws(kept_mask) if filtered else None
+        if filtered:
+            kept.add(kept_mask.bool() & ~finished[:, None], ends)
         tokens, token_logprobs = draws[0].long(), draws[1].float()
         input_ids[rows, ends] = tokens.masked_fill(finished, params.pad_id)
         logprobs[rows, ends] = token_logprobs.masked_fill(finished, 0.0)
@@ -143,7 +164,37 @@ def generate(
         if bool(finished.all()):
             break
     width = prompt_length + steps
+    kept_set = kept.csr(batch, width) if filtered else None
     return Rollout(
         input_ids=input_ids[:, :width], token_mask=token_mask[:, :width], generation_logprobs=logprobs[:, :width],
         prompt_length=prompt_length, prompt_lengths=prompt_lengths.clone() if ragged else None,
+        kept_set_offsets=None if kept_set is None else kept_set.offsets,
+        kept_set_ids=None if kept_set is None else kept_set.ids,
     )
+
+
+class _KeptSets:
+    """Each decoding step's kept ids, gathered as (row, column, id) triples, O(kept), and cut into a CSR at the
+    end, when the rollout's width is known."""
+
+    def __init__(self) -> None:
+        self.rows: list[torch.Tensor] = []
+        self.columns: list[torch.Tensor] = []
+        self.ids: list[torch.Tensor] = []
+
+    def add(self, mask: torch.Tensor, columns: torch.Tensor) -> None:
+        """`mask` `[B, V]`: the tokens kept for the token each row draws now, at column `columns[b]`."""
+        row, token = mask.nonzero(as_tuple=True)
+        self.rows.append(row)
+        self.columns.append(columns[row])
+        self.ids.append(token)
+
+    def csr(self, batch: int, width: int) -> KeptSet:
+        """The `KeptSet` over the `[batch, width]` positions flattened (ids ascending within a position)."""
+        empty = torch.zeros(0, dtype=torch.int64)
+        position = torch.cat(self.rows) * width + torch.cat(self.columns) if self.rows else empty
+        ids = torch.cat(self.ids) if self.ids else empty
+        order = torch.sort(position, stable=True).indices
+        offsets = torch.zeros(batch * width + 1, dtype=torch.int64)
+        torch.cumsum(torch.bincount(position, minlength=batch * width), 0, out=offsets[1:])
+        return KeptSet(offsets, ids[order].to(torch.int64))

@@ -1,12 +1,12 @@
-"""What a GRPO step does with the prev (and reference) logprobs before the loss: the two readers the scheduler
-plans a prev pass for.
+"""What a GRPO step does with the prev (and reference) logprobs before the loss: the runner's KL in the reward.
 
-- `grpo.seq_logprob_error_threshold` (NeMo-RL): a sequence whose mean `exp(|generation - prev|)` over its trained
-  tokens exceeds the threshold gets `sample_mask = 0`, so the loss ignores it; its reward still counts in its
-  group's baseline, as in NeMo-RL, where advantages are computed before the masking.
-- `loss_fn.use_kl_in_reward` (verl's `use_kl_in_reward` with an outcome reward): each sequence's reward becomes
-  `reward - reference_policy_kl_penalty * sum over its trained tokens of KL_t(prev || reference)`, with the
-  configured estimator and clamps, and the group-relative advantages are recomputed from it, so they carry the KL.
+`loss_fn.kl_in_sequence_reward` (close to verl's `use_kl_in_reward` with an outcome reward, not NeMo-RL's; its own
+name: docs/nemo-rl.md): each sequence's reward becomes `reward - reference_policy_kl_penalty * sum over its trained
+tokens of KL_t(prev || reference)`, with the configured estimator and clamps, and the group-relative advantages are
+recomputed from it, so they carry the KL. It needs the prev pass: the advantages enter the loss non-linearly and
+every backward needs them, so they cannot wait for the training forward (`megatron_grpo.scheduler`). NeMo-RL's
+sequence mask by logprob error (`grpo.seq_logprob_error_threshold`) is the plugin's, inside the loss
+(`megatron_grpo.loss.logprob_error_mask`).
 """
 
 from __future__ import annotations
@@ -22,14 +22,6 @@ from megatron_grpo.runner.advantages import group_relative_advantages
 from megatron_grpo.runner.config import Config
 
 Batch = Mapping[str, torch.Tensor]
-
-
-def sequence_mult_prob_error(prev: torch.Tensor, generation: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`[B]`: NeMo-RL's per-sequence `token_mult_prob_error`, the mean over trained tokens of `exp(|gen - prev|)`
-    (1 when they agree; +inf when either logprob is -inf on a trained token; 0 for a sequence without one)."""
-    on_mask = mask.bool()
-    error = torch.where(on_mask, torch.exp((generation - prev).abs()), torch.zeros((), device=mask.device))
-    return error.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
 
 
 def sequence_kl(prev: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -50,11 +42,9 @@ def sequence_kl(prev: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor,
 class PrevLogprobShaping:
     """`batch -> batch`, called by `train_step` once the planned logprob passes are in the batch.
 
-    `rewards` `[N]` are this DP rank's rewards, grouped as the batch. After the call, `metrics` holds, summed or
-    maxed over the ranks of `dp_group`:
-    - with a threshold: `num_masked_seqs_by_logprob_error` and `max_seq_mult_prob_error` (NeMo-RL's names), and
-      `masked_seqs_by_logprob_error_fraction` (of the sequences with a trained token);
-    - with the KL in the reward: `reward_kl_penalty` (verl's name: the mean over sequences of the token-mean KL).
+    `rewards` `[N]` are this DP rank's rewards, grouped as the batch. After the call, `metrics` holds
+    `reward_kl_penalty` (verl's name: the mean over sequences of the token-mean KL), averaged over the ranks of
+    `dp_group`.
     """
 
     def __init__(self, cfg: Config, rewards: torch.Tensor, dp_group: dist.ProcessGroup | None) -> None:
@@ -66,31 +56,10 @@ class PrevLogprobShaping:
     @staticmethod
     def needed(cfg: Config) -> bool:
         """Whether `cfg` asks for anything this does."""
-        return cfg.grpo.seq_logprob_error_threshold is not None or cfg.loss_fn.use_kl_in_reward
+        return cfg.loss_fn.kl_in_sequence_reward
 
     def __call__(self, batch: Batch) -> dict[str, torch.Tensor]:
-        shaped = dict(batch)
-        mask = trained_token_mask(batch)
-        if self.cfg.loss_fn.use_kl_in_reward:
-            shaped["advantages"] = self._kl_shaped_advantages(batch, mask)
-        threshold = self.cfg.grpo.seq_logprob_error_threshold
-        if threshold is not None:
-            shaped["sample_mask"] = self._masked_by_logprob_error(batch, mask, threshold)
-        return shaped
-
-    def _masked_by_logprob_error(self, batch: Batch, mask: torch.Tensor, threshold: float) -> torch.Tensor:
-        error = sequence_mult_prob_error(batch["prev_logprobs"], batch["generation_logprobs"], mask)
-        has_tokens = mask.sum(dim=-1) > 0
-        rejected = has_tokens & ~(error <= threshold)  # NaN is rejected too
-        sums = self._reduced(torch.stack([rejected.sum(), has_tokens.sum()]).double(), dist.ReduceOp.SUM)
-        largest = self._reduced(torch.where(has_tokens, error, 0.0).amax().reshape(1).double(), dist.ReduceOp.MAX)
-        self.metrics.update(
-            num_masked_seqs_by_logprob_error=float(sums[0]),
-            masked_seqs_by_logprob_error_fraction=float(sums[0] / sums[1].clamp(min=1)),
-            max_seq_mult_prob_error=float(largest[0]),
-        )
-        sample_mask = batch["sample_mask"]
-        return torch.where(rejected, torch.zeros((), dtype=sample_mask.dtype, device=sample_mask.device), sample_mask)
+        return {**batch, "advantages": self._kl_shaped_advantages(batch, trained_token_mask(batch))}
 
     def _kl_shaped_advantages(self, batch: Batch, mask: torch.Tensor) -> torch.Tensor:
         kl = sequence_kl(batch["prev_logprobs"], batch["reference_policy_logprobs"], mask, self.cfg)

@@ -9,8 +9,9 @@ Groups (`metric_group`; the first rule that matches wins):
 - `passes/`: `reference_pass_ran`, `prev_pass_ran`, `reference_passes_skipped`, `prev_passes_skipped`, and any
   other key containing `_pass`;
 - `loss/`: the loss's metrics (`megatron_grpo.loss.METRIC_AGGREGATION`: `loss`, `probs_ratio*`, `clip_fraction_*`,
-  `entropy`, `approx_entropy`, `token_mult_prob_error`, `gen_kl_error`, `kl_penalty`, `is_oob_*`, ...) and the
-  reward shaping's `reward_kl_penalty`;
+  `entropy`, `approx_entropy`, `token_mult_prob_error`, `gen_kl_error`, `kl_penalty`, `is_oob_*`, the sequence
+  mask's `num_masked_seqs_by_logprob_error`, `*_seq_mult_prob_error*`, ...) and the reward shaping's
+  `reward_kl_penalty`;
 - `rollout/`: `reward_*`, `advantages_*`, `response_*`, `rollout_*` (weight version, age), `perfect_fraction`,
   `groups_without_variance`, `num_groups`, `collapsed`;
 - `train/`: everything else: `grad_norm`, `grad_norm_after_clip`, `lr`, and any key no rule above claims.
@@ -41,15 +42,24 @@ GROUPS = ("train", "rollout", "loss", "timing", "passes")
 # The errors of prev's approximations that `logprob_passes.prev: compute_and_compare` logs (loss/prev_approximation.py).
 PREV_APPROXIMATION_ERROR_METRICS = frozenset(f"prox_{method}_{kind}" for method in ("generation", "loglinear", "linear")
                                    for kind in ("abs_error", "rel_error", "is_weight_abs_error", "ratio_abs_error"))
+# The sequence mask by logprob error's metrics (loss/logprob_error_mask.py), with `grpo.seq_logprob_error_threshold`.
+LOGPROB_ERROR_MASK_METRICS = frozenset({
+    "num_masked_seqs_by_logprob_error", "num_valid_samples_before_mask", "masked_seqs_by_logprob_error_fraction",
+    *(f"{stat}_seq_mult_prob_error{suffix}" for stat in ("max", "mean", "min") for suffix in ("", "_after_mask")),
+    "masked_correct_pct",
+})
+# The loss's metrics of the rollout engine's kept sets (a top-k / top-p sampler's).
+KEPT_SET_METRICS = frozenset({"kept_set_mass", "kept_set_differs", "kept_set_replayed_ratio_outside_band",
+                              "kept_set_recomputed_ratio_outside_band"})
 # The loss's metric names, as megatron_grpo.loss.metrics.METRIC_AGGREGATION declares them (kept here so that this
 # module imports neither torch nor the loss; tests/runner/test_grpo_logging.py checks the two lists agree).
 LOSS_METRICS = frozenset({
-    "loss", "num_valid_tokens", "num_valid_samples", "filtered_out_tokens", "nonfinite_generation_logprobs",
-    "positive_nll_loss", "probs_ratio", "probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped",
-    "probs_ratio_clamped_min", "probs_ratio_clamped_max", "clip_fraction_lower", "clip_fraction_upper",
-    "kl_penalty", "entropy", "approx_entropy", "token_mult_prob_error", "gen_kl_error",
+    "loss", "loss_normaliser", "num_valid_tokens", "num_valid_samples", "filtered_out_tokens",
+    "nonfinite_generation_logprobs", "positive_nll_loss", "probs_ratio", "probs_ratio_min", "probs_ratio_max",
+    "probs_ratio_clamped", "probs_ratio_clamped_min", "probs_ratio_clamped_max", "clip_fraction_lower",
+    "clip_fraction_upper", "kl_penalty", "entropy", "approx_entropy", "token_mult_prob_error", "gen_kl_error",
     "sampling_importance_ratio", "is_oob_ratio", "is_oob_token_ratio", "reward_kl_penalty",
-    *PREV_APPROXIMATION_ERROR_METRICS,
+    "gen_ratio_outside_band", *KEPT_SET_METRICS, *PREV_APPROXIMATION_ERROR_METRICS, *LOGPROB_ERROR_MASK_METRICS,
 })
 PASS_METRICS = frozenset({"reference_pass_ran", "prev_pass_ran", "reference_passes_skipped", "prev_passes_skipped"})
 ROLLOUT_PREFIXES = ("reward_", "advantages_", "response_", "rollout_")
@@ -209,10 +219,12 @@ class MetricWriters:
             writer.close()
 
 
-# The loss's metrics that exist only with truncated importance sampling, a KL, VAPO's NLL term or a comparison of
-# prev's approximations: not the demo's.
+# The loss's metrics that exist only with truncated importance sampling, a KL, VAPO's NLL term, a comparison of
+# prev's approximations, the sequence mask by logprob error, deferred normalisation (whose normaliser the step uses
+# up) or a top-k / top-p sampler's kept sets: not the demo's.
 CONDITIONAL_LOSS_METRICS = frozenset({"is_oob_ratio", "is_oob_token_ratio", "kl_penalty", "reward_kl_penalty",
-                                      "positive_nll_loss", *PREV_APPROXIMATION_ERROR_METRICS})
+                                      "positive_nll_loss", "loss_normaliser", *PREV_APPROXIMATION_ERROR_METRICS,
+                                      *LOGPROB_ERROR_MASK_METRICS, *KEPT_SET_METRICS})
 
 
 def demo_record(step: int) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
-from _configs import TINY
+from _configs import TINY, set_key, tiny
 
 from megatron_grpo.bench.scheduler import (
     first_learned_step,
@@ -14,6 +14,7 @@ from megatron_grpo.bench.scheduler import (
     summarise_prev_modes,
     with_all_passes_computed,
     with_prev_modes,
+    write_prev_modes_report,
 )
 from megatron_grpo.runner.config import ConfigError, load_config
 from megatron_grpo.runner.plan_inputs import plan_for
@@ -101,3 +102,23 @@ def test_generation_turns_the_is_correction_off_and_every_prev_mode_is_known():
 def test_a_negative_staleness_is_refused(capsys):
     assert main(["--config", str(TINY), "--staleness", "-1"]) == 2
     assert "--staleness: must be >= 0" in capsys.readouterr().err
+
+
+def test_the_masked_share_is_reported_under_the_sequence_mask(tmp_path):
+    cfg = load_config(set_key(tiny(), "grpo.seq_logprob_error_threshold", 1.25))
+    plans = {name: plan_for(variant) for name, variant in with_prev_modes(cfg, ["auto", "compute"]).items()}
+    row = {"step_time_s": 0.2, "train_time_s": 0.1, "prev_pass_time_s": 0.0}
+    records = {name: [{**row, "masked_seqs_by_logprob_error_fraction": fraction} for fraction in (0.1, 0.3)]
+               for name in plans}
+    summary = summarise_prev_modes(records, {"auto": [0.5, 0.5], "compute": [0.5, 0.5]}, plans, cfg, world_size=2,
+                                   tp_size=2)
+    assert summary["modes"]["auto"]["masked_fraction"] == pytest.approx(0.2)
+    write_prev_modes_report(summary, tmp_path, TINY, ["--config", str(TINY)], threshold=1.25)
+    report = (tmp_path / "scheduler_prev_modes_grpo_tiny_cpu_threshold1.25.md").read_text()
+    assert "| sequences masked (mean) |" in report and "| 20.0% |" in report
+    assert "grpo.seq_logprob_error_threshold 1.25;" in report
+
+
+def test_a_threshold_goes_through_the_configs_checks(capsys):
+    assert main(["--config", str(TINY), "--seq-logprob-error-threshold", "0"]) == 2
+    assert "grpo.seq_logprob_error_threshold: must be null or > 0, got 0.0" in capsys.readouterr().err

@@ -27,8 +27,9 @@ def test_bench_help_exits_0_and_lists_the_benchmarks():
     done = subprocess.run([sys.executable, "-m", "megatron_grpo", "bench", "--help"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("usage: megatron-grpo bench {logprob,scheduler,linear,packing,roofline,step}")
-    assert all(f"{name} " in done.stdout for name in ("logprob", "scheduler", "linear", "packing", "step"))
+    assert done.stdout.startswith(
+        "usage: megatron-grpo bench {logprob,scheduler,linear,packing,roofline,step,replay}")
+    assert all(f"{name} " in done.stdout for name in ("logprob", "scheduler", "linear", "packing", "step", "replay"))
 
 
 def test_bench_without_a_name_exits_2_with_the_usage():

@@ -67,7 +67,7 @@ NEMO_RL_DEFAULTS = {
     "ratio_clip_min": 0.2, "ratio_clip_max": 0.2, "ratio_clip_c": None, "disable_ppo_ratio": False,
     "loss_agg_mode": "token-mean", "sequence_level_importance_ratio": False,
     "reference_policy_kl_penalty": 0.01, "reference_policy_kl_type": "k3",
-    "kl_input_clamp_value": 20.0, "kl_output_clamp_value": 10.0, "use_kl_in_reward": False,
+    "kl_input_clamp_value": 20.0, "kl_output_clamp_value": 10.0, "kl_in_sequence_reward": False,
     "use_on_policy_kl_approximation": False, "use_importance_sampling_correction": False,
     "truncated_importance_sampling": TruncatedImportanceSamplingConfig(type=None, ratio_min=None, ratio_max=None),
     "force_on_policy_ratio": False, "use_cispo": False, "positive_example_nll_weight": 0.0,
@@ -220,8 +220,8 @@ CONFLICTS = {
     "non_positive_kl_input_clamp": (dict(kl_input_clamp_value=0.0), ["loss_fn.kl_input_clamp_value"]),
     "negative_kl_output_clamp": (dict(kl_output_clamp_value=-1.0), ["loss_fn.kl_output_clamp_value"]),
     "on_policy_kl_approximation_with_kl_in_reward": (
-        dict(use_on_policy_kl_approximation=True, use_kl_in_reward=True),
-        ["loss_fn.use_on_policy_kl_approximation", "loss_fn.use_kl_in_reward"],
+        dict(use_on_policy_kl_approximation=True, kl_in_sequence_reward=True),
+        ["loss_fn.use_on_policy_kl_approximation", "loss_fn.kl_in_sequence_reward"],
     ),
     "seq_mask_tis_with_gspo": (
         dict(

@@ -88,7 +88,7 @@ def test_reference_logprobs_are_required_only_when_the_loss_carries_a_kl(batch):
         ValueError, match=r"batch\['reference_policy_logprobs'\] is missing.*reference_policy_kl_penalty"
     ):
         call_loss(batch, cfg=loss_config(reference_policy_kl_penalty=0.1))
-    loss, _ = call_loss(batch, cfg=loss_config(reference_policy_kl_penalty=0.1, use_kl_in_reward=True))
+    loss, _ = call_loss(batch, cfg=loss_config(reference_policy_kl_penalty=0.1, kl_in_sequence_reward=True))
     assert torch.isfinite(loss)
 
 

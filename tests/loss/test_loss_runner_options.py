@@ -1,6 +1,6 @@
 """The loss options that need the runner, end to end under torchrun (TP=2 over gloo, 2 steps, about 20 s).
 
-`grpo.seq_logprob_error_threshold` and `loss_fn.use_kl_in_reward` read prev (and reference) logprobs before the
+`grpo.seq_logprob_error_threshold` and `loss_fn.kl_in_sequence_reward` read prev (and reference) logprobs before the
 loss; CISPO and VAPO's positive-example NLL read the rollout's rewards in the loss.
 """
 
@@ -20,7 +20,7 @@ def test_kl_in_reward_logprob_error_masking_cispo_and_nll_run_end_to_end(tmp_pat
         "grpo.max_num_steps": 2,
         "checkpoint.every_n_steps": 0,
         "grpo.seq_logprob_error_threshold": 2.0,
-        "loss_fn.use_kl_in_reward": True,
+        "loss_fn.kl_in_sequence_reward": True,
         "loss_fn.reference_policy_kl_penalty": 0.05,
         "loss_fn.use_cispo": True,
         "loss_fn.positive_example_nll_weight": 0.1,

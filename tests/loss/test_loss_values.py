@@ -84,7 +84,7 @@ def reference_loss(
             if cfg.use_importance_sampling_correction:
                 pg = weight[t] * pg
             token_loss = pg
-            if cfg.reference_policy_kl_penalty > 0 and not cfg.use_kl_in_reward:
+            if cfg.reference_policy_kl_penalty > 0 and not cfg.kl_in_sequence_reward:
                 kl_weight = torch.exp(curr[t] - curr[t].detach())
                 if cfg.use_on_policy_kl_approximation:
                     kl_weight = kl_weight * math.exp(float(curr[t].detach()) - float(gen_in[b, t]))
@@ -211,7 +211,7 @@ CASES = {
     "kl_k3_input_clamp": dict(reference_policy_kl_penalty=0.3, kl_input_clamp_value=0.25),
     "kl_k3_output_clamp": dict(reference_policy_kl_penalty=0.3, kl_output_clamp_value=0.02),
     "kl_on_policy_approximation": dict(reference_policy_kl_penalty=0.3, use_on_policy_kl_approximation=True),
-    "kl_in_reward_adds_nothing": dict(reference_policy_kl_penalty=0.3, use_kl_in_reward=True),
+    "kl_in_reward_adds_nothing": dict(reference_policy_kl_penalty=0.3, kl_in_sequence_reward=True),
     "kl_k3_input_clamp_on_policy_weight": dict(
         reference_policy_kl_penalty=0.3, kl_input_clamp_value=0.25, use_on_policy_kl_approximation=True
     ),
@@ -279,7 +279,7 @@ def _assert_metrics_match(metrics: dict, expected: dict, cfg: ClippedPGLossConfi
     optional = {
         "is_oob_ratio": cfg.truncated_importance_sampling.type is not None,
         "is_oob_token_ratio": cfg.truncated_importance_sampling.type == "seq-mask-tis",
-        "kl_penalty": cfg.reference_policy_kl_penalty > 0 and not cfg.use_kl_in_reward,
+        "kl_penalty": cfg.reference_policy_kl_penalty > 0 and not cfg.kl_in_sequence_reward,
         "positive_nll_loss": cfg.positive_example_nll_weight > 0,
     }
     for name in always + [name for name, present in optional.items() if present]:

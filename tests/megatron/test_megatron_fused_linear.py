@@ -288,6 +288,12 @@ def test_loss_fused_with_a_sampling_filter_is_a_config_error(key, value):
     assert "policy.fused_linear_loss" in message and "generation.top_k" in message \
         and "generation.top_p" in message
     assert config_with({"policy.fused_linear_logprobs": True, key: value}).generation is not None
+    replayed = config_with({"policy.fused_linear_logprobs": True, "policy.fused_linear_loss": True, key: value,
+                            "generation.replay_kept_set": True})  # the loss-fused head replays the sampler's sets
+    assert replayed.generation.replay_kept_set
+    with pytest.raises(ConfigError, match="the KL to the reference reads unfiltered logprobs"):
+        config_with({"policy.fused_linear_logprobs": True, "policy.fused_linear_loss": True, key: value,
+                     "generation.replay_kept_set": True, "loss_fn.reference_policy_kl_penalty": 0.1})
 
 
 def test_loss_fused_needs_the_fused_linear_path():

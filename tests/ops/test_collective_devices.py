@@ -84,7 +84,8 @@ def test_the_runner_at_dp2_hands_no_host_tensor_to_any_collective(tmp_path, monk
         "grpo.num_prompts_per_step": 4,
         "grpo.num_generations_per_prompt": 4,
         "grpo.max_num_steps": 2,
-        "grpo.seq_logprob_error_threshold": 2.0,  # a prev pass, and the shaping's DP reductions
+        "loss_fn.kl_in_sequence_reward": True,  # a prev pass, and the shaping's DP reductions
+        "loss_fn.reference_policy_kl_penalty": 0.05,
         "checkpoint.every_n_steps": 2,
     })
     logs = tmp_path / "collectives"

@@ -184,6 +184,7 @@ def test_wrong_type_or_choice_names_the_key(key, value):
         ("policy.sequence_packing.logprob_mb_tokens", 0, "must be null or > 0"),
         ("task.min_digits", 0, "must be null or in [1, task.num_digits = 4]"),
         ("task.min_digits", 5, "must be null or in [1, task.num_digits = 4]"),
+        ("generation.replay_kept_set", True, "true needs generation.top_k or generation.top_p < 1"),
     ],
 )
 def test_out_of_range_value_names_the_key(key, value, expected):
@@ -303,6 +304,16 @@ def test_range_problems_are_reported_together():
     data = set_key(data, "checkpoint.every_n_steps", -1)
     problems = problems_of(data)
     assert len(problems) == 4, problems  # temperature, every_n_steps, TP ∤ heads, heads ∤ hidden
+
+
+def test_the_logprob_error_mask_with_two_loss_divisors_is_a_conflict_naming_the_keys():
+    data = set_key(tiny(), "grpo.seq_logprob_error_threshold", 1.5)
+    data = set_key(data, "loss_fn.positive_example_nll_weight", 0.1)
+    load_config(data)  # token-mean: one divisor
+    problems = problems_of(set_key(data, "loss_fn.loss_agg_mode", "seq-mean-token-sum"))
+    assert len(problems) == 1 and problems[0].startswith(
+        "grpo.seq_logprob_error_threshold with loss_fn.positive_example_nll_weight > 0 and loss_fn.loss_agg_mode = "
+        "seq-mean-token-sum"), problems
 
 
 def test_loss_fn_conflicts_surface_through_load_config():

@@ -262,3 +262,59 @@ def test_stale_rollouts_with_one_update_skip_the_prev_pass_exactly(tmp_path):
     assert skipped["records"][-1]["token_mult_prob_error"] > 1.0  # the staleness shows against generation
     # A resume in the middle of the skipped run repeats it, bit for bit (fp32 on the CPU).
     assert resumed["records"] == skipped["records"][RESUME_AT:]
+
+
+# --- The sequence mask by logprob error in the training forward: the prev pass skipped there too -------------------
+
+MASK_STEPS = 12
+THRESHOLD = 1.25
+
+
+def masked_auto_and_compute(rank: int, world_size: int, root: str) -> dict:
+    """The stale demo (TP=1, one update per rollout, rollouts one step stale) with the sequence mask by logprob
+    error, 12 steps with the prev pass skipped (auto: the mask reads the training forward) and computed."""
+    from megatron.core import parallel_state
+
+    from megatron_grpo.megatron import init_parallel
+    from megatron_grpo.runner import loop
+    from megatron_grpo.runner.plan_inputs import plan_for
+    from megatron_grpo.runner.plugin_params import parallel_params
+    from megatron_grpo.runner.reporting import read_metrics
+
+    runs = {}
+    for mode in ("auto", "compute"):
+        cfg = stale_demo_with({"grpo.max_num_steps": MASK_STEPS, "grpo.seq_logprob_error_threshold": THRESHOLD,
+                               "logprob_passes.prev": mode, "run_dir": f"{root}/{mode}",
+                               "checkpoint.dir": f"{root}/{mode}/checkpoints", "checkpoint.every_n_steps": 0})
+        plan = plan_for(cfg)
+        layout = init_parallel(parallel_params(cfg))
+        try:
+            loop.train(cfg, plan, layout, resume_from=None)
+        finally:
+            parallel_state.destroy_model_parallel()
+        runs[mode] = {"plan": (plan.compute_prev_logprobs, plan.reasons[1]),
+                      "records": list(read_metrics(Path(cfg.run_dir)))}
+    return runs
+
+
+@pytest.mark.slow  # two training runs of the stale demo, 24 steps in all
+def test_the_sequence_mask_reads_the_training_forward_and_skips_the_prev_pass_exactly(tmp_path):
+    (runs,) = run_on_ranks(1, masked_auto_and_compute, str(tmp_path))
+    auto, compute = runs["auto"], runs["compute"]
+    assert auto["plan"][0] is False and compute["plan"][0] is True
+    assert "masks sequences inside the training forward" in auto["plan"][1]
+    assert not any(r["prev_pass_ran"] for r in auto["records"])
+    assert all(r["prev_pass_ran"] for r in compute["records"])
+    assert [r["rollout_age"] for r in auto["records"]] == [0] + [1] * (MASK_STEPS - 1)
+    # The same rollouts (the sampler never sees prev), the same masks and, to fp32 rounding (see
+    # test_stale_rollouts_with_one_update_skip_the_prev_pass_exactly), the same losses and gradients.
+    assert [r["reward_mean"] for r in auto["records"]] == [r["reward_mean"] for r in compute["records"]]
+    for step, (mine, theirs) in enumerate(zip(auto["records"], compute["records"], strict=True)):
+        for key in ("num_masked_seqs_by_logprob_error", "masked_seqs_by_logprob_error_fraction",
+                    "num_valid_samples_before_mask", "num_valid_samples"):
+            assert mine[key] == theirs[key], (key, step)
+        for key in ("loss", "grad_norm", "max_seq_mult_prob_error", "mean_seq_mult_prob_error"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (key, step, mine[key], theirs[key])
+    masked = [r["num_masked_seqs_by_logprob_error"] for r in auto["records"]]
+    assert masked[0] == 0 and sum(masked) > 0  # fresh at step 0; one step stale, the mask bites on some sequences
+    assert all(r["num_masked_seqs_by_logprob_error"] < r["num_valid_samples_before_mask"] for r in auto["records"])

@@ -1,6 +1,7 @@
 """Sequence packing in the runner: on the ragged task, a packed run's first step is the padded run's, over two DP
-ranks, in another number of microbatches, with a prev pass and the sequence masking that reads it (which
-runs on the padded batch, before packing). One launch of two gloo ranks (TP 1, DP 2) drives the real Trainer."""
+ranks, in another number of microbatches, with a prev pass and the sequence masking that reads it (inside the loss,
+microbatch by microbatch, padded or packed, the normalisation deferred to the step's end). One launch of two gloo
+ranks (TP 1, DP 2) drives the real Trainer."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ RAGGED = {
     "policy.train_micro_batch_size": 8,  # padded: 2 microbatches of 8 rows per rank
     "policy.sequence_packing.train_mb_tokens": 40,  # packed: as many microbatches as the rank's lengths need
     "policy.sequence_packing.logprob_mb_tokens": 60,
-    "logprob_passes.prev": "compute",  # a packed prev pass, read by the masking below before the loss
+    "logprob_passes.prev": "compute",  # a packed prev pass, read by the masking below in the loss
     "grpo.seq_logprob_error_threshold": 1.0 + 1e-6,  # masks the sequences whose prev strays from generation
 }
 
@@ -56,14 +57,10 @@ def first_steps(rank: int, world_size: int) -> dict:
     train_step = train_step_module.train_step
 
     def recording_train_step(step, model, optimizer, loss_fn, plan, batch, **kwargs):
-        prepare = kwargs["prepare_batch"]
-
-        def recording_prepare(padded):
-            shaped[current] = {key: padded[key].clone() for key in ("input_ids", "prev_logprobs", "token_mask")}
-            return prepare(padded)
-
-        return train_step(step, model, optimizer, loss_fn, plan, batch,
-                          **{**kwargs, "prepare_batch": recording_prepare})
+        result = train_step(step, model, optimizer, loss_fn, plan, batch, **kwargs)
+        shaped[current] = {"input_ids": batch["input_ids"].clone(), "token_mask": batch["token_mask"].clone(),
+                           "prev_logprobs": result.prev_logprobs.clone()}  # the pass's, unpacked to [B, S]
+        return result
 
     from megatron_grpo.runner import loop
     loop.train_step = recording_train_step
@@ -86,7 +83,7 @@ def test_a_packed_first_step_is_the_padded_one_over_two_data_parallel_ranks():
         padded, packed = result["records"]["padded"], result["records"]["packed"]
         assert padded["max_tokens"] is None and packed["max_tokens"] == 40  # the config reaches StepConfig
         assert result["microbatches"]["padded"] == 2
-        # the masking read [B, S] rows, before packing, in both runs: the same rollout and, to rounding, prev
+        # the same rollout and, to rounding, the same prev ([B, S], the packed pass's unpacked)
         shaped_padded, shaped_packed = result["shaped"]["padded"], result["shaped"]["packed"]
         assert torch.equal(shaped_padded["input_ids"], shaped_packed["input_ids"])
         trained = shaped_padded["token_mask"] != 0  # the packed pass scores nothing past a row's last trained token

@@ -140,6 +140,26 @@ def test_sampler_and_training_op_share_one_filtered_distribution(top_k, top_p):
         torch.testing.assert_close(op[finite], sampler[finite, token], rtol=0, atol=LOGPROB_ATOL_FP32)
 
 
+@pytest.mark.parametrize("top_k, top_p", [(None, 0.7), (4, None)])
+def test_each_token_records_the_kept_set_it_was_drawn_from(top_k, top_p):
+    """With a filter, every response token's kept set is its sampling distribution's support (the finite
+    logprobs), holding the token; prompt, padding and the tokens after <eos> have none. Without one, none is kept."""
+    params = _params(0.9, top_k, top_p)
+    rollout = _sample(params)
+    kept = rollout.kept_set
+    assert kept.positions == rollout.input_ids.numel()
+    kept.check_values(torch.where(rollout.token_mask.view(-1) != 0, rollout.input_ids.view(-1), -1), TRUE_VOCAB)
+    lengths = kept.lengths().view(rollout.input_ids.shape)
+    assert torch.equal(lengths > 0, rollout.token_mask != 0)
+    table = _toy_logits_table()
+    for row, column in (rollout.token_mask != 0).nonzero().tolist():
+        logits = table[rollout.input_ids[row, column - 1]][None, :TRUE_VOCAB] + 0.3 * (column - 1)
+        support = torch.isfinite(sampling_log_probs(logits, params.distribution)[0]).nonzero().squeeze(1)
+        at = row * rollout.input_ids.shape[1] + column
+        assert kept.ids[kept.offsets[at]:kept.offsets[at + 1]].tolist() == support.tolist(), (row, column)
+    assert _sample(_params(0.9)).kept_set is None
+
+
 def test_a_groups_samples_do_not_depend_on_the_other_groups():
     """Rows 3-8 sampled without rows 0-2 (as on another data-parallel rank) are the same tokens."""
     full = _sample(_params())
@@ -217,7 +237,8 @@ def _distributed_rollout(rank: int, world_size: int, split: str) -> dict:
         tp_group=dist.group.WORLD if split == "tensor" else None,
         share_draws=share_draws if split == "pipeline" else None,
     )
-    return {"ids": rollout.input_ids, "logprobs": rollout.generation_logprobs, "mask": rollout.token_mask}
+    return {"ids": rollout.input_ids, "logprobs": rollout.generation_logprobs, "mask": rollout.token_mask,
+            "kept": (rollout.kept_set_offsets, rollout.kept_set_ids)}
 
 
 @pytest.mark.parametrize("split, tolerance", [("tensor", 1e-6), ("pipeline", 0.0)])
@@ -229,3 +250,4 @@ def test_two_ranks_sample_what_one_rank_samples(split, tolerance):
         assert torch.equal(result["ids"], single.input_ids)
         assert torch.equal(result["mask"], single.token_mask)
         torch.testing.assert_close(result["logprobs"], single.generation_logprobs, rtol=0, atol=tolerance)
+        assert all(torch.equal(a, b) for a, b in zip(result["kept"], (single.kept_set_offsets, single.kept_set_ids)))

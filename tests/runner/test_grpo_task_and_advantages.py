@@ -239,23 +239,6 @@ def _shaping_batch(prev, generation, reference=None, token_mask=None):
     return batch
 
 
-def test_sequences_over_the_logprob_error_threshold_are_masked_with_nemo_rl_metrics():
-    from megatron_grpo.runner.shaping import PrevLogprobShaping
-
-    # Per-sequence mean exp(|gen - prev|): (e^0 + e^1) / 2 = 1.859, e^0.1 = 1.105, +inf (a -inf generation logprob),
-    # 1.0. With threshold 1.5, sequences 0 and 2 are masked: 2 of 4.
-    prev = [[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0], [-2.0, -2.0]]
-    generation = [[-1.0, -2.0], [-1.1, -0.9], [-torch.inf, -1.0], [-2.0, -2.0]]
-    cfg = _shaping_config(**{"grpo.seq_logprob_error_threshold": 1.5})
-    shaping = PrevLogprobShaping(cfg, torch.ones(4), dp_group=None)
-    shaped = shaping(_shaping_batch(prev, generation))
-    assert shaped["sample_mask"].tolist() == [0.0, 1.0, 0.0, 1.0]
-    assert shaping.metrics["num_masked_seqs_by_logprob_error"] == 2
-    assert shaping.metrics["masked_seqs_by_logprob_error_fraction"] == pytest.approx(0.5)
-    assert shaping.metrics["max_seq_mult_prob_error"] == float("inf")
-    assert "advantages" in shaped and torch.equal(shaped["advantages"], torch.zeros(4))  # untouched without KL
-
-
 def test_the_kl_in_the_reward_moves_into_the_group_advantages():
     from megatron_grpo.runner.shaping import PrevLogprobShaping
 
@@ -264,7 +247,7 @@ def test_the_kl_in_the_reward_moves_into_the_group_advantages():
     prev = [[-1.0, -2.0], [-1.0, -2.0]]
     reference = [[-1.5, -2.0], [-1.0, -2.0]]
     cfg = _shaping_config(**{
-        "loss_fn.use_kl_in_reward": True, "loss_fn.reference_policy_kl_penalty": 0.2,
+        "loss_fn.kl_in_sequence_reward": True, "loss_fn.reference_policy_kl_penalty": 0.2,
         "loss_fn.reference_policy_kl_type": "k1", "grpo.num_generations_per_prompt": 2,
         "grpo.normalize_rewards_by_std": False,
     })
@@ -272,7 +255,7 @@ def test_the_kl_in_the_reward_moves_into_the_group_advantages():
     shaped = shaping(_shaping_batch(prev, prev, reference))
     torch.testing.assert_close(shaped["advantages"], torch.tensor([-0.05, 0.05]), rtol=1e-6, atol=1e-7)
     assert shaping.metrics["reward_kl_penalty"] == pytest.approx((0.5 / 2 + 0.0) / 2)  # verl's mean token-mean KL
-    assert torch.equal(shaped["sample_mask"], torch.ones(2))  # no threshold: no masking
+    assert torch.equal(shaped["sample_mask"], torch.ones(2))  # the mask by logprob error is the loss's
 
 
 def test_the_kl_in_the_reward_uses_the_configured_estimator_clamps_and_only_trained_tokens():
@@ -283,7 +266,7 @@ def test_the_kl_in_the_reward_uses_the_configured_estimator_clamps_and_only_trai
     prev = [[-4.0, -1.0, -torch.inf], [-1.0, -1.0, -1.0]]
     reference = [[-1.0, 50.0, -1.0], [-1.0, -1.0, -1.0]]
     cfg = _shaping_config(**{
-        "loss_fn.use_kl_in_reward": True, "loss_fn.reference_policy_kl_penalty": 0.5,
+        "loss_fn.kl_in_sequence_reward": True, "loss_fn.reference_policy_kl_penalty": 0.5,
         "loss_fn.kl_input_clamp_value": 1.0, "grpo.num_generations_per_prompt": 2,
     })
     shaping = PrevLogprobShaping(cfg, torch.tensor([1.0, 0.0]), dp_group=None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 
@@ -16,9 +17,12 @@ from megatron_grpo.scheduler import LogprobPlan
 
 ROLLOUT_X2 = {"grpo.num_prompts_per_step": 32}  # 32 × 8 = 256 = 2 × train_global_batch_size (128)
 KL = {"loss_fn.reference_policy_kl_penalty": 0.05}
-KL_IN_REWARD = {**KL, "loss_fn.use_kl_in_reward": True}
+KL_IN_REWARD = {**KL, "loss_fn.kl_in_sequence_reward": True}
 STALE = {"grpo.max_rollout_staleness": 1}
 THRESHOLD = {"grpo.seq_logprob_error_threshold": 2.0}
+MASK_IN_FORWARD = ("nothing reads prev before the loss: grpo.seq_logprob_error_threshold = 2.0 masks sequences inside "
+                   "the training forward, by its detached logprobs, and the loss is normalised once the step's "
+                   "masked counts are known.")
 DROPOUT = {"policy.model.hidden_dropout": 0.1}
 FORCE = {"loss_fn.force_on_policy_ratio": True}
 SKIP_REFERENCE = {"grpo.skip_reference_policy_logprobs_calculation": True}
@@ -33,14 +37,20 @@ def prev(mode: str) -> dict:
 PLANS = [
     ("tiny-default", {}, False, False, ["on-policy"]),
     ("kl-in-loss", KL, True, False, ["on-policy"]),
-    ("kl-in-reward-needs-prev", KL_IN_REWARD, True, True, ["loss_fn.use_kl_in_reward"]),
+    ("kl-in-reward-needs-prev", KL_IN_REWARD, True, True,
+     ["loss_fn.kl_in_sequence_reward", "advantages that the first backward needs", "non-linearly"]),
     ("two-steps-per-rollout", ROLLOUT_X2, False, True, ["policy.train_global_batch_size"]),
     ("stale-rollouts-one-update", STALE, False, False,
      ["stale rollouts (grpo.max_rollout_staleness = 1) with one update per rollout",
       "the prev policy is the training forward's; the IS weights use curr against generation"]),
     ("stale-rollouts-two-updates", {**STALE, **ROLLOUT_X2}, False, True, ["policy.train_global_batch_size"]),
     ("stale-rollouts-dropout", {**STALE, **DROPOUT}, False, True, ["policy.model.hidden_dropout"]),
-    ("stale-rollouts-threshold", {**STALE, **THRESHOLD}, False, True, ["grpo.seq_logprob_error_threshold"]),
+    ("stale-rollouts-threshold", {**STALE, **THRESHOLD}, False, False,
+     ["stale rollouts (grpo.max_rollout_staleness = 1)", MASK_IN_FORWARD]),
+    ("threshold-two-steps", {**THRESHOLD, **ROLLOUT_X2}, False, True,
+     ["grpo.seq_logprob_error_threshold = 2.0 masks sequences by prev logprobs", "policy.train_global_batch_size"]),
+    ("threshold-dropout", {**THRESHOLD, **DROPOUT}, False, True,
+     ["grpo.seq_logprob_error_threshold = 2.0 masks sequences by prev logprobs", "policy.model.hidden_dropout"]),
     ("stale-rollouts-compute", {**STALE, "logprob_passes.prev": "compute"}, False, True,
      ["logprob_passes.prev = compute"]),
     ("prev-skip-stale-one-update", {"logprob_passes.prev": "skip", **STALE}, False, False,
@@ -48,9 +58,11 @@ PLANS = [
     ("force-on-policy-stale", {**FORCE, **STALE}, False, False, ["stale rollouts"]),
     ("hidden-dropout", DROPOUT, False, True, ["policy.model.hidden_dropout"]),
     ("attention-dropout", {"policy.model.attention_dropout": 0.1}, False, True, ["policy.model.attention_dropout"]),
-    ("error-threshold-needs-prev", THRESHOLD, False, True, ["grpo.seq_logprob_error_threshold"]),
+    ("error-threshold-in-the-training-forward", THRESHOLD, False, False, ["on-policy", MASK_IN_FORWARD]),
     ("force-on-policy-with-dropout", {**FORCE, **DROPOUT}, False, False, ["loss_fn.force_on_policy_ratio"]),
-    ("force-on-policy-with-threshold", {**FORCE, **THRESHOLD}, False, True, ["grpo.seq_logprob_error_threshold"]),
+    ("force-on-policy-with-threshold", {**FORCE, **THRESHOLD}, False, False, ["on-policy", MASK_IN_FORWARD]),
+    ("force-on-policy-with-threshold-and-dropout", {**FORCE, **THRESHOLD, **DROPOUT}, False, True,
+     ["grpo.seq_logprob_error_threshold = 2.0 masks sequences by prev logprobs"]),
     ("prev-compute-override", {"logprob_passes.prev": "compute"}, False, True, ["logprob_passes.prev = compute"]),
     ("prev-skip-when-safe", {"logprob_passes.prev": "skip"}, False, False, ["logprob_passes.prev = skip"]),
     ("prev-skip-forced-on-policy-with-dropout", {"logprob_passes.prev": "skip", **FORCE, **DROPOUT}, False, False,
@@ -101,10 +113,11 @@ CONFLICTS = [
      [["loss_fn.force_on_policy_ratio", "policy.train_global_batch_size", "grpo.num_prompts_per_step"]]),
     ("prev-skip-stale-two-steps", {"logprob_passes.prev": "skip", **STALE, **ROLLOUT_X2},
      [["logprob_passes.prev", "policy.train_global_batch_size", "grpo.num_prompts_per_step"]]),
-    ("prev-skip-threshold", {"logprob_passes.prev": "skip", **THRESHOLD},
-     [["logprob_passes.prev", "grpo.seq_logprob_error_threshold"]]),
+    ("prev-skip-threshold-two-steps", {"logprob_passes.prev": "skip", **THRESHOLD, **ROLLOUT_X2},
+     [["logprob_passes.prev", "grpo.seq_logprob_error_threshold"],
+      ["logprob_passes.prev", "grpo.num_prompts_per_step", "policy.train_global_batch_size"]]),
     ("prev-skip-kl-in-reward", {"logprob_passes.prev": "skip", **KL_IN_REWARD},
-     [["logprob_passes.prev", "loss_fn.use_kl_in_reward", "loss_fn.reference_policy_kl_penalty"]]),
+     [["logprob_passes.prev", "loss_fn.kl_in_sequence_reward", "loss_fn.reference_policy_kl_penalty"]]),
     ("prev-skip-dropout", {"logprob_passes.prev": "skip", **DROPOUT},
      [["logprob_passes.prev", "policy.model.hidden_dropout"]]),
     ("prev-skip-two-steps", {"logprob_passes.prev": "skip", **ROLLOUT_X2},
@@ -115,8 +128,8 @@ CONFLICTS = [
      [["grpo.skip_reference_policy_logprobs_calculation", "loss_fn.reference_policy_kl_penalty", "unsafe"]]),
     ("nemo-rl-skip-reference-disagrees-with-compute", {**SKIP_REFERENCE, "logprob_passes.reference": "compute"},
      [["grpo.skip_reference_policy_logprobs_calculation", "logprob_passes.reference = compute", "disagree"]]),
-    ("kl-in-reward-without-kl", {"loss_fn.use_kl_in_reward": True},
-     [["loss_fn.use_kl_in_reward", "loss_fn.reference_policy_kl_penalty"]]),
+    ("kl-in-reward-without-kl", {"loss_fn.kl_in_sequence_reward": True},
+     [["loss_fn.kl_in_sequence_reward", "loss_fn.reference_policy_kl_penalty"]]),
     ("rollout-not-a-multiple", {"grpo.num_prompts_per_step": 12},
      [["multiple", "grpo.num_prompts_per_step", "grpo.num_generations_per_prompt",
        "policy.train_global_batch_size"]]),
@@ -148,7 +161,7 @@ CONFLICTS += [
     ("loglinear-with-error-threshold", {**prev("loglinear"), **THRESHOLD},
      [["logprob_passes.prev = loglinear", "grpo.seq_logprob_error_threshold", "before the loss"]]),
     ("linear-with-kl-in-reward", {**prev("linear"), **KL_IN_REWARD},
-     [["logprob_passes.prev = linear", "loss_fn.use_kl_in_reward", "before the loss"]]),
+     [["logprob_passes.prev = linear", "loss_fn.kl_in_sequence_reward", "before the loss"]]),
     ("loglinear-with-dropout", {**prev("loglinear"), **DROPOUT},
      [["logprob_passes.prev = loglinear", "policy.model.hidden_dropout"]]),
     ("linear-with-forced-ratio", {**prev("linear"), **FORCE}, [["logprob_passes.prev = linear",
@@ -165,7 +178,7 @@ CONFLICTS += [
       ["loss_fn.force_on_policy_ratio", "one optimizer step"],
       ["logprob_passes.prev = loglinear", "loss_fn.force_on_policy_ratio"],
       ["logprob_passes.prev = loglinear", "grpo.seq_logprob_error_threshold"],
-      ["logprob_passes.prev = loglinear", "loss_fn.use_kl_in_reward"],
+      ["logprob_passes.prev = loglinear", "loss_fn.kl_in_sequence_reward"],
       ["logprob_passes.prev = loglinear", "policy.model.hidden_dropout"]]),
 ]
 
@@ -188,12 +201,12 @@ GRID = {
     "grpo.seq_logprob_error_threshold": [None, 1.5],
     "policy.model.attention_dropout": [0.0, 0.1],
     "loss_fn.reference_policy_kl_penalty": [0.0, 0.1],
-    "loss_fn.use_kl_in_reward": [False, True],
+    "loss_fn.kl_in_sequence_reward": [False, True],
 }
-# use_kl_in_reward with a zero KL is a global conflict (tested above), not an auto decision: left out.
+# kl_in_sequence_reward with a zero KL is a global conflict (tested above), not an auto decision: left out.
 AUTO_SETTINGS = [
     setting for setting in (dict(zip(GRID, values)) for values in itertools.product(*GRID.values()))
-    if setting["loss_fn.reference_policy_kl_penalty"] > 0 or not setting["loss_fn.use_kl_in_reward"]
+    if setting["loss_fn.reference_policy_kl_penalty"] > 0 or not setting["loss_fn.kl_in_sequence_reward"]
 ]
 
 
@@ -204,10 +217,13 @@ def test_auto_never_errors_and_skips_exactly_the_redundant_passes(setting):
     # staleness has no say: with one update per rollout the training forward is the prev policy
     forward_is_prev = (setting["grpo.num_prompts_per_step"] == 16
                            and setting["policy.model.attention_dropout"] == 0)
-    read_before_loss = setting["grpo.seq_logprob_error_threshold"] is not None or setting["loss_fn.use_kl_in_reward"]
+    # the mask by logprob error reads the training forward where that is the prev policy; the KL in the reward never
+    threshold = setting["grpo.seq_logprob_error_threshold"] is not None
+    read_before_loss = (threshold and not forward_is_prev) or setting["loss_fn.kl_in_sequence_reward"]
     assert plan.compute_reference_logprobs == plan.build_reference_model == kl_on
     assert plan.compute_prev_logprobs == (not forward_is_prev or read_before_loss)
     assert plan.prev_from_current == (not plan.compute_prev_logprobs)
+    assert plan.seq_logprob_error_threshold == setting["grpo.seq_logprob_error_threshold"]
     assert len(plan.reasons) == 2
 
 
@@ -215,7 +231,8 @@ def test_auto_never_errors_and_skips_exactly_the_redundant_passes(setting):
 PREV_MODES = [
     ("generation-on-policy", prev("generation"), False, "generation", False,
      ["verl's rollout_correction.bypass_mode", "slime's --use-rollout-logprobs",
-      "token_mult_prob_error, gen_kl_error, sampling_importance_ratio, is_oob_ratio are not reported"]),
+      "token_mult_prob_error, gen_kl_error, sampling_importance_ratio, is_oob_ratio, gen_ratio_outside_band are "
+      "not reported"]),
     ("generation-stale-two-steps", {**prev("generation"), **STALE, **ROLLOUT_X2}, False, "generation", False,
      ["PPO clips against the behaviour policy"]),
     ("generation-with-kl-in-reward", {**prev("generation"), **KL_IN_REWARD}, False, "generation", False,
@@ -256,6 +273,9 @@ def test_a_plan_with_contradictory_prev_sources_is_rejected():
     with pytest.raises(ValueError, match="compare_approximations compares with the prev pass"):
         LogprobPlan(compute_reference_logprobs=False, compute_prev_logprobs=False, prev_from_current=True,
                     reasons=(), compare_approximations=True)
+    with pytest.raises(ValueError, match="mask by logprob error reads a computed prev"):
+        LogprobPlan(compute_reference_logprobs=False, compute_prev_logprobs=False, prev_from_current=False,
+                    reasons=(), prev_approximation="generation", seq_logprob_error_threshold=1.5)
 
 
 @pytest.mark.parametrize("mode, prev_line, peers", [
@@ -274,10 +294,10 @@ def test_cli_names_the_prev_source_and_the_peers_key(tmp_path, capsys, mode, pre
 
 
 def test_forced_on_policy_ratio_takes_prev_from_current_even_when_the_pass_runs_for_a_reader():
-    # The prev pass runs for the sequence mask before the loss; the loss's ratio still uses curr.detach(), and the
-    # plan alone says so (the loss does not re-derive it from its config).
-    plan = plan_for(config_with({**FORCE, "grpo.seq_logprob_error_threshold": 1.5}))
-    assert plan.compute_prev_logprobs and plan.prev_from_current
+    # The prev pass runs for the sequence mask (dropout: the training forward is not the prev policy); the loss's
+    # ratio still uses curr.detach(), and the plan alone says so (the loss does not re-derive it from its config).
+    plan = plan_for(config_with({**FORCE, **DROPOUT, "grpo.seq_logprob_error_threshold": 1.5}))
+    assert plan.compute_prev_logprobs and plan.prev_from_current and plan.seq_logprob_error_threshold == 1.5
 
 
 def test_a_plan_that_skips_prev_but_needs_it_is_rejected():
@@ -412,3 +432,35 @@ def test_the_runner_config_is_adapted_outside_the_scheduler():
 
     with pytest.raises(TypeError, match="expected PlanInputs"):
         plan_logprob_passes(load_config(TINY))
+
+
+def test_other_readers_of_prev_make_the_plan_compute_it_naming_them():
+    """A reader the plan knows only by its words (a NeMo-RL config's OPD advantage) computes the pass, is unsafe
+    under `skip` and conflicts with an interpolated prev, each time in its own words."""
+    from megatron_grpo.loss import ClippedPGLossConfig
+    from megatron_grpo.scheduler import PlanInputs, plan_logprob_passes
+
+    reader = "opd_advantage: teacher - prev, read before the loss"
+    inputs = PlanInputs.for_loss(ClippedPGLossConfig(reference_policy_kl_penalty=0.0), rollout_batch=8,
+                                 global_batch=8, dropout=False, prev_readers=(reader,))
+    plan = plan_logprob_passes(inputs)
+    assert plan.compute_prev_logprobs and not plan.prev_from_current
+    assert plan.reasons[1] == f"prev logprobs computed: {reader}."
+    for mode, words in (("skip", f"prev_mode = skip is unsafe: {reader}"),
+                        ("loglinear", f"prev_mode = loglinear and {reader}: the interpolation needs curr")):
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            plan_logprob_passes(dataclasses.replace(inputs, prev_mode=mode))
+
+
+def test_staleness_without_a_known_bound_still_skips_prev_with_one_update_per_rollout():
+    from megatron_grpo.loss import ClippedPGLossConfig
+    from megatron_grpo.scheduler import PlanInputs, PlanKeys, plan_logprob_passes
+
+    keys = PlanKeys(staleness="async_rl.sampler.name = ready_first")
+    inputs = PlanInputs.for_loss(ClippedPGLossConfig(), rollout_batch=8, global_batch=8, dropout=False,
+                                 staleness=None, keys=keys)
+    plan = plan_logprob_passes(inputs)
+    assert not plan.compute_prev_logprobs
+    assert "stale rollouts (async_rl.sampler.name = ready_first: no known bound) with one update" in plan.reasons[1]
+    with pytest.raises(ConfigError, match="staleness: must be >= 0, got -1"):
+        plan_logprob_passes(dataclasses.replace(inputs, staleness=-1, keys=PlanKeys()))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 
 from megatron_grpo.ops.core.dtypes import LOGITS_DTYPES
+from megatron_grpo.ops.distribution import SamplingDistribution
+from megatron_grpo.ops.kept_set import KeptSet
 from megatron_grpo.ops.vocab_shard import VocabShard
 
 INPLACE_BACKWARD_MODES = (False, True, "exp")
@@ -23,6 +25,35 @@ def check_target_ids(targets: torch.Tensor, shard: VocabShard) -> bool:
             f"(ids at or beyond it are vocab padding and cannot be targets)"
         )
     return smallest < 0
+
+
+def check_kept_set_argument(kept_set: KeptSet | None, distribution: SamplingDistribution, targets: torch.Tensor,
+                            inplace_backward: bool | str = False) -> None:
+    """An op's `kept_set=` goes with a distribution that replays it (`replay_kept_set`), and only so; its form (free
+    checks) must fit the targets."""
+    if distribution.replay_kept_set and kept_set is None:
+        raise ValueError("kept_set: required by distribution.replay_kept_set (the engine's kept set of every "
+                         "position of the targets, ops.KeptSet)")
+    if kept_set is None:
+        return
+    if not distribution.replay_kept_set:
+        raise ValueError("kept_set: given, but the distribution recomputes its filter; pass "
+                         "distribution=distribution.replayed() (SamplingDistribution(replay_kept_set=True)) to "
+                         "replay it")
+    if not isinstance(kept_set, KeptSet):
+        raise ValueError(f"kept_set: expected an ops.KeptSet, got {type(kept_set).__name__}")
+    if inplace_backward == "exp":
+        raise ValueError("kept_set: inplace_backward='exp' has no replay of a kept set; use inplace_backward=True")
+    kept_set.check_form(targets.numel(), targets.device)
+
+
+def check_kept_values(kept: KeptSet, row_targets: torch.Tensor, shard: VocabShard, next_token: bool) -> None:
+    """`KeptSet.check_values` for an op's rows (one host read): with `next_token` row `r` scores position `r + 1`,
+    so position `p` holds the target of row `p - 1`."""
+    targets = row_targets
+    if next_token and targets.numel():
+        targets = torch.cat([row_targets.new_full((1,), -1), row_targets[:-1]])
+    kept.check_values(targets, shard.true_vocab_size)
 
 
 def check_integer_targets(targets: torch.Tensor) -> None:
