@@ -482,6 +482,27 @@ def test_packed_sequences_not_a_multiple_of_2cp_are_value_errors_naming_cu_seqle
     assert messages["share_without_positions"].startswith("position_ids: ")
 
 
+def test_rows_padded_for_context_parallel_carry_their_kept_sets(monkeypatch):
+    """At CP 2 a padded batch of width 6 is extended to 8 (a multiple of 2·CP) with zeros after every row's end; the
+    kept sets stay with their tokens and the added positions hold none."""
+    from megatron_grpo.loss.kept_set_batch import KEPT_SET_IDS, KEPT_SET_OFFSETS, kept_set_of
+    from megatron_grpo.megatron import context_parallel
+    from megatron_grpo.ops.kept_set import KeptSet
+
+    monkeypatch.setattr(context_parallel, "context_parallel_size", lambda: 2)
+    input_ids = torch.arange(1, 13).view(2, 6)
+    sets = [[] if t % 6 == 0 else [t % 5, 7 + t % 3] for t in range(12)]
+    kept = KeptSet.from_lists(sets)
+    batch = {"input_ids": input_ids, "token_mask": torch.ones(2, 6), "advantages": torch.ones(2),
+             KEPT_SET_OFFSETS: kept.offsets, KEPT_SET_IDS: kept.ids}
+    padded = context_parallel.padded_for_context_parallel(batch)
+    assert padded["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 0, 0], [7, 8, 9, 10, 11, 12, 0, 0]]
+    assert padded["token_mask"][:, 6:].eq(0).all() and padded["advantages"] is batch["advantages"]
+    got = kept_set_of(padded)
+    expected = [sorted(s) for s in sets[:6]] + [[], []] + [sorted(s) for s in sets[6:]] + [[], []]
+    assert [got.ids[a:b].tolist() for a, b in zip(got.offsets[:-1], got.offsets[1:])] == expected
+
+
 def test_partition_without_transformer_engine_matches_hand_written_indices():
     """The no-TE stand-in of TE's `thd_get_partitioned_indices` at CP 2: each sequence in 4 chunks, rank 0 keeping
     chunks 0 and 3, rank 1 chunks 1 and 2, sequence after sequence."""
