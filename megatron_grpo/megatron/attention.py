@@ -9,8 +9,9 @@ softmax scale, grouped-query heads) and takes both, with torch's attention kerne
 - padded `[s, b, h, d]`: one `F.scaled_dot_product_attention`, causal, or under the mask given;
 - packed (`PackedSeqParams(qkv_format="thd")`, `[t, h, d]`): on CUDA in fp16 / bf16 without dropout, one call of
   torch's `varlen_attn` (FlashAttention) over the row, under its 2.10 or its 2.11+ signature (`VarlenSignature`);
-  elsewhere causal attention one sequence at a time: on the CPU (without dropout) its flash kernels, each
-  sequence's output written into one tensor (`_CpuPackedAttention`), else one SDPA per sequence. Only each
+  elsewhere causal attention within each sequence: on the CPU (without dropout) its flash kernels, one call for
+  the sequences of each length, every output written into one tensor (`_CpuPackedAttention`), else one SDPA per
+  sequence. Only each
   sequence's own `[L, L]` scores exist, never the row's `[t, t]`;
 - context-parallel shares (CP > 1), padded or packed, split by Megatron's zigzag (rank r holds chunks r and
   2·CP−1−r of each sequence's 2·CP): K and V are all-gathered over the CP group (one collective per layer, its
@@ -219,21 +220,23 @@ class _CpuPackedAttention(torch.autograd.Function):
     through the CPU flash kernels SDPA itself uses, each sequence's output written into one `[t, hq, d]` tensor.
     Autograd keeps that output and a logsumexp per sequence and head: one SDPA call per sequence and a
     concatenation would keep every sequence's output twice (SDPA's own, and the concatenated copy the next layer
-    reads). Grouped key heads are repeated per sequence (Megatron's grouping) and their gradients summed back."""
+    reads). The sequences of one length go through one call, as a batch (a row of many short sequences would
+    otherwise cost a call each); a sequence alone at its length is a view, not a copy. Grouped key heads are
+    repeated (Megatron's grouping) and their gradients summed back."""
 
     @staticmethod
     def forward(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int],
                 scale: float) -> torch.Tensor:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        bounds = _bounds(lengths)
+        batches = _same_length_batches(lengths, query.device)
         logsumexps = []
-        for start, end in bounds:
-            q, k, v = _heads_first(query, key, value, start, end)
+        for tokens in batches:
+            q, k, v = _heads_first(query, key, value, tokens)
             piece, logsumexp = _CPU_FLASH(q, k, v, 0.0, True, scale=scale)
-            out[start:end] = piece[0].transpose(0, 1)
+            _write(out, tokens, piece)
             logsumexps.append(logsumexp)
         ctx.save_for_backward(query, key, value, out, *logsumexps)
-        ctx.bounds, ctx.scale = bounds, scale
+        ctx.batches, ctx.scale = batches, scale
         return out
 
     @staticmethod
@@ -241,32 +244,52 @@ class _CpuPackedAttention(torch.autograd.Function):
         query, key, value, out, *logsumexps = ctx.saved_tensors
         grads = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for tensor in (query, key, value)]
         groups = query.shape[1] // key.shape[1]
-        for (start, end), logsumexp in zip(ctx.bounds, logsumexps, strict=True):
-            q, k, v = _heads_first(query, key, value, start, end)
-            pieces = _CPU_FLASH_BACKWARD(grad[start:end].transpose(0, 1)[None], q, k, v,
-                                         out[start:end].transpose(0, 1)[None], logsumexp, 0.0, True, scale=ctx.scale)
+        for tokens, logsumexp in zip(ctx.batches, logsumexps, strict=True):
+            q, k, v = _heads_first(query, key, value, tokens)
+            pieces = _CPU_FLASH_BACKWARD(_sequences(grad, tokens), q, k, v, _sequences(out, tokens), logsumexp, 0.0,
+                                         True, scale=ctx.scale)
             for target, piece in zip(grads, pieces, strict=True):
-                piece = piece[0].transpose(0, 1)  # [L, hq, d]
                 if target.shape[1] != piece.shape[1]:  # a key head's gradient: the sum over its query heads
                     piece = piece.unflatten(1, (target.shape[1], groups)).sum(dim=2)
-                target[start:end] = piece
+                _write(target, tokens, piece)
         return *grads, None, None
 
 
-def _bounds(lengths: list[int]) -> list[tuple[int, int]]:
-    ends = list(itertools.accumulate(lengths))
-    return list(zip([0, *ends[:-1]], ends))
+def _same_length_batches(lengths: list[int], device: torch.device) -> list[slice | torch.Tensor]:
+    """The packed positions of the sequences of each length: a `slice` where one sequence has that length, else an
+    int64 `[n, L]` index (row i: the i-th such sequence's positions)."""
+    starts: dict[int, list[int]] = {}
+    for start, length in zip(itertools.accumulate([0, *lengths[:-1]]), lengths):
+        starts.setdefault(length, []).append(start)
+    return [slice(first[0], first[0] + length) if len(first) == 1 else
+            torch.tensor(first, device=device)[:, None] + torch.arange(length, device=device)
+            for length, first in starts.items()]
 
 
-def _heads_first(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, start: int,
-                 end: int) -> list[torch.Tensor]:
-    """Tokens `start:end` of `[t, h, d]` queries, keys and values as `[1, h, L, d]` views (the flash kernels' 4-D
-    layout), the key and value heads repeated to the queries'."""
+def _sequences(tensor: torch.Tensor, tokens: slice | torch.Tensor) -> torch.Tensor:
+    """`[t, h, d]` at `tokens` as `[n, h, L, d]`: the flash kernels' 4-D layout (a view for a slice)."""
+    if isinstance(tokens, slice):
+        return tensor[tokens].transpose(0, 1)[None]
+    return tensor[tokens].transpose(1, 2)
+
+
+def _write(target: torch.Tensor, tokens: slice | torch.Tensor, piece: torch.Tensor) -> None:
+    """`piece` `[n, h, L, d]` into `target` `[t, h, d]` at `tokens`."""
+    if isinstance(tokens, slice):
+        target[tokens] = piece[0].transpose(0, 1)
+    else:
+        target[tokens] = piece.transpose(1, 2)
+
+
+def _heads_first(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 tokens: slice | torch.Tensor) -> list[torch.Tensor]:
+    """Queries, keys and values at `tokens` as `[n, h, L, d]` (`_sequences`), the key and value heads repeated to
+    the queries'."""
     groups = query.shape[1] // key.shape[1]
-    pieces = [query[start:end], key[start:end], value[start:end]]
+    pieces = [_sequences(tensor, tokens) for tensor in (query, key, value)]
     if groups > 1:
         pieces[1:] = [piece.repeat_interleave(groups, dim=1) for piece in pieces[1:]]
-    return [piece.transpose(0, 1)[None] for piece in pieces]
+    return pieces
 
 
 class _GatherOverContext(torch.autograd.Function):
