@@ -95,10 +95,19 @@ bench-packing: install
 bench-step: install
 	$(BIN)/megatron-grpo --nproc-per-node 1 bench step --out $(RESULTS)
 
-# Compile-check the CUDA kernels with plain nvcc (no torch headers needed); runs nothing.
+# Compile-check the CUDA kernels with plain nvcc (no torch headers needed); runs nothing. The PTX, the cubins and
+# ptxas's report (registers, spills) stay in $(CUDA_CHECK_DIR), where tests/ops/test_cuda_static.py reads them.
+CUDA_SOURCES := csrc/logprob_cuda.cu csrc/top_p_cuda.cu
+CUDA_CHECK_DIR := build/cuda-check
 cuda-check:
-	$(NVCC) -std=c++17 -O3 -Xcompiler -Wall -Icsrc -c csrc/logprob_cuda.cu -o /tmp/megatron_grpo_logprob_cuda.o \
-	  -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+	mkdir -p $(CUDA_CHECK_DIR)
+	for source in $(CUDA_SOURCES); do \
+	  name=$$(basename $$source .cu); \
+	  $(NVCC) -std=c++17 -O3 -Xcompiler -Wall -Icsrc -c $$source -o $(CUDA_CHECK_DIR)/$$name.o \
+	    -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -Xptxas -v \
+	    --keep --keep-dir $(CUDA_CHECK_DIR) > $(CUDA_CHECK_DIR)/$$name.ptxas.txt 2>&1 \
+	    || { cat $(CUDA_CHECK_DIR)/$$name.ptxas.txt; exit 1; }; \
+	done
 
 # megatron-core for a GPU machine without it and without network (benchmarks/gpu_check.sh's `wheels` step): its wheel
 # for that machine's Python, downloaded here into the git-ignored .whl/, to ship with the checkout. The cp312 wheel is

@@ -27,7 +27,7 @@ def kernel_extensions() -> list:
     from torch.utils import cpp_extension
 
     with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
-    sources = ["csrc/bindings.cpp", "csrc/logprob_cpu.cpp"]
+    sources = ["csrc/bindings.cpp", "csrc/logprob_op.cpp", "csrc/logprob_cpu.cpp", "csrc/top_p_cpu.cpp"]
     cxx = ["-O3", "-std=c++17", "-fopenmp", "-Wno-unknown-pragmas"]
     if platform.machine() in ("x86_64", "AMD64"):
         cxx.append("-DMEGATRON_GRPO_CPU_ISA_DISPATCH")  # the ISA builds are compiled by KernelBuildExt
@@ -37,7 +37,7 @@ def kernel_extensions() -> list:
     extra = {"cxx": cxx}
     if with_cuda:
         extension = cpp_extension.CUDAExtension
-        sources.append("csrc/logprob_cuda.cu")
+        sources += ["csrc/logprob_cuda.cu", "csrc/top_p_cuda.cu"]
         cxx.append("-DMEGATRON_GRPO_WITH_CUDA")
         # No architecture flags here: torch's extension builder then takes them from TORCH_CUDA_ARCH_LIST.
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)

@@ -26,11 +26,12 @@
 # its budget, where megatron-core comes from, and what it leaves out: sequence parallelism needs TP >= 2, so two GPUs,
 # and this check runs on one; tests/megatron/test_sequence_parallel_fused.py checks it at TP 2 on the CPU (gloo).
 #
-# Budgets (seconds): machine 15, wheels 5, registers 30, build 100, tests 65, linear 20, runner 75, roofline 12,
-# bench 35, step 62: 419 s in all, each about 1.2x or more of its time on an H200 (2026-12-04: 4, 1, 7, 52-68, 35+,
+# Budgets (seconds): machine 15, wheels 5, registers 40, build 100, tests 65, linear 20, runner 75, roofline 12,
+# bench 35, step 62: 429 s in all, each about 1.2x or more of its time on an H200 (2026-12-04: 4, 1, 7, 52-68, 35+,
 # 12, 30 + 25, 9, 25, 52 s); machine and registers also run in the dry run, on a CPU machine that may be busy
-# (nvcc took 6 s on an idle 2-core VM, over 12 s beside other work). A step that reaches its budget gets SIGINT (pytest then writes its summary and JUnit
-# report, and `tee -i` keeps every line), and SIGKILL 5 s later: at most 469 s for all ten steps, under 8 minutes.
+# (nvcc took 6 s on an idle 2-core VM, over 12 s beside other work; the kernels of 2026-12-10, warp-per-row and
+# in-place variants and the top-p kernels, take some 20 s of CPU for sm_90). A step that reaches its budget gets SIGINT (pytest then writes its summary and JUnit
+# report, and `tee -i` keeps every line), and SIGKILL 5 s later: at most 479 s for all ten steps, under 8 minutes.
 # Every step runs even when an earlier one failed, and prints one status line (ok, skipped, not selected, FAILED
 # or TIMED OUT); the exit status is the first failure's.
 #
@@ -38,11 +39,11 @@
 # rerun with STEPS= appends to the logs and replaces the files of the steps it reruns. $OUT holds at most 8 files:
 #     summary.txt      per run: date, device, mode, STEPS, and each step's status and time
 #     gpu_check.log    everything every step printed, whole (pytest's output included)
-#     ptxas.txt        nvcc -Xptxas -v: registers, shared memory and spills of every kernel variant
+#     ptxas.txt        nvcc -Xptxas -v: registers, shared memory and spills of every kernel variant (both .cu files)
 #     build.log        the whole log of `pip install -e .`
 #     pytest.xml       the GPU tests' JUnit report (partial if the step ran out of time)
 #     runner.txt       the runner step's two torchrun jobs (4 steps, then resumed to 6)
-#     roofline.txt     each kernel's bytes per second as a fraction of a device-to-device copy's
+#     roofline.txt     the kernels alone (CUDA-graph replays) and the op per call, each as a fraction of a copy's roof
 #     bench.tgz        the benchmark's Markdown table, JSON and plot (benchmarks/results/ format)
 # The dry run (no CUDA): the register report runs (it needs nvcc only), the build, GPU tests, runner, roofline and
 # step are skipped with a line saying so, the CPU op tests run instead of the GPU tests, the fused linear op's GPU tests
@@ -72,8 +73,8 @@ export CPU_TESTS="${CPU_TESTS:-tests/ops/test_logprob_op.py tests/ops/test_logpr
 export LINEAR_TESTS="${LINEAR_TESTS:-tests/ops/test_gpu_linear.py}" LINEAR_SELECT=fused_linear
 
 ALL_STEPS="machine wheels registers build tests linear runner roofline bench step"
-# Step budgets in seconds (sum 419); GRACE: from a step's SIGINT to its SIGKILL.
-BUDGET_MACHINE=15 BUDGET_WHEELS=5 BUDGET_REGISTERS=30 BUDGET_BUILD=100 BUDGET_TESTS=65 BUDGET_LINEAR=20
+# Step budgets in seconds (sum 429); GRACE: from a step's SIGINT to its SIGKILL.
+BUDGET_MACHINE=15 BUDGET_WHEELS=5 BUDGET_REGISTERS=40 BUDGET_BUILD=100 BUDGET_TESTS=65 BUDGET_LINEAR=20
 BUDGET_RUNNER=75 BUDGET_ROOFLINE=12 BUDGET_BENCH=35 BUDGET_STEP=62
 GRACE=5
 export BUDGET_BENCH
@@ -125,10 +126,14 @@ step_registers() {
   if ! command -v nvcc >/dev/null; then echo "skipped: nvcc not found"; return $SKIPPED; fi
   local arch="${CUDA_ARCH:-90}"
   echo "nvcc -Xptxas -v for sm_$arch; whole output in ptxas.txt"
-  nvcc -std=c++17 -O3 -Icsrc -c csrc/logprob_cuda.cu -o "$WORK/logprob_cuda.o" \
-    -gencode "arch=compute_$arch,code=sm_$arch" -Xptxas -v >"$OUT/ptxas.txt" 2>&1
-  local rc=$?
-  if [ "$rc" -ne 0 ]; then tail -n 40 "$OUT/ptxas.txt"; return "$rc"; fi
+  : >"$OUT/ptxas.txt"
+  local source rc
+  for source in csrc/logprob_cuda.cu csrc/top_p_cuda.cu; do
+    nvcc -std=c++17 -O3 -Icsrc -c "$source" -o "$WORK/$(basename "$source" .cu).o" \
+      -gencode "arch=compute_$arch,code=sm_$arch" -Xptxas -v >>"$OUT/ptxas.txt" 2>&1
+    rc=$?
+    if [ "$rc" -ne 0 ]; then tail -n 40 "$OUT/ptxas.txt"; return "$rc"; fi
+  done
   local variants spilling most
   variants=$(grep -c "Used [0-9]* registers" "$OUT/ptxas.txt")
   spilling=$(grep "spill stores" "$OUT/ptxas.txt" | grep -vc " 0 bytes spill stores, 0 bytes spill loads")

@@ -95,11 +95,72 @@ MGRPO_HD float logit_grad(float x, bool is_target, float lse, float mean_x, floa
   return prob_grad(expf(x - lse), x, is_target, mean_x, g_lp, g_h);
 }
 
+// The logprob's upstream gradient of row `row` times `scale` (d/dx = scale * d/dz): 0 where nothing differentiated
+// the logprob (`grad_logprob` null), and 0 where the row's `logprob` is -inf, a target that the top-k/top-p filter
+// drops: its logprob is a constant (`logprob` null: no filter, nothing to drop).
+MGRPO_HD float upstream_logprob_gradient(const float* grad_logprob, const float* logprob, int64_t row, float scale) {
+  if (grad_logprob == nullptr || (logprob != nullptr && logprob[row] == neg_inf())) return 0.0f;
+  return scale * grad_logprob[row];
+}
+
 // Whether a logit survives the row's top-k/top-p threshold. NaN survives, so that it still poisons its row.
 MGRPO_HD bool kept_logit(float x, float threshold) { return !(x < threshold); }
 
 // A logit as the filtered distribution sees it: itself when kept, else -inf.
 MGRPO_HD float filtered_logit(float x, float threshold) { return kept_logit(x, threshold) ? x : neg_inf(); }
+
+// What the op returns per row (and what its backward needs back): the logprob of the target, the entropy, the
+// log-sum-exp and E[x] (the last two in units of z, as the partials).
+struct RowStats {
+  float logprob;
+  float entropy;
+  float lse;
+  float mean_x;
+};
+
+// max(a, b) that is NaN when either is (as torch's amax), so that a poisoned rank poisons the row.
+MGRPO_HD float max_propagating_nan(float a, float b) { return (a != a || a > b) ? a : b; }
+
+// The combine: one row's statistics from the partials of `world` ranks, rank r's at partials + r * rank_stride
+// (columns as PartialsColumn). `ignored` rows (target < 0) get a logprob and an entropy of exactly 0. With M the
+// largest max (0 while every rank's is -inf):
+//   D = sum_r d_r exp(m_r - M),  lse = M + log D,  logprob = max_r x_y,r - lse,
+//   S = sum_r exp(m_r - M) (s_r + (m_r - M) d_r),  E[x] = M + S / D,  entropy = log D - S / D.
+// One rank (TP 1) is the kernels' own epilogue: exp(m - M) = 1. The same rule as the plain-torch combine
+// (megatron_grpo/ops/core/partials.py), operation for operation.
+MGRPO_HD RowStats combine_partials(const float* partials, int64_t rank_stride, int world, bool with_entropy,
+                                   bool ignored) {
+  float global_max = partials[kColMax];
+  float target = partials[kColTarget];
+  for (int r = 1; r < world; ++r) {
+    global_max = max_propagating_nan(global_max, partials[r * rank_stride + kColMax]);
+    target = max_propagating_nan(target, partials[r * rank_stride + kColTarget]);
+  }
+  const float shift = safe_shift(global_max);
+  float sum_exp = 0.0f;
+  float moment = 0.0f;
+  for (int r = 0; r < world; ++r) {
+    const float* p = partials + r * rank_stride;
+    const float scale = expf(p[kColMax] - shift);
+    sum_exp += p[kColSumExp] * scale;
+    if (with_entropy) {
+      const float moved = p[kColSumExp] == 0.0f ? 0.0f : (p[kColMax] - shift) * p[kColSumExp];
+      moment += (p[kColSumExpX] + moved) * scale;
+    }
+  }
+  const float log_sum = logf(sum_exp);
+  RowStats out;
+  out.lse = shift + log_sum;
+  out.logprob = ignored ? 0.0f : target - out.lse;
+  out.entropy = 0.0f;
+  out.mean_x = 0.0f;
+  if (with_entropy) {
+    const float relative_mean = moment / sum_exp;
+    out.mean_x = shift + relative_mean;
+    out.entropy = ignored ? 0.0f : log_sum - relative_mean;
+  }
+  return out;
+}
 
 // Index of the target inside this shard's valid columns, or -1 when the target is ignored, lies on
 // another rank, or falls in the padding.

@@ -5,7 +5,10 @@
 //
 // Forward is one pass over each row. The row is read in L1-sized tiles: the tile max updates the running max
 // once, then the tile (now in L1) is exponentiated, so each element costs one exp instead of the two of a
-// per-element online softmax. Per-lane partials merge with the shared `merge` at the end of the row.
+// per-element online softmax. A row's last tile may be short and its last vector step partial (the missing lanes
+// are -inf), so a row of any length stays on the vector path; the lanes merge at the end of the row with one vector
+// exponential. With one rank (`logprob_forward`) the kernel ends each row with the combine (`combine_partials`) and
+// writes the op's outputs itself; with several it writes the partials for the all-gather.
 // Backward recomputes p = exp(z - lse), reads each element once and writes it once, in place if asked.
 //
 // logit_scale: the kernels see z = scale * x. kScaled specialises on scale != 1, so that scale 1 costs nothing.
@@ -83,16 +86,17 @@ inline void store_step(T* p, const Vec& lo, const Vec& hi) {
   }
 }
 
+// The most negative finite float: a -inf logit's (x - shift) clamped to it makes exp(z) * z exactly 0, not NaN.
+inline Vec lowest_vec() { return Vec(std::numeric_limits<float>::lowest()); }
+
 // Adds exp(z) to d and exp(z) * z to s, for z = x - shift; a -inf logit (exp = 0) adds 0 to s, not NaN.
 // Returns exp(z).
-inline Vec accumulate_step(const Vec& x, const Vec& shift, bool with_entropy, Vec& d, Vec& s) {
+template <bool kEntropy>
+inline Vec accumulate_step(const Vec& x, const Vec& shift, Vec& d, Vec& s) {
   const Vec z = x - shift;
   const Vec e = z.exp_u20();  // only finite rows matter: a NaN or +inf row is flagged by the caller
   d = d + e;
-  if (with_entropy) {
-    const Vec zero(0.0f);
-    s = s + Vec::blendv(e * z, zero, e == zero);
-  }
+  if constexpr (kEntropy) s = at::vec::fmadd(e, at::vec::maximum(z, lowest_vec()), s);
   return e;
 }
 
@@ -118,62 +122,109 @@ inline float visible_logit(T x, float scale, float threshold) {
   return kFiltered ? filtered_logit(z, threshold) : z;
 }
 
-// Online-softmax partials of one row's valid columns (see SoftmaxPartials: the moment is relative to the max).
-// kFiltered: only the logits >= threshold take part (top-k/top-p); the others count as -inf.
+// The last `count` (< kStep) elements of a row as one vector step, as the distribution sees them; the missing
+// lanes are -inf, which add nothing.
 template <typename T, bool kFiltered, bool kScaled>
-SoftmaxPartials row_partials(const T* x, int64_t n, bool with_entropy, float threshold, float scale) {
+inline void partial_step(const T* p, int64_t count, Vec& lo, Vec& hi, float scale, float threshold) {
+  alignas(64) float lanes[kStep];
+  for (int64_t j = 0; j < kStep; ++j) {
+    lanes[j] = j < count ? visible_logit<kFiltered, kScaled>(p[j], scale, threshold) : neg_inf();
+  }
+  lo = Vec::loadu(lanes);
+  hi = Vec::loadu(lanes + Vec::size());
+}
+
+// Per-lane online-softmax state: the lanes' max m, and d, s relative to it.
+struct LaneState {
+  Vec m = Vec(neg_inf());
+  Vec d = Vec(0.0f);
+  Vec s = Vec(0.0f);
+};
+
+// Adds `steps` vector steps (`load(j, lo, hi)` loads step j) to the lanes: their max first, which moves the lanes'
+// state once, then their exponentials, summed apart before they are added (keeps the fp32 error of long rows small).
+// The low and high halves of a step go to accumulators of their own: two dependency chains instead of one.
+template <bool kEntropy, typename Load>
+inline void accumulate_block(LaneState& lanes, int64_t steps, Load&& load) {
   const Vec neg_inf_vec(neg_inf());
   const Vec zero(0.0f);
-  const Vec threshold_vec(threshold);
-  const Vec scale_vec(scale);
-  Vec m = neg_inf_vec, d = zero, s = zero;
-  int64_t i = 0;
-  for (; i + kTile <= n; i += kTile) {
-    Vec tile_max = neg_inf_vec;
-    for (int64_t j = 0; j < kTile; j += kStep) {
-      Vec lo, hi;
-      visible_step<T, kFiltered, kScaled>(x + i + j, lo, hi, scale_vec, threshold_vec, neg_inf_vec);
-      tile_max = at::vec::maximum(tile_max, at::vec::maximum(lo, hi));  // NaN-propagating
-    }
-    // Lane-wise rescale_to(new_m), as in logprob_common.h.
-    const Vec new_m = at::vec::maximum(m, tile_max);
-    const Vec shift = Vec::blendv(new_m, zero, new_m == neg_inf_vec);
-    const Vec r = (m - shift).exp();
-    const Vec moved = Vec::blendv((m - shift) * d, zero, d == zero);
-    s = (s + moved) * r;
-    d = d * r;
-    m = new_m;
-    // Summing the tile apart before adding it keeps the fp32 rounding error of long rows small.
-    Vec tile_d = zero, tile_s = zero;
-    for (int64_t j = 0; j < kTile; j += kStep) {
-      Vec lo, hi;
-      visible_step<T, kFiltered, kScaled>(x + i + j, lo, hi, scale_vec, threshold_vec, neg_inf_vec);
-      accumulate_step(lo, shift, with_entropy, tile_d, tile_s);
-      accumulate_step(hi, shift, with_entropy, tile_d, tile_s);
-    }
-    d = d + tile_d;
-    s = s + tile_s;
+  Vec max_lo = neg_inf_vec, max_hi = neg_inf_vec;
+  for (int64_t j = 0; j < steps; ++j) {
+    Vec lo, hi;
+    load(j, lo, hi);
+    max_lo = at::vec::maximum(max_lo, lo);  // NaN-propagating
+    max_hi = at::vec::maximum(max_hi, hi);
   }
-  float lane_m[Vec::size()], lane_d[Vec::size()], lane_s[Vec::size()];
-  m.store(lane_m);
-  d.store(lane_d);
-  s.store(lane_s);
-  // The lane maxima are NaN-propagating, so they flag a NaN or +inf anywhere in the tiles.
+  const Vec block_max = at::vec::maximum(max_lo, max_hi);
+  // Lane-wise rescale_to(new_m), as in logprob_common.h.
+  const Vec new_m = at::vec::maximum(lanes.m, block_max);
+  const Vec shift = Vec::blendv(new_m, zero, new_m == neg_inf_vec);
+  const Vec r = (lanes.m - shift).exp();
+  const Vec moved = Vec::blendv((lanes.m - shift) * lanes.d, zero, lanes.d == zero);
+  lanes.s = (lanes.s + moved) * r;
+  lanes.d = lanes.d * r;
+  lanes.m = new_m;
+  Vec d_lo = zero, s_lo = zero, d_hi = zero, s_hi = zero;
+  for (int64_t j = 0; j < steps; ++j) {
+    Vec lo, hi;
+    load(j, lo, hi);
+    accumulate_step<kEntropy>(lo, shift, d_lo, s_lo);
+    accumulate_step<kEntropy>(hi, shift, d_hi, s_hi);
+  }
+  lanes.d = lanes.d + (d_lo + d_hi);
+  lanes.s = lanes.s + (s_lo + s_hi);
+}
+
+// The row's partials from its lanes: one vector exponential moves every lane to the row max. The lane maxima are
+// NaN-propagating, so they flag a NaN or +inf anywhere in the row: its sum is then NaN, whatever the fast exp did.
+inline SoftmaxPartials merge_lanes(const LaneState& lanes, bool with_entropy) {
+  alignas(64) float lane_m[Vec::size()];
+  lanes.m.store(lane_m);
   bool poisoned = false;
-  SoftmaxPartials row = empty_partials();
+  float row_max = neg_inf();
   for (int64_t lane = 0; lane < Vec::size(); ++lane) {
     poisoned |= poisons_row(lane_m[lane]);
-    row = merge(row, {lane_m[lane], lane_d[lane], lane_s[lane]});
+    row_max = max_propagating_nan(row_max, lane_m[lane]);
   }
-  for (; i < n; ++i) {
-    const float xi = visible_logit<kFiltered, kScaled>(x[i], scale, threshold);
-    poisoned |= poisons_row(xi);
-    row = accumulate(row, xi);
+  const Vec zero(0.0f);
+  const Vec shift(safe_shift(row_max));
+  const Vec r = (lanes.m - shift).exp();  // 0 for an empty lane (m = -inf)
+  SoftmaxPartials row{row_max, at::vec::vec_reduce_all<float>(std::plus<Vec>(), lanes.d * r), 0.0f};
+  if (with_entropy) {
+    const Vec moved = Vec::blendv((lanes.m - shift) * lanes.d, zero, lanes.d == zero);
+    row.sum_exp_x = at::vec::vec_reduce_all<float>(std::plus<Vec>(), (lanes.s + moved) * r);
   }
-  if (!with_entropy) row.sum_exp_x = 0.0f;
-  // NaN or +inf anywhere in the row: the whole row is NaN, whatever the exp approximation did with it.
   if (poisoned) row.sum_exp = NAN;
   return row;
+}
+
+// Online-softmax partials of one row's valid columns (see SoftmaxPartials: the moment is relative to the max).
+// kFiltered: only the logits >= threshold take part (top-k/top-p); the others count as -inf.
+template <typename T, bool kFiltered, bool kScaled, bool kEntropy>
+SoftmaxPartials row_partials(const T* x, int64_t n, float threshold, float scale) {
+  const Vec neg_inf_vec(neg_inf());
+  const Vec threshold_vec(threshold);
+  const Vec scale_vec(scale);
+  LaneState lanes;
+  int64_t i = 0;
+  for (; i + kTile <= n; i += kTile) {
+    accumulate_block<kEntropy>(lanes, kTile / kStep, [&](int64_t j, Vec& lo, Vec& hi) {
+      visible_step<T, kFiltered, kScaled>(x + i + j * kStep, lo, hi, scale_vec, threshold_vec, neg_inf_vec);
+    });
+  }
+  // The row's last, shorter tile, whose last step may be partial.
+  const int64_t full_steps = (n - i) / kStep;
+  const int64_t rest = n - i - full_steps * kStep;
+  if (full_steps > 0 || rest > 0) {
+    accumulate_block<kEntropy>(lanes, full_steps + (rest > 0), [&](int64_t j, Vec& lo, Vec& hi) {
+      if (j < full_steps) {
+        visible_step<T, kFiltered, kScaled>(x + i + j * kStep, lo, hi, scale_vec, threshold_vec, neg_inf_vec);
+      } else {
+        partial_step<T, kFiltered, kScaled>(x + i + j * kStep, rest, lo, hi, scale, threshold);
+      }
+    });
+  }
+  return merge_lanes(lanes, kEntropy);
 }
 
 // The in-place exp mode's forward of one row: the row max first, then e = exp(z - m) is written over the
@@ -212,8 +263,10 @@ SoftmaxPartials row_partials_writing_exps(T* x, int64_t n, bool with_entropy, fl
   for (; i + kStep <= n; i += kStep) {
     Vec lo, hi;
     visible_step<T, kFiltered, kScaled>(x + i, lo, hi, scale_vec, threshold_vec, neg_inf_vec);
-    const Vec e_lo = accumulate_step(lo, shift_vec, with_entropy, d, s);
-    const Vec e_hi = accumulate_step(hi, shift_vec, with_entropy, d, s);
+    const Vec e_lo = with_entropy ? accumulate_step<true>(lo, shift_vec, d, s)
+                                  : accumulate_step<false>(lo, shift_vec, d, s);
+    const Vec e_hi = with_entropy ? accumulate_step<true>(hi, shift_vec, d, s)
+                                  : accumulate_step<false>(hi, shift_vec, d, s);
     store_step(x + i, e_lo, e_hi);
   }
   SoftmaxPartials row{row_max, at::vec::vec_reduce_all<float>(std::plus<Vec>(), d),
@@ -230,32 +283,52 @@ SoftmaxPartials row_partials_writing_exps(T* x, int64_t n, bool with_entropy, fl
   return row;
 }
 
+// Where a forward kernel puts each row: its partials (`partials` [rows, k], for the all-gather, or the exp mode), or,
+// with one rank, the op's outputs straight away (`partials` null: the combine of one rank ends the row).
+struct ForwardOutputs {
+  float* partials;
+  float* logprob;
+  float* entropy;  // null without entropy, as mean_x
+  float* lse;
+  float* mean_x;
+};
+
 template <typename T, bool kFiltered, bool kScaled, bool kWriteExps>
 void partials_kernel(T* logits, int64_t rows, int64_t row_stride, const int64_t* targets, int64_t vocab_start,
-                     int64_t valid_cols, bool with_entropy, const float* thresholds, float scale, float* partials) {
+                     int64_t valid_cols, bool with_entropy, const float* thresholds, float scale,
+                     const ForwardOutputs& out) {
   const int k = num_partials(with_entropy);
   const int64_t grain = std::max<int64_t>(1, kMinElementsPerTask / std::max<int64_t>(valid_cols, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      float* out = partials + r * k;
       T* x = logits + r * row_stride;
+      const bool ignored = targets[r] < 0;
       const int64_t target_col = local_target_column(targets[r], vocab_start, valid_cols);
       const float threshold = kFiltered ? thresholds[r] : neg_inf();
       // Read before the row is overwritten (exp mode).
       const float target_logit =
           target_col >= 0 ? visible_logit<kFiltered, kScaled>(x[target_col], scale, threshold) : neg_inf();
       SoftmaxPartials row;
-      if (targets[r] < 0) {
-        row = {0.0f, 1.0f, 0.0f};  // ignored row: finite placeholders, masked out after the combine
+      if (ignored) {
+        row = {0.0f, 1.0f, 0.0f};  // ignored row: finite placeholders, masked out by the combine
       } else if constexpr (kWriteExps) {
         row = row_partials_writing_exps<T, kFiltered, kScaled>(x, valid_cols, with_entropy, threshold, scale);
       } else {
-        row = row_partials<T, kFiltered, kScaled>(x, valid_cols, with_entropy, threshold, scale);
+        row = with_entropy ? row_partials<T, kFiltered, kScaled, true>(x, valid_cols, threshold, scale)
+                           : row_partials<T, kFiltered, kScaled, false>(x, valid_cols, threshold, scale);
       }
-      out[kColMax] = row.max;
-      out[kColSumExp] = row.sum_exp;
-      out[kColTarget] = target_logit;
-      if (with_entropy) out[kColSumExpX] = row.sum_exp_x;
+      float partials[4] = {row.max, row.sum_exp, target_logit, with_entropy ? row.sum_exp_x : 0.0f};
+      if (out.partials != nullptr) {
+        std::copy(partials, partials + k, out.partials + r * k);
+        continue;
+      }
+      const RowStats stats = combine_partials(partials, 0, 1, with_entropy, ignored);
+      out.logprob[r] = stats.logprob;
+      out.lse[r] = stats.lse;
+      if (with_entropy) {
+        out.entropy[r] = stats.entropy;
+        out.mean_x[r] = stats.mean_x;
+      }
     }
   });
 }
@@ -263,9 +336,9 @@ void partials_kernel(T* logits, int64_t rows, int64_t row_stride, const int64_t*
 // kFiltered: logits below `threshold` (the target included) get exactly 0; the caller passes target_col = -1
 // for a filtered target. g_lp and g_h already carry the logit scale (d/dx = scale * d/dz).
 // kFastExp: exp_u20, for rows with a finite lse; the others take the exact exp, which keeps NaN NaN.
-template <typename T, bool kFiltered, bool kScaled, bool kFastExp>
+template <typename T, bool kFiltered, bool kScaled, bool kFastExp, bool kEntropy>
 void row_backward(const T* x, T* grad, int64_t cols, int64_t valid_cols, int64_t target_col, float lse,
-                  float mean_x, float g_lp, float g_h, bool with_entropy, float threshold, float scale) {
+                  float mean_x, float g_lp, float g_h, float threshold, float scale) {
   // Read before any write: grad may alias x.
   const float z_target = target_col >= 0 ? scaled<kScaled>(x[target_col], scale) : 0.0f;
   const Vec vlse(lse), vmean(mean_x), vg_lp(g_lp), vg_h(g_h), zero(0.0f), vthreshold(threshold), vscale(scale);
@@ -282,7 +355,8 @@ void row_backward(const T* x, T* grad, int64_t cols, int64_t valid_cols, int64_t
         p = (v - vlse).exp();
       }
       Vec dx = zero - vg_lp * p;
-      if (with_entropy) dx = dx + Vec::blendv(vg_h * p * (vmean - v), zero, p == zero);
+      // A -inf logit (p = 0) clamped to the lowest float adds exactly 0, not 0 * inf = NaN.
+      if constexpr (kEntropy) dx = at::vec::fmadd(vg_h * p, vmean - at::vec::maximum(v, lowest_vec()), dx);
       if constexpr (kFiltered) dx = Vec::blendv(dx, zero, v < vthreshold);
       v = dx;
     }
@@ -302,8 +376,8 @@ void row_backward(const T* x, T* grad, int64_t cols, int64_t valid_cols, int64_t
 template <typename T, bool kFiltered, bool kScaled>
 void backward_kernel(const T* logits, int64_t rows, int64_t cols, int64_t row_stride, const int64_t* targets,
                      int64_t vocab_start, int64_t valid_cols, const float* lse, const float* mean_x,
-                     const float* grad_logprob, const float* grad_entropy, const float* thresholds, float scale,
-                     T* grad_logits, int64_t grad_row_stride) {
+                     const float* logprob, const float* grad_logprob, const float* grad_entropy,
+                     const float* thresholds, float scale, T* grad_logits, int64_t grad_row_stride) {
   const bool with_entropy = grad_entropy != nullptr;
   const int64_t grain = std::max<int64_t>(1, kMinElementsPerTask / std::max<int64_t>(cols, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
@@ -319,15 +393,20 @@ void backward_kernel(const T* logits, int64_t rows, int64_t cols, int64_t row_st
       if (kFiltered && target_col >= 0 && !kept_logit(scaled<kScaled>(x[target_col], scale), threshold)) {
         target_col = -1;  // a filtered target has logprob -inf and no gradient
       }
-      const float g_lp = kScaled ? scale * grad_logprob[r] : grad_logprob[r];
+      const float g_lp = upstream_logprob_gradient(grad_logprob, logprob, r, kScaled ? scale : 1.0f);
       const float g_h = with_entropy ? (kScaled ? scale * grad_entropy[r] : grad_entropy[r]) : 0.0f;
       const float mean = with_entropy ? mean_x[r] : 0.0f;
+      // kFastExp for a finite lse; kEntropy where backward differentiates the entropy.
+      const auto run = [&](auto fast_exp, auto entropy) {
+        row_backward<T, kFiltered, kScaled, decltype(fast_exp)::value, decltype(entropy)::value>(
+            x, grad, cols, valid_cols, target_col, lse[r], mean, g_lp, g_h, threshold, scale);
+      };
+      using True = std::true_type;
+      using False = std::false_type;
       if (std::isfinite(lse[r])) {
-        row_backward<T, kFiltered, kScaled, true>(x, grad, cols, valid_cols, target_col, lse[r], mean, g_lp, g_h,
-                                                  with_entropy, threshold, scale);
+        with_entropy ? run(True{}, True{}) : run(True{}, False{});
       } else {
-        row_backward<T, kFiltered, kScaled, false>(x, grad, cols, valid_cols, target_col, lse[r], mean, g_lp, g_h,
-                                                   with_entropy, threshold, scale);
+        with_entropy ? run(False{}, True{}) : run(False{}, False{});
       }
     }
   });
@@ -393,7 +472,7 @@ void dispatch_flags(const float* thresholds, float scale, F&& f) {
 template <bool kWriteExps>
 void partials_dispatch(void* logits, LogitsDType dtype, int64_t rows, int64_t row_stride, const int64_t* targets,
                        int64_t vocab_start, int64_t valid_cols, bool with_entropy, const float* thresholds,
-                       float logit_scale, float* partials) {
+                       float logit_scale, const ForwardOutputs& partials) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     dispatch_flags(thresholds, logit_scale, [&](auto filtered, auto is_scaled) {
@@ -412,7 +491,16 @@ void logprob_partials(const void* logits, LogitsDType dtype, int64_t rows, int64
   (void)cols;
   // The read-only kernel never writes through this pointer (kWriteExps = false).
   partials_dispatch<false>(const_cast<void*>(logits), dtype, rows, row_stride, targets, vocab_start, valid_cols,
-                           with_entropy, thresholds, logit_scale, partials);
+                           with_entropy, thresholds, logit_scale, {partials, nullptr, nullptr, nullptr, nullptr});
+}
+
+void logprob_forward(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                     const int64_t* targets, int64_t vocab_start, int64_t valid_cols, bool with_entropy,
+                     const float* thresholds, float logit_scale, float* logprob, float* entropy, float* lse,
+                     float* mean_x) {
+  (void)cols;
+  partials_dispatch<false>(const_cast<void*>(logits), dtype, rows, row_stride, targets, vocab_start, valid_cols,
+                           with_entropy, thresholds, logit_scale, {nullptr, logprob, entropy, lse, mean_x});
 }
 
 void logprob_partials_writing_exps(void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,
@@ -420,19 +508,21 @@ void logprob_partials_writing_exps(void* logits, LogitsDType dtype, int64_t rows
                                    bool with_entropy, const float* thresholds, float logit_scale, float* partials) {
   (void)cols;
   partials_dispatch<true>(logits, dtype, rows, row_stride, targets, vocab_start, valid_cols, with_entropy,
-                          thresholds, logit_scale, partials);
+                          thresholds, logit_scale, {partials, nullptr, nullptr, nullptr, nullptr});
 }
 
 void logprob_backward(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,
                       const int64_t* targets, int64_t vocab_start, int64_t valid_cols, const float* lse,
-                      const float* mean_x, const float* grad_logprob, const float* grad_entropy,
-                      const float* thresholds, float logit_scale, void* grad_logits, int64_t grad_row_stride) {
+                      const float* mean_x, const float* logprob, const float* grad_logprob,
+                      const float* grad_entropy, const float* thresholds, float logit_scale, void* grad_logits,
+                      int64_t grad_row_stride) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     dispatch_flags(thresholds, logit_scale, [&](auto filtered, auto is_scaled) {
       backward_kernel<T, decltype(filtered)::value, decltype(is_scaled)::value>(
           static_cast<const T*>(logits), rows, cols, row_stride, targets, vocab_start, valid_cols, lse, mean_x,
-          grad_logprob, grad_entropy, thresholds, logit_scale, static_cast<T*>(grad_logits), grad_row_stride);
+          logprob, grad_logprob, grad_entropy, thresholds, logit_scale, static_cast<T*>(grad_logits),
+          grad_row_stride);
     });
   });
 }

@@ -14,6 +14,7 @@ approximation is from it. Never imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -115,6 +116,8 @@ class PlanKeys:
     prev_mode: str = "prev_mode"
     reference_mode: str = "reference_mode"
     skip_reference: str = "skip_reference"
+    moe: str = "moe"
+    router_replay: str = "router_replay"
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,9 @@ class PlanInputs:
     skip_reference: bool = False  # NeMo-RL's grpo.skip_reference_policy_logprobs_calculation
     keys: PlanKeys = PlanKeys()
     importance_sampling: bool = False  # the loss's IS correction against the generation logprobs
+    moe: bool = False  # the policy is a Mixture-of-Experts model: each forward routes each token to experts
+    router_replay: bool = False  # the rollout's routes are replayed in the prev pass and the training forward (R3,
+    #   NeMo-RL's policy.router_replay.enabled): False, the default, routes by the router in every forward
 
     @classmethod
     def for_loss(cls, loss: ClippedPGLossConfig, *, rollout_batch: int, global_batch: int, dropout: bool,
@@ -214,6 +220,8 @@ def plan_logprob_passes(inputs: PlanInputs) -> LogprobPlan:
     problems = _global_conflicts(inputs)
     compute_reference, reference_reason = _plan_reference(inputs, problems)
     prev = _plan_prev(inputs, problems)
+    if prev.approximation is None:
+        prev = dataclasses.replace(prev, reason=prev.reason + _routing_assumption(inputs, skipped=not prev.compute))
     if problems:
         raise ConfigError(problems)
     return LogprobPlan(
@@ -241,6 +249,9 @@ def _global_conflicts(inputs: PlanInputs) -> list[str]:
     if inputs.force_on_policy and not inputs.one_step_per_rollout:
         problems.append(f"{keys.force_on_policy} needs one optimizer step per rollout batch, but {keys.rollout_batch} "
                         f"({inputs.rollout_batch}) != {keys.global_batch} ({inputs.global_batch})")
+    if inputs.router_replay and not inputs.moe:
+        problems.append(f"{keys.router_replay} replays the routes of a Mixture-of-Experts policy, but {keys.moe} is "
+                        "false: a dense model has none")
     return problems
 
 
@@ -278,6 +289,25 @@ class _PrevDecision:
     reason: str
     approximation: ApproximationMethod | None = None
     compare: bool = False
+
+
+def _routing_assumption(inputs: PlanInputs, skipped: bool) -> str:
+    """What a prev decision assumes of an MoE policy's routes (empty for a dense one)."""
+    keys = inputs.keys
+    if not inputs.moe:
+        return ""
+    if inputs.router_replay:
+        if skipped:
+            return (f" The prev pass would replay the rollout's routes, as the training forward does "
+                    f"({keys.router_replay}): curr.detach() is what it computes, whatever routes the router would "
+                    "choose.")
+        return f" The prev pass replays the rollout's routes, as the training forward does ({keys.router_replay})."
+    if skipped:
+        return (f" The policy is an MoE model without replayed routes ({keys.moe}, {keys.router_replay} off): the "
+                "skip assumes the prev pass would route every token as the training forward does, with the same "
+                "weights and numerics; a near-tie between experts can route a token differently in forwards of other "
+                "shapes, and the rollout's routes may differ from both (the IS weights see that).")
+    return ""
 
 
 def _plan_prev(inputs: PlanInputs, problems: list[str]) -> _PrevDecision:

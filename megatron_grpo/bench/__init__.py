@@ -1,4 +1,4 @@
-"""Benchmarks: `megatron-grpo bench logprob|linear|scheduler|packing|step|replay ...`.
+"""Benchmarks: `megatron-grpo bench logprob|linear|scheduler|packing|step|roofline|replay ...`.
 
 Each writes its report, data and plot under runs/bench unless `--out` names a place; `make bench` and
 `make bench-linear` refresh the committed results in benchmarks/results/."""
@@ -15,8 +15,8 @@ BENCHMARKS = {
     "linear": ("megatron_grpo.bench.linear", "the fused linear + logprob op against its peers, per TP, dtype, rows"),
     "packing": ("megatron_grpo.bench.packing", "padded against packed microbatches on the ragged task (under "
                                                "torchrun: `megatron-grpo --nproc-per-node 2 bench packing`)"),
-    "roofline": ("megatron_grpo.bench.roofline", "the fused CUDA kernels' bytes per second against a device copy's (a "
-                                                 "CUDA machine)"),
+    "roofline": ("megatron_grpo.bench.roofline", "the CUDA kernels alone and the op per call against a "
+                                                 "device-to-device copy's bandwidth (a CUDA machine)"),
     "step": ("megatron_grpo.bench.step", "the whole GRPO train step in four configurations, each adding one feature "
                                          "(under torchrun: `megatron-grpo --nproc-per-node 1 bench step`)"),
     "replay": ("megatron_grpo.bench.replay", "the runner with a top-p sampler and stale rollouts, recomputing against "

@@ -6,9 +6,12 @@ peers, Megatron-Core's `vocab_parallel_cross_entropy` and TE's `parallel_cross_e
 missing peer is reported as missing). Every method gets a fresh clone of the same logits in the layout it
 documents, made outside the timed region. On CPU it also times the in-place exp mode
 (`inplace_backward="exp"`) and names the instruction set of the CPU kernels. It reports medians, peak extra
-memory, ratios against the peers and
-the fraction of a copy's memory bandwidth that the fused forward reaches. The ranks run in child processes; the
-parent never waits on them without a timeout.
+memory, ratios against the peers, and two figures against a copy's memory bandwidth: the fused kernels alone (one
+rank's forward and out-of-place backward kernels called directly; on CUDA replayed back to back in a CUDA graph) and
+the whole op per call. The ranks run in child processes; the parent never waits on them without a timeout.
+
+It also times the op per call at small shapes against `log_softmax` + `gather` (`floor.py`: TP 1, fp32, one
+thread, interleaved in one process), where what a call costs is the path around the kernels.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.bench.floor import floor_report, per_call_floor
 from megatron_grpo.bench.measure import (
     DEFAULT_OUT,
     OUT_HELP,
@@ -58,6 +62,8 @@ class Result:
     forward_backward_ms: float
     peak_extra_mib: float        # above the live inputs, during forward+backward
     gradient_mib: float          # the size of a fresh gradient (0 when written in place)
+    kernel_forward_ms: float | None = None   # "fused" only: one rank's forward kernel alone
+    kernel_backward_ms: float | None = None  # and its out-of-place backward kernel alone
 
 
 # The layouts the methods document for their logits: ours and naive torch take [tokens, V_local]; Megatron's
@@ -156,6 +162,31 @@ def methods_for(setup: Setup, device: torch.device) -> tuple[dict[str, Method], 
     return methods, missing
 
 
+def fused_kernels_ms(logits: torch.Tensor, targets: torch.Tensor, device: torch.device, repeats: int
+                     ) -> tuple[float, float]:
+    """One rank's fused kernels alone, without the op around them or a collective: the TP 1 forward kernel
+    (`logprob_forward`, which writes the outputs) and the out-of-place backward kernel (`logprob_backward` into a
+    gradient buffer of its own), in ms per call. On CUDA, replays of back-to-back launches captured in a CUDA graph
+    (`roofline.graph_ms`); on the CPU, the median of direct calls."""
+    ops = torch.ops.megatron_grpo
+    rows, cols = logits.shape
+    _, _, lse, _ = ops.logprob_forward(logits, targets, 0, cols, False, None, 1.0)
+    ones, grad = torch.ones(rows, device=device), torch.empty_like(logits)
+
+    def forward():
+        ops.logprob_forward(logits, targets, 0, cols, False, None, 1.0)
+
+    def backward():
+        ops.logprob_backward(logits, targets, 0, cols, lse, None, ones, None, grad, None, 1.0)
+
+    if device.type == "cuda":
+        from megatron_grpo.bench.roofline import graph_ms
+
+        return graph_ms(forward), graph_ms(backward)
+    return tuple(1e3 * median_seconds(lambda _, run=run: run(), lambda: None, device, repeats)
+                 for run in (forward, backward))
+
+
 def benchmark_setup(setup: Setup, device: torch.device, group, repeats: int) -> tuple[list[Result], dict[str, str]]:
     """Times every available method on one setup; also returns the missing peers and why."""
     rank = 0 if group is None else dist.get_rank(group)
@@ -185,9 +216,11 @@ def benchmark_setup(setup: Setup, device: torch.device, group, repeats: int) -> 
         fwd_bwd = median_seconds(forward_backward, fresh, device, repeats)
         peak = peak_extra_bytes(forward_backward, fresh, device)
         in_place = name in IN_PLACE_METHODS
+        kernels = fused_kernels_ms(logits, targets, device, repeats) if name == "fused" else (None, None)
         results.append(Result(
             setup=setup, method=name, forward_ms=1e3 * fwd, forward_backward_ms=1e3 * fwd_bwd,
             peak_extra_mib=peak / 2**20, gradient_mib=0.0 if in_place else logits.nbytes / 2**20,
+            kernel_forward_ms=kernels[0], kernel_backward_ms=kernels[1],
         ))
     return results, missing
 
@@ -214,7 +247,8 @@ def speedup(peer_ms: float | None, ms: float) -> str:
 
 
 def report(results: list[dict], device: torch.device, bandwidth: float, repeats: int, quick: bool,
-           missing: dict[str, str] | None = None, command: str | None = None) -> str:
+           missing: dict[str, str] | None = None, command: str | None = None, floor: list[dict] | None = None,
+           floor_rounds: int = 0) -> str:
     """The Markdown report. Any method may be absent (a peer missing here shows as "-" in its ratio column)."""
     command = command or f"python -m megatron_grpo bench logprob --device {device.type}{' --quick' if quick else ''}"
     lines = [
@@ -244,9 +278,19 @@ def report(results: list[dict], device: torch.device, bandwidth: float, repeats:
             "",
         ]
         if "fused" in by_name:
-            achieved = tp * tokens * v_local * (4 if dtype == "fp32" else 2) / (by_name["fused"]["forward_ms"] / 1e3)
-            lines += [f"Fused forward reads {achieved / 1e9:.1f} GB/s over all ranks: "
-                      f"{100 * achieved / bandwidth:.0f}% of the copy roof.", ""]
+            fused = by_name["fused"]
+            nbytes = tokens * v_local * (4 if dtype == "fp32" else 2)
+            achieved = tp * nbytes / (fused["forward_ms"] / 1e3)
+            lines += [f"The op per call: the fused forward reads {achieved / 1e9:.1f} GB/s over all ranks, "
+                      f"{100 * achieved / bandwidth:.0f}% of the copy roof."]
+            if fused.get("kernel_forward_ms"):
+                kernel_fwd, kernel_bwd = fused["kernel_forward_ms"], fused["kernel_backward_ms"]
+                how = "CUDA-graph replays" if device.type == "cuda" else "direct calls"
+                lines += [f"The kernels alone (one rank's, {how}, no collective): forward {kernel_fwd:.2f} ms, "
+                          f"{100 * nbytes / (kernel_fwd / 1e3) / bandwidth:.0f}% of the copy roof; backward "
+                          f"{kernel_bwd:.2f} ms (reads and writes the logits' bytes), "
+                          f"{100 * 2 * nbytes / (kernel_bwd / 1e3) / bandwidth:.0f}%."]
+            lines.append("")
         lines += [
             "| method | forward ms | fwd+bwd ms | fwd+bwd vs megatron | fwd+bwd vs naive | peak extra MiB | "
             "beyond input+grad |",
@@ -262,6 +306,8 @@ def report(results: list[dict], device: torch.device, bandwidth: float, repeats:
                 f"{max(r['peak_extra_mib'], 0.0):.0f} | {100 * beyond / logits_mib:.1f}% |"
             )
         lines.append("")
+    if floor:
+        lines += floor_report(floor, floor_rounds)
     return "\n".join(lines)
 
 
@@ -293,6 +339,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=3600.0,
                         help="seconds to wait for each TP size's ranks before giving up")
     parser.add_argument("--verbose", action="store_true", help="show Megatron-Core's notices, filtered by default")
+    parser.add_argument("--floor-rounds", type=int, default=None,
+                        help="interleaved rounds of the per-call rows at small shapes (default 15; 7 with --quick); "
+                             "0 leaves them out")
     args = parser.parse_args(argv)
     tokens, v_local = (1024, 4096) if args.quick else (args.tokens, args.v_local)
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 5)
@@ -307,10 +356,12 @@ def main(argv: list[str]) -> int:
     for name, why in missing.items():
         print(f"bench logprob: {name} not measured: {why}", file=sys.stderr)
     bandwidth = copy_bandwidth_bytes_per_s(device, 2**30 if not args.quick else 2**27, repeats)
+    floor_rounds = args.floor_rounds if args.floor_rounds is not None else (7 if args.quick else 15)
+    floor = [asdict(r) for r in per_call_floor(device, floor_rounds)] if floor_rounds > 0 else []
     command = "megatron-grpo bench logprob " + " ".join(argv) if argv else None
-    text = report(results, device, bandwidth, repeats, args.quick, missing, command)
+    text = report(results, device, bandwidth, repeats, args.quick, missing, command, floor, floor_rounds)
     stem = f"logprob_{args.device}{'_quick' if args.quick else ''}"
-    write_results(args.out, stem, text, {"missing_peers": missing, "results": results},
+    write_results(args.out, stem, text, {"missing_peers": missing, "results": results, "per_call_floor": floor},
                   lambda path: plot(results, path), alt="forward+backward time")
     print(text)
     print(f"wrote {args.out / (stem + '.md')}")

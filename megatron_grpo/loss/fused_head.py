@@ -55,7 +55,7 @@ from megatron_grpo.ops.core.gemm import (
     hidden_gradient,
     main_grad_of,
 )
-from megatron_grpo.ops.core.partials import combine_partials, gather_partials
+from megatron_grpo.ops.core.partials import RowStats, gather_partials
 from megatron_grpo.ops.core.replay import RowSets, replay_gradient, replay_partials
 from megatron_grpo.ops.core.rows import next_token_targets, row_gradient
 from megatron_grpo.ops.distribution import SamplingDistribution
@@ -148,7 +148,7 @@ class LossFusedLinear(torch.autograd.Function):
             partials = kernels.logprob_partials(logits, row_targets, start, valid, True, None)
         else:  # the engine's kept sets (`core.replay`)
             partials, threshold = replay_partials(logits, row_targets, kept, kernels, start, valid, True)
-        stats = combine_partials(gather_partials(partials, linear.shard.group), row_targets, True)
+        stats = RowStats.of(kernels.combine(gather_partials(partials, linear.shard.group), row_targets, True), True)
         # The rows' logprobs and entropies as leaves at their tokens' positions: row t scores token t + 1, or, when the
         # targets were shifted before (row-aligned: context parallelism), its own position. When shifting, a
         # sequence's last row is never a trained one (the next token starts a row or a packed sequence, and has no

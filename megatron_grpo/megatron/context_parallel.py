@@ -5,13 +5,16 @@ shifted on the full sequences, before the split, so the last row of a chunk take
 `split_for_context_parallel` makes every per-token tensor row-aligned (Megatron's `labels` convention: position `t`
 describes the target of row `t`, token `t + 1` of the same sequence; a sequence's last row has none), adds `labels`
 and the tokens' `position_ids`, and then splits them: each sequence into `2·CP` equal chunks, rank `r` keeping
-chunks `r` and `2·CP−1−r` (the zigzag). A padded batch is split with Megatron's `get_batch_on_this_cp_rank`. A
-packed batch (`cu_seqlens`, each sequence a multiple of 2·CP long) is split sequence by sequence, as Megatron's
-`get_thd_batch_on_this_cp_rank` does with Transformer Engine's `thd_get_partitioned_indices` (used where TE is
-importable; elsewhere `zigzag_positions` computes the same indices); the rank's share is a packed batch of
-the same sequences, each `1 / CP` as long (`cu_seqlens // CP`). Per-sequence tensors (`[B]` or `[N]`) are not
-split. The loss reads such a share with an `ops.ContextShard` (`context_shard()`); `gather_from_context_parallel`
-undoes the split of a per-row result and returns it token-aligned, as the passes' logprobs are stored.
+chunks `r` and `2·CP−1−r` (the zigzag). The per-token tensors that describe the input tokens themselves, an MoE
+model's `routed_experts` and `moe_padding_mask` (`routing_replay.INPUT_ALIGNED_KEYS`), are split like `input_ids`,
+unshifted: the routes of the tokens each rank feeds its routers. A padded batch is split with Megatron's
+`get_batch_on_this_cp_rank`. A packed batch (`cu_seqlens`, each sequence a multiple of 2·CP long) is split sequence
+by sequence, as Megatron's `get_thd_batch_on_this_cp_rank` does with Transformer Engine's
+`thd_get_partitioned_indices` (used where TE is importable; elsewhere `zigzag_positions` computes the same
+indices); the rank's share is a packed batch of the same sequences, each `1 / CP` as long (`cu_seqlens // CP`).
+Per-sequence tensors (`[B]` or `[N]`) are not split. The loss reads such a share with an `ops.ContextShard`
+(`context_shard()`); `gather_from_context_parallel` undoes the split of a per-row result and returns it
+token-aligned, as the passes' logprobs are stored.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megatron_grpo.loss.kept_set_batch import as_positions, with_kept_set
 from megatron_grpo.loss.packing import CU_SEQLENS, POSITION_IDS, SequenceLayout
+from megatron_grpo.megatron.routing_replay import INPUT_ALIGNED_KEYS
 from megatron_grpo.megatron.transformer_engine import transformer_engine_usable
 from megatron_grpo.ops.context_shard import ContextShard
 
@@ -65,7 +69,8 @@ def split_for_context_parallel(batch: Batch) -> dict[str, torch.Tensor]:
     """This CP rank's row-aligned share of a full `[B, S]` or packed `[1, T]` batch (see the module docstring):
     `input_ids` (the model's input) and `position_ids` (their positions in their sequence), `labels`, and every
     other per-token tensor (those shaped like `input_ids`) shifted so position `t` belongs to `labels[t] =
-    input_ids[t + 1]`; per-sequence tensors unchanged. Padded: `S` must be a multiple of 2·CP (Megatron's zigzag),
+    input_ids[t + 1]` (except `routing_replay.INPUT_ALIGNED_KEYS`, split unshifted like `input_ids`); per-sequence
+    tensors unchanged. Padded: `S` must be a multiple of 2·CP (Megatron's zigzag),
     else a ValueError naming `batch['input_ids']`. Packed: every sequence's length must be a multiple of 2·CP, else
     a ValueError naming `batch['cu_seqlens']`; the share's `cu_seqlens` are the local ones (`cu_seqlens // CP`).
     Kept sets (`loss.kept_set_batch`) are shifted and split with the per-token tensors: row `t` holds token
@@ -82,7 +87,7 @@ def _split_padded(batch: Batch) -> dict[str, torch.Tensor]:
         raise ValueError(f"batch['input_ids']: context parallelism ({size} ranks) splits each sequence into 2·CP = "
                          f"{2 * size} equal chunks; its length must be a multiple of {2 * size}, got shape "
                          f"{list(input_ids.shape)} (pad the sequences)")
-    per_token = {key: _next_row(value) for key, value in batch.items()
+    per_token = {key: value if key in INPUT_ALIGNED_KEYS else _next_row(value) for key, value in batch.items()
                  if isinstance(value, torch.Tensor) and value.shape[:2] == input_ids.shape and value.dim() >= 2
                  and key != "input_ids"}
     per_token["labels"] = _next_row(input_ids)
@@ -121,7 +126,8 @@ def _split_packed(batch: Batch) -> dict[str, torch.Tensor]:
     positions = batch.get(POSITION_IDS)
     if positions is None:  # restarting at 0 in every sequence, as model_forward numbers a packed batch
         positions = layout.positions
-    per_token = {key: _next_row_in_sequence(value, layout) for key, value in batch.items()
+    per_token = {key: value if key in INPUT_ALIGNED_KEYS else _next_row_in_sequence(value, layout)
+                 for key, value in batch.items()
                  if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == input_ids.shape
                  and key not in ("input_ids", POSITION_IDS)}
     per_token["labels"] = _next_row_in_sequence(input_ids, layout)

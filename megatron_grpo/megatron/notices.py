@@ -1,10 +1,11 @@
 """Megatron-Core's known notices, filtered by their exact text: quiet by default, every one of them with --verbose.
 
 Megatron-Core warns on import and setup about things a user of this project cannot act on: Transformer Engine
-and Apex missing (it then uses its local kernels, the only ones the CPU has anyway), a deprecated default of its
-own, its GPTModel's deprecation, torch's deprecations that its checkpoint loader triggers, a checkpoint saved
-again over an incomplete one, and CUDA tuning hints where there is no CUDA. Each is listed below by its exact
-text under megatron-core 0.16 and 0.19, so any other warning, or a known one whose text changes, still shows.
+and Apex missing (it then uses its local kernels, the only ones the CPU has anyway), defaults of its own, its
+GPTModel's deprecation, torch's deprecations that its checkpoint loader and sequence-parallel collectives trigger, a
+checkpoint saved again over an incomplete one, and CUDA tuning hints where there is no CUDA. Each is listed below by
+its exact text under megatron-core 0.16 and 0.19, so any other warning, or a known one whose text changes, still
+shows.
 The filters live in this process only: no environment variable is set, and a process started from this one
 installs its own. `megatron_summary` says once, in one line, what the filtered notices were about where it
 matters (on a CUDA machine); on the CPU there is nothing to say.
@@ -36,10 +37,18 @@ KNOWN_WARNINGS = (
                   "breakages."),
     (UserWarning, "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a "
                   "single process."),
+    # torch's, raised where Megatron-Core's sequence-parallel gathers and scatters call the collectives
+    (FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
+                    "`torch.distributed.all_gather_single` instead."),
+    (FutureWarning, "`torch.distributed.reduce_scatter_tensor` is deprecated. Please use "
+                    "`torch.distributed.reduce_scatter_single` instead."),
+    (UserWarning, "moe_ffn_hidden_size is not set, using ffn_hidden_size instead."),  # its documented default
 )
 # CUDA tuning hints: noise only where there is no CUDA.
 CPU_ONLY_WARNINGS = (
     (UserWarning, "When using async grad allreduce it is recommended to set the environment variable "
+                  "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup"),
+    (UserWarning, "When using sequence parallelism it is recommended to set the environment variable "
                   "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup"),
 )
 # Log records at WARNING level, by logger and exact text.

@@ -2,7 +2,7 @@
 
 On CUDA it is Megatron-Core's own (`get_megatron_optimizer`, Adam, with the distributed optimizer: ZeRO-1, each
 DP rank keeps the Adam state of its slice of DDP's buffers), as Megatron training scripts build it; it clips
-inside its `step()`. On the CPU, where Megatron's optimizer cannot be built (cpu_support, item 8), it is
+inside its `step()`. On the CPU, where Megatron's optimizer cannot be built (cpu_support, item 13), it is
 `AdamOverMainGrad`, torch's AdamW over the gradients DDP reduced, clipped here by `clip_grad_norm`. Both use
 Megatron's parameter groups: no weight decay on biases and other 1-D parameters (norms).
 
@@ -23,8 +23,9 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
 
-from megatron_grpo.megatron.ddp import gradient, main_grad_as_grad, zero_grads
+from megatron_grpo.megatron.ddp import gradient, main_grad_as_grad, unwrapped, zero_grads
 
 Optimizer = Union[torch.optim.Optimizer, MegatronOptimizer]
 
@@ -108,19 +109,48 @@ def optimizer_step(model: torch.nn.Module, optimizer: Optimizer, clip_grad: floa
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     """Clips to a total norm over the whole model-parallel model (TP duplicates counted once); 0 = no clipping.
 
+    A weight Megatron marks `shared` (the output layer's copy of the embedding on the last pipeline stage, whose
+    gradient is all-reduced with the embedding's) is left out of the norm, as Megatron's optimizer leaves it out, so
+    that it counts once.
+
+    A Mixture-of-Experts model's expert parameters (Megatron marks them `allreduce=False`) live on one expert-parallel
+    rank each: their squares are summed over Megatron's expert-tensor × expert × pipeline group (expert-TP
+    duplicates counted once), the other parameters' over TP × PP, and the norm is the root of both sums, as
+    Megatron's optimizer computes it (one norm on every rank, so the DP-replicated weights take the same clip).
+
     Returns the norm before clipping.
     """
     grads = [(p, grad) for p in model.parameters() if (grad := gradient(p)) is not None]
-    squares = [grad.float().square().sum() for p, grad in grads if param_is_not_tensor_parallel_duplicate(p)]
-    total = torch.stack(squares).sum() if squares else torch.zeros((), device=next(model.parameters()).device)
+    counted = [(p, grad) for p, grad in grads if param_is_not_shared(p)]
+    expert_tp_group = parallel_state.get_expert_tensor_parallel_group() if _has_experts(model) else None
+    dense_squares, expert_squares = [], []
+    for param, grad in counted:
+        if not getattr(param, "allreduce", True):
+            if param_is_not_tensor_parallel_duplicate(param, expert_tp_group):
+                expert_squares.append(grad.float().square().sum())
+        elif param_is_not_tensor_parallel_duplicate(param):
+            dense_squares.append(grad.float().square().sum())
+    zero = torch.zeros((), device=next(model.parameters()).device)
+    dense = torch.stack(dense_squares).sum() if dense_squares else zero
+    experts = torch.stack(expert_squares).sum() if expert_squares else zero.clone()
     if parallel_state.get_model_parallel_group().size() > 1:
-        dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
-    norm = total.sqrt().item()
+        dist.all_reduce(dense, group=parallel_state.get_model_parallel_group())
+    if expert_tp_group is not None:  # every rank of an MoE model, whether its stage holds expert layers or not
+        group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+        if group.size() > 1:
+            dist.all_reduce(experts, group=group)
+    norm = (dense + experts).sqrt().item()
     scale = clip_coefficient(norm, max_norm)
     if scale != 1.0:
         for _, grad in grads:
             grad.mul_(scale)
     return norm
+
+
+def _has_experts(model: torch.nn.Module) -> bool:
+    """Whether `model` is a Mixture-of-Experts model (its config says so on every pipeline stage); any module without
+    a Megatron config is not."""
+    return getattr(getattr(unwrapped(model), "config", None), "num_moe_experts", None) is not None
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

@@ -20,11 +20,15 @@ from megatron_grpo.megatron.cpu_support import apply_cpu_support
 @dataclass(frozen=True)
 class ParallelParams:
     """The model-parallel sizes (DP = world / (TP * PP * CP)), the seed of every RNG, and the collectives' timeout.
-    Defaults are Megatron-LM's (`--seed 1234`, `--distributed-timeout-minutes 10`)."""
+    Defaults are Megatron-LM's (`--seed 1234`, `--distributed-timeout-minutes 10`, `--expert-model-parallel-size 1`,
+    `--expert-tensor-parallel-size` = TP). Expert parallelism (EP) splits a Mixture-of-Experts model's experts over
+    ranks (ETP × EP × PP must divide the world, Megatron's expert grid); the batch is still split over DP."""
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1  # each sequence split over this many ranks (Megatron's zigzag of 2·CP chunks)
+    expert_model_parallel_size: int = 1  # an MoE model's experts split over this many ranks, taken from DP × CP
+    expert_tensor_parallel_size: int | None = None  # each expert's weights split over this many; None: the TP size
     seed: int = 1234
     timeout_seconds: float = 600.0  # a hung peer fails every collective after this long
 
@@ -45,6 +49,8 @@ class ParallelLayout:
     device: torch.device
     cp_rank: int = 0
     cp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
 
     @property
     def tp_group(self) -> dist.ProcessGroup | None:
@@ -65,7 +71,10 @@ def init_parallel(params: ParallelParams = ParallelParams()) -> ParallelLayout:
     """
     sizes = {"tensor_model_parallel_size": params.tensor_model_parallel_size,
              "pipeline_model_parallel_size": params.pipeline_model_parallel_size,
-             "context_parallel_size": params.context_parallel_size}
+             "context_parallel_size": params.context_parallel_size,
+             "expert_model_parallel_size": params.expert_model_parallel_size}
+    if params.expert_tensor_parallel_size is not None:
+        sizes["expert_tensor_parallel_size"] = params.expert_tensor_parallel_size
     for key, size in sizes.items():
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"{key}: must be an integer >= 1, got {size!r}")
@@ -89,10 +98,17 @@ def init_parallel(params: ParallelParams = ParallelParams()) -> ParallelLayout:
                          f"context_parallel_size ({cp})" if cp > 1 else
                          f"world size {world_size} is not a multiple of tensor_model_parallel_size ({tp}) "
                          f"× pipeline_model_parallel_size ({pp})")
+    ep, etp = params.expert_model_parallel_size, params.expert_tensor_parallel_size or tp
+    if world_size % (etp * ep * pp):
+        raise ValueError(f"expert_model_parallel_size: world size {world_size} is not a multiple of "
+                         f"expert_tensor_parallel_size ({etp}) × expert_model_parallel_size ({ep}) × "
+                         f"pipeline_model_parallel_size ({pp}) (Megatron's expert grid)")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=params.expert_tensor_parallel_size,
         distributed_timeout_minutes=params.timeout_seconds / 60,  # same keyword in 0.16 and 0.19
     )
     seed_all(params.seed, on_cpu)
@@ -119,6 +135,8 @@ def current_layout() -> ParallelLayout:
         device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"),
         cp_rank=parallel_state.get_context_parallel_rank(),
         cp_size=parallel_state.get_context_parallel_world_size(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
     )
 
 

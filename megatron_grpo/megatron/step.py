@@ -33,7 +33,7 @@ length a multiple of 2·CP: packing pads each sequence to one under CP).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Iterator, Mapping
 
@@ -71,7 +71,7 @@ from megatron_grpo.megatron.context_parallel import (
     padded_for_context_parallel,
     split_for_context_parallel,
 )
-from megatron_grpo.megatron.ddp import is_ddp, scale_gradients
+from megatron_grpo.megatron.ddp import is_ddp, scale_gradients, unwrapped
 from megatron_grpo.megatron.forward import (
     Batch,
     ForwardStep,
@@ -81,12 +81,24 @@ from megatron_grpo.megatron.forward import (
     run_schedule,
 )
 from megatron_grpo.megatron.hidden_states import compute_dtype, output_weight
+from megatron_grpo.megatron.moe_losses import aux_losses, check_no_deferred_aux_losses, clear_aux_losses
 from megatron_grpo.megatron.optimizer import (
     Optimizer,
     grad_norm_after_clipping,
     learning_rate,
     optimizer_step,
     zero_optimizer_grads,
+)
+from megatron_grpo.megatron.routing_replay import (
+    MOE_PADDING_MASK,
+    ROUTED_EXPERTS,
+    ROUTES_COUNTED,
+    RouteChanges,
+    check_routes,
+    clear_routing,
+    moe_layers,
+    padding_mask_of,
+    routes_counted_of,
 )
 from megatron_grpo.ops.current import HiddenStates, current_logprobs
 from megatron_grpo.ops.distribution import SamplingDistribution
@@ -120,6 +132,10 @@ class StepConfig:
     #   only, so they may take more); None: max_tokens_per_microbatch
     defer_normalisation: bool = False  # divide the gradients once by the counts the forwards report, not by counts
     #   known before them (`make_forward_step`); the plan's sequence mask by logprob error turns it on by itself
+    reference_replays_routes: bool = False  # with `routed_experts` in the batch, the reference pass replays them too;
+    #   False (NeMo-RL's): the reference model routes by its own router, as the policy it is
+    compare_without_replay: bool = False  # with `routed_experts`: one more forward-only pass, by the router's own
+    #   routes, to report how far its logprobs are from the generation logprobs (`TrainStepResult.routing_metrics`)
 
 
 @dataclass(frozen=True)
@@ -133,6 +149,10 @@ class TrainStepResult:
     step_metrics: list[dict[str, float]]  # per optimizer step, the same on every rank: the loss's metrics
     #   aggregated over microbatches and DP ranks, `grad_norm` (before clipping), `grad_norm_after_clip`, `lr`
     passes_run: dict[str, int]  # logprob passes that ran this call, by name ("reference", "prev"); none = {}
+    routing_metrics: dict[str, float] = field(default_factory=dict)  # with replayed routes and generation logprobs:
+    #   `router_replay_token_mult_prob_error` (mean exp|generation - curr| of the trained tokens, curr replayed) and,
+    #   with `StepConfig.compare_without_replay`, `router_replay_off_token_mult_prob_error` (the same of the logprobs
+    #   under the router's own routes, at the weights the step started from); the same on every rank
 
 
 def make_forward_step(
@@ -149,6 +169,7 @@ def make_forward_step(
     versions: StepVersions | None = None,
     check_inputs: bool | None = None,
     defer_normalisation: bool = False,
+    route_changes: RouteChanges | None = None,
 ) -> ForwardStep:
     """A `forward_step(data_iterator, model) -> (output_tensor, loss_func)` for one optimizer step.
 
@@ -196,6 +217,13 @@ def make_forward_step(
     `loss_func` returning two values), so the scale above is unchanged. A packed microbatch is split sequence by
     sequence (each sequence's length a multiple of 2·CP); its per-token metrics are then this rank's share of the
     packed row (`gather_from_context_parallel(..., cu_seqlens)`).
+
+    A Mixture-of-Experts model: Megatron's routers add their auxiliary losses (load balancing, z-loss) to the
+    gradient in backward, scaled by the schedule per microbatch as Megatron scales them (the loss's normalisation
+    above leaves that scale Megatron's; docs/moe.md); each microbatch's positions after its sequences' last scored
+    token are left out of them (Megatron's `padding_mask`). A microbatch carrying `routed_experts` (`[B, S, L, k]`,
+    `routing_replay`) is routed so: checked against the model (ids against the experts when `check_inputs`),
+    replayed, and `route_changes` (a `RouteChanges`) collects which tokens the replay changed.
     """
     if not callable(getattr(loss_fn, "step_loss", None)):
         raise TypeError(f"loss_fn: {type(loss_fn).__name__} has no step_loss(output, batch, call); the step takes a "
@@ -227,9 +255,19 @@ def make_forward_step(
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
         batch = next(data_iterator)
+        if moe_layers(model) is not None:
+            if defer_normalisation:
+                check_no_deferred_aux_losses(model)
+            batch = {**batch, MOE_PADDING_MASK: padding_mask_of(batch)}
+            if ROUTED_EXPERTS in batch:
+                check_routes(model, batch[ROUTED_EXPERTS], batch["input_ids"], check_values=call.check_inputs)
+                batch[ROUTES_COUNTED] = routes_counted_of(batch)
+        elif ROUTED_EXPERTS in batch:
+            check_routes(model, batch[ROUTED_EXPERTS], batch["input_ids"])  # names the dense model
         if call.context is not None:
             batch = split_for_context_parallel(batch)
-        return batch_forward(model, batch, hidden_states=fused_linear), partial(loss_func, batch, model)
+        output = batch_forward(model, batch, hidden_states=fused_linear, changes=route_changes)
+        return output, partial(loss_func, batch, model)
 
     return forward_step
 
@@ -299,10 +337,16 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
     padded pass, or per packed microbatch). Padded rows are extended to a multiple of 2·CP for the pass
     (`padded_for_context_parallel`); a packed batch's sequences must each be a multiple of 2·CP long, and
     `max_tokens_per_microbatch` pads them so.
+
+    A batch with `routed_experts` (`[B, S, L, k]`, `routing_replay`) is computed under those routes, replayed in each
+    microbatch (checked against the model first, the ids only with `check_inputs`); without them an MoE model routes
+    by its own router.
     """
     width = batch["input_ids"].shape[1]
     batch = padded_for_context_parallel(batch)
     input_ids = batch["input_ids"]
+    if ROUTED_EXPERTS in batch:
+        check_routes(model, batch[ROUTED_EXPERTS], input_ids, check_values=check_inputs)
     context = context_shard()
     packing = None
     if max_tokens_per_microbatch is not None and CU_SEQLENS not in batch:
@@ -312,7 +356,8 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
         microbatches = _split(batch, micro_batch_size)
     if context is not None:  # the split shifts every per-token tensor of a microbatch: hand it the tokens alone,
         # and a mark shifted with them that is False on each sequence's last row (it has no target)
-        microbatches = [{**{key: mb[key] for key in ("input_ids", CU_SEQLENS, POSITION_IDS, *KEPT_SET_KEYS)
+        microbatches = [{**{key: mb[key] for key in ("input_ids", CU_SEQLENS, POSITION_IDS, ROUTED_EXPERTS,
+                                                              *KEPT_SET_KEYS)
                             if key in mb},
                          _HAS_TARGET: torch.ones_like(mb["input_ids"], dtype=torch.bool)} for mb in microbatches]
 
@@ -347,6 +392,7 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
             outputs = run_schedule(forward_step, model, microbatches, forward_only=True)
     finally:
         model.train(was_training)
+        clear_routing(model)
     if not outputs:  # a pipeline stage that is not the last
         logprobs = torch.empty(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     else:
@@ -417,6 +463,12 @@ def train_step(
 
     Under context parallelism the rows are extended to a multiple of 2·CP for the step
     (`padded_for_context_parallel`: untrained positions after every row's end), and the results cut back to `S`.
+    A Mixture-of-Experts model: each optimizer step's metrics add Megatron's auxiliary losses (`load_balancing_loss`,
+    `z_loss`, ...: `moe_losses.aux_losses`). With `routed_experts` in the batch (`[B, S, L, k]`, the rollout's routes,
+    `routing_replay`; checked once, here) the prev pass and every training forward replay them (the reference pass
+    too with `step.reference_replays_routes`), and each optimizer step reports `router_replay_changed_fraction`: of
+    the training forwards' tokens (their padding left out), the fraction to which the router would have given other
+    experts in some MoE layer (given the replayed layers before it).
     """
     if plan.compute_reference_logprobs and reference_model is None:
         raise ValueError("reference_model: the plan computes reference logprobs, but none was given")
@@ -429,6 +481,9 @@ def train_step(
                          "weight versions of the prev policy and of each sample's generating policy")
     if vocab.true_vocab_size is not None:
         check_batch_values(batch, vocab.true_vocab_size)
+    routes = batch.get(ROUTED_EXPERTS)
+    if routes is not None:
+        check_routes(model, routes, batch["input_ids"])
     timer = timer if timer is not None else StepTimer()
     clip = step.clip_grad
     micro_batch_size = step.micro_batch_size
@@ -443,12 +498,15 @@ def train_step(
     step_rows = _rows_per_optimizer_step(step, batch["input_ids"].shape[0])
     width = batch["input_ids"].shape[1]
     deferred = step.defer_normalisation or plan.seq_logprob_error_threshold is not None
+    if deferred:
+        check_no_deferred_aux_losses(model)
     batch = dict(padded_for_context_parallel(batch))
     passes_run: dict[str, int] = {}
     if plan.compute_reference_logprobs:
         # Unfiltered, as NeMo-RL's reference pass: the KL compares the current and reference full distributions.
+        reference_batch = batch if step.reference_replays_routes else _without_routes(batch)
         with timer.section("reference_pass"):
-            batch["reference_policy_logprobs"] = compute_logprobs(reference_model, batch,
+            batch["reference_policy_logprobs"] = compute_logprobs(reference_model, reference_batch,
                                                                   micro_batch_size=micro_batch_size, vocab=vocab,
                                                                   distribution=distribution.unfiltered(),
                                                                   fused_linear=fused, check_inputs=False,
@@ -460,6 +518,12 @@ def train_step(
                                                       distribution=distribution, fused_linear=fused,
                                                       check_inputs=False, max_tokens_per_microbatch=logprob_tokens)
         passes_run["prev"] = 1
+    natural_logprobs = None
+    if step.compare_without_replay and routes is not None:
+        with timer.section("natural_routing_pass"):
+            natural_logprobs = compute_logprobs(model, _without_routes(batch), micro_batch_size=micro_batch_size,
+                                                vocab=vocab, distribution=distribution, fused_linear=fused,
+                                                check_inputs=False, max_tokens_per_microbatch=logprob_tokens)
     if plan.prev_approximation == "generation":  # verl's bypass: the rollout's logprobs are prev from the start
         check_generation_logprobs(batch.get("generation_logprobs"), trained_token_mask(batch),
                                   "the plan's prev from generation (logprob_passes.prev: generation)")
@@ -481,16 +545,17 @@ def train_step(
         with timer.section("forward_backward"):
             packing = None if packed_tokens is None else _packed_microbatches(step_batch, packed_tokens)
             microbatches = _split(step_batch, micro_batch_size) if packing is None else packing.microbatches
-            metrics = _forward_backward(model, optimizer, loss_fn, plan, microbatches, vocab, distribution,
+            outcome = _forward_backward(model, optimizer, loss_fn, plan, microbatches, vocab, distribution,
                                         fused_linear=fused, fused_loss=step.fused_linear_loss, versions=versions,
                                         deferred=deferred)
+        metrics = outcome.loss
         aggregated = metrics_from_last_stage(_aggregate(metrics, loss_fn))
         with timer.section("optimizer"):
             if deferred:  # the gradients divided once, before clipping
                 aggregated = _normalised(model, aggregated, loss_fn.metric_aggregation)
             lr = learning_rate(optimizer)  # the rate this step uses
             grad_norm = optimizer_step(model, optimizer, clip)
-        step_metrics.append({**aggregated, "grad_norm": grad_norm,
+        step_metrics.append({**aggregated, **outcome.moe, "grad_norm": grad_norm,
                              "grad_norm_after_clip": grad_norm_after_clipping(grad_norm, clip), "lr": lr})
         if metrics:  # the per-token metrics whole (CP), back at the rollout's rows (packing)
             step_logprobs.append({key: _whole_per_token([m[key] for m in metrics], microbatches, packing)
@@ -504,6 +569,11 @@ def train_step(
                                         else torch.empty_like(curr_logprobs))
     else:
         prev_logprobs = curr_logprobs if plan.prev_from_current else batch["prev_logprobs"]
+    routing_metrics = {}
+    if routes is not None and "generation_logprobs" in batch:
+        routing_metrics["router_replay_token_mult_prob_error"] = _token_mult_prob_error(batch, curr_logprobs)
+        if natural_logprobs is not None:
+            routing_metrics["router_replay_off_token_mult_prob_error"] = _token_mult_prob_error(batch, natural_logprobs)
     reference_logprobs = batch.get("reference_policy_logprobs")
     return TrainStepResult(
         curr_logprobs=curr_logprobs[:, :width],
@@ -511,7 +581,29 @@ def train_step(
         reference_policy_logprobs=None if reference_logprobs is None else reference_logprobs[:, :width],
         step_metrics=step_metrics,
         passes_run=passes_run,
+        routing_metrics=routing_metrics,
     )
+
+
+def _without_routes(batch: Batch) -> dict[str, torch.Tensor]:
+    return {key: value for key, value in batch.items() if key != ROUTED_EXPERTS}
+
+
+def _token_mult_prob_error(batch: Batch, logprobs: torch.Tensor) -> float:
+    """NeMo-RL's `token_mult_prob_error` of `logprobs` against the batch's generation logprobs: the mean of
+    exp(|generation - logprobs|) over the trained tokens with a finite generation logprob, over all DP ranks."""
+    generation = batch["generation_logprobs"]
+    mask = trained_token_mask(batch).bool() & torch.isfinite(generation)
+    error = torch.exp((generation - logprobs).abs()).masked_fill(~mask, 0)
+    totals = _sum_over_data_parallel(torch.stack([error.sum(), mask.sum()]).to(torch.float64))
+    total, count = totals.tolist()
+    return total / count if count else 0.0
+
+
+@dataclass(frozen=True)
+class _StepOutcome:
+    loss: list[dict[str, torch.Tensor]]  # the loss's metrics of each microbatch (none on stages but the last)
+    moe: dict[str, float]  # an MoE model's auxiliary losses and replayed routes' changes; the same on every rank
 
 
 def _forward_backward(
@@ -526,25 +618,46 @@ def _forward_backward(
     fused_loss: bool = False,
     versions: StepVersions | None = None,
     deferred: bool = False,
-) -> list[dict[str, torch.Tensor]]:
+) -> _StepOutcome:
     """Fresh gradients of one optimizer step: Megatron's schedule over the microbatches, which ends in DDP's
-    reduction over the DP ranks (`megatron.ddp`); `deferred`: unnormalised, for `_normalised`.
-
-    Returns the loss's metrics of each microbatch (none on pipeline stages other than the last).
-    """
+    reduction over the DP ranks (`megatron.ddp`); `deferred`: unnormalised, for `_normalised`."""
     if parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1 and not is_ddp(model):
         raise ValueError("model: data parallelism needs the model wrapped in Megatron-Core's DistributedDataParallel "
                          "(megatron_grpo.megatron.wrap_in_ddp), which reduces the gradients over the DP ranks (and "
                          "the context-parallel ranks, with CP)")
+    if _sequence_parallel(model) and not is_ddp(model):
+        raise ValueError("model: sequence parallelism needs the model wrapped in Megatron-Core's "
+                         "DistributedDataParallel (megatron_grpo.megatron.wrap_in_ddp), whose finalize_model_grads "
+                         "sums the gradients that each TP rank computes from its slice of the sequence (norms, "
+                         "routers)")
+    layers = moe_layers(model)
     tokens, seqs = (None, None) if deferred else _global_valid_counts(microbatches)
+    replayed = ROUTED_EXPERTS in microbatches[0]
+    changes = RouteChanges() if replayed else None
     forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches), global_valid_tokens=tokens,
                                      global_valid_seqs=seqs, vocab=vocab, distribution=distribution,
                                      fused_linear=fused_linear, fused_loss=fused_loss, versions=versions,
                                      check_inputs=False,  # train_step checked the batch's values once
-                                     defer_normalisation=deferred)
+                                     defer_normalisation=deferred, route_changes=changes)
     zero_optimizer_grads(model, optimizer)
     model.train()
-    return run_schedule(forward_step, model, microbatches, forward_only=False)
+    if layers is not None:
+        clear_aux_losses()
+    try:
+        loss_metrics = run_schedule(forward_step, model, microbatches, forward_only=False)
+    finally:
+        clear_routing(model)
+    moe = {}
+    if layers is not None:
+        moe = aux_losses(len(microbatches), layers.num_layers)
+        if changes is not None:
+            moe["router_replay_changed_fraction"] = changes.fraction(layers.sequence_parallel)
+    return _StepOutcome(loss_metrics, moe)
+
+
+def _sequence_parallel(model: torch.nn.Module) -> bool:
+    return bool(getattr(getattr(unwrapped(model), "config", None), "sequence_parallel", False)) and \
+        parallel_state.get_tensor_model_parallel_world_size() > 1
 
 
 def _aggregate(microbatch_metrics: list[dict[str, torch.Tensor]], loss_fn: StepLoss) -> dict[str, float]:

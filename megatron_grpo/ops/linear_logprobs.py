@@ -8,7 +8,7 @@ chunk in backward.
 
 Forward: the trained rows (target >= 0) are gathered out first; per chunk, `logits = scale * h @ W_valid.T`
 (the real, non-padding columns only), then the existing kernels' partials, and the chunk buffer is reused. One
-all-gather of the partials of the whole call (`gather_partials`) and `combine_partials` give logprob, lse and
+all-gather of the partials of the whole call (`gather_partials`) and the kernels' combine give logprob, lse and
 entropy. Backward: per chunk, recompute the logits, run the existing backward kernel in place in the chunk
 buffer, then `dH = scale * dlogits @ W` and `dW += scale * dlogits.T @ h` (`chunks.WeightGradient`: into
 Megatron DDP's `main_grad` where the weight has one, with no fp32 accumulator of its own). No collective runs in
@@ -50,7 +50,7 @@ from megatron_grpo.ops.core.gemm import (
     hidden_gradient,
     main_grad_of,
 )
-from megatron_grpo.ops.core.partials import Partials, combine_partials, gather_partials
+from megatron_grpo.ops.core.partials import Partials, RowStats, gather_partials
 from megatron_grpo.ops.core.replay import RowSets, replay_gradient, replay_partials
 from megatron_grpo.ops.core.rows import check_shiftable, next_token_targets, per_token, upstream_gradients
 from megatron_grpo.ops.distribution import SamplingDistribution
@@ -105,7 +105,7 @@ def linear_partials(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
                                                  valid, call.with_entropy)
         else:
             threshold = kept_threshold(logits, call.distribution, true_vocab_size=shard.true_vocab_size,
-                                       group=shard.group, scaled=True)
+                                       group=shard.group, scaled=True, kernels=call.kernels)
             partial = call.kernels.logprob_partials(logits, targets[sl], shard.start_index, valid, call.with_entropy,
                                                     threshold)
         if filtered:
@@ -207,7 +207,8 @@ def _linear_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     call = LinearCall.of(weight, index.numel(), shard, distribution, with_entropy, chunk_rows, implementation)
     partials, threshold = linear_partials(hidden_rows, weight.contiguous(), target_rows, call,
                                           _chunk_sets(kept_offsets, kept_ids, kept_next_token, index, call))
-    stats = combine_partials(gather_partials(partials, shard.group), target_rows, with_entropy)
+    stats = RowStats.of(call.kernels.combine(gather_partials(partials, shard.group), target_rows, with_entropy),
+                        with_entropy)
     if distribution.filtered and threshold is None:  # a filter that keeps this whole vocab
         threshold = torch.full_like(stats.lse, float("-inf"))
     rows = hidden.shape[0]

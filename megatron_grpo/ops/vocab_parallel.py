@@ -1,29 +1,34 @@
 """`vocab_parallel_logprobs`: per-token logprobs (and entropy) from tensor-parallel, vocab-sharded logits.
 
-Forward: one pass over each local row computes softmax partials, one all-gather of the `[rows, k]` partials
-combines them across ranks (see `partials`). Backward recomputes p from the logits and needs no collective;
-only lse (and E[x] with entropy) is kept per row. Padded vocab columns never enter the softmax and get a
-gradient of exactly 0.
+Forward: one pass over each local row. With one rank the kernel writes the op's outputs itself (logprob, entropy,
+and the lse and E[x] backward needs); with several it writes `[rows, k]` softmax partials, one all-gather shares
+them and one combine kernel turns them into the same outputs (see `partials`). Backward recomputes p from the logits
+and needs no collective; only lse (and E[x] with entropy) is kept per row. Padded vocab columns never enter the
+softmax and get a gradient of exactly 0.
 
 With a filtered `SamplingDistribution` (top-k / top-p) the distribution is the filtered one the rollout sampler
 draws from (see `filtering`): a per-row threshold is found first (a few small collectives), and the kernels count
 only logits at or above it.
 
-The op is the `torch.library` custom op `megatron_grpo::vocab_parallel_logprobs` with a fake kernel and its
-backward registered, so `torch.compile(fullgraph=True)` traces it as one node. The TP group travels as its name
-(`VocabShard.group_name`). The in-place backward modes (`inplace_backward=True` / `"exp"`) hand autograd the
-logits' own buffer as their gradient, which an op's output may not alias: they run as an eager autograd Function
+The op is the `torch.library` op `megatron_grpo::vocab_parallel_logprobs` with a fake kernel and its backward
+registered (`custom_op.define_op`: a call costs a few Python frames, and no autograd object under `no_grad`), so
+`torch.compile(fullgraph=True)` traces it as one node. The TP group travels as its name (`VocabShard.group_name`);
+what a call computes with besides its tensors (`LogprobCall`) is resolved once per set of arguments without a TP
+group, and once per call with one. The in-place backward modes (`inplace_backward=True` / `"exp"`) hand autograd
+the logits' own buffer as their gradient, which an op's output may not alias: they run as an eager autograd Function
 (`InplaceLogprobs`) over the same forward and backward code.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Optional, overload
+import functools
+from dataclasses import dataclass, replace
+from typing import Literal, overload
 
 import torch
 
-from megatron_grpo.ops.core.backends import Implementation, Kernels, select_kernels
+from megatron_grpo.ops.core.alignment import empty_with_alignment_of, gradient_row_stride
+from megatron_grpo.ops.core.backends import Implementation, Kernels, RowOutputs, extension_status, select_kernels_for
 from megatron_grpo.ops.core.checks import (
     check_inplace_backward,
     check_kept_set_argument,
@@ -31,9 +36,10 @@ from megatron_grpo.ops.core.checks import (
     check_logits_inputs,
     check_target_ids,
 )
+from megatron_grpo.ops.core.custom_op import define_op
 from megatron_grpo.ops.core.dtypes import compute_dtype
 from megatron_grpo.ops.core.filtering import kept_threshold
-from megatron_grpo.ops.core.partials import Partials, RowStats, combine_partials, gather_partials
+from megatron_grpo.ops.core.partials import Partials, RowStats, gather_partials
 from megatron_grpo.ops.core.replay import RowSets, replay_gradient, replay_partials
 from megatron_grpo.ops.core.rows import check_shiftable, next_token_targets, per_token, upstream_gradients
 from megatron_grpo.ops.distribution import SamplingDistribution
@@ -50,40 +56,92 @@ class LogprobCall:
     distribution: SamplingDistribution
     with_entropy: bool
     kernels: Kernels
+    filter_active: bool  # the distribution's filter can drop a token of this vocab, or kept sets are replayed
+    single_rank: bool  # no TP group of more than one rank: the forward kernel writes the outputs
     kept: RowSets | None = None  # the engine's kept sets of the rows, replayed instead of the filter
 
     @classmethod
     def of(cls, logits: torch.Tensor, shard: VocabShard, distribution: SamplingDistribution, with_entropy: bool,
            implementation: Implementation, kept: RowSets | None = None) -> LogprobCall:
-        shard = shard.resolve(logits.shape[-1])
-        return cls(shard=shard, valid_cols=shard.valid_cols(logits.shape[-1]), distribution=distribution,
-                   with_entropy=with_entropy, kernels=select_kernels(logits, implementation), kept=kept)
+        """The call for these logits; a shard without a TP group is resolved once per set of arguments."""
+        cols, device, dtype = logits.shape[-1], logits.device, logits.dtype
+        if shard.group is None:
+            call = _call_without_group(cols, device, dtype, shard, distribution, with_entropy, implementation)
+        else:
+            call = cls._build(cols, device, dtype, shard, distribution, with_entropy, implementation)
+        return call if kept is None else replace(call, kept=kept, filter_active=True)
 
-    @property
-    def filter_active(self) -> bool:
-        return self.kept is not None or self.distribution.active(self.shard.true_vocab_size)
+    @classmethod
+    def _build(cls, cols: int, device: torch.device, dtype: torch.dtype, shard: VocabShard,
+               distribution: SamplingDistribution, with_entropy: bool, implementation: Implementation) -> LogprobCall:
+        shard = shard.resolve(cols)
+        return cls(shard=shard, valid_cols=shard.valid_cols(cols), distribution=distribution,
+                   with_entropy=with_entropy, kernels=select_kernels_for(device, dtype, implementation),
+                   filter_active=distribution.active(shard.true_vocab_size), single_rank=shard.tp_size == 1)
 
-
-def logprob_forward(logits: torch.Tensor, targets: torch.Tensor, call: LogprobCall, *, write_exps: bool = False
-                    ) -> tuple[RowStats, torch.Tensor | None, torch.Tensor]:
-    """`(stats, threshold, partials)` of `[rows, V_local]` logits: the filter's threshold (None without one), the
-    partials kernel, the one all-gather and the combine. `write_exps`: the kernel also overwrites the logits with
-    `exp(z - m_local)` (the in-place exp mode)."""
-    shard, scale = call.shard, call.distribution.logit_scale
-    if call.kept is not None:  # the engine's kept sets instead of the filter (`core.replay`)
+    def threshold(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The filter's per-row threshold, None where the filter keeps every token (a few small collectives)."""
+        if not self.filter_active:
+            return None
         with torch.no_grad():
-            partials, threshold = replay_partials(logits, targets, call.kept, call.kernels, shard.start_index,
-                                                  call.valid_cols, call.with_entropy, scale)
-        stats = combine_partials(gather_partials(partials, shard.group), targets, call.with_entropy)
-        return stats, threshold, partials
-    with torch.no_grad():
-        threshold = kept_threshold(logits[:, :call.valid_cols], call.distribution,
-                                   true_vocab_size=shard.true_vocab_size, group=shard.group)
-    partials_kernel = call.kernels.logprob_partials_writing_exps if write_exps else call.kernels.logprob_partials
-    partials = partials_kernel(logits, targets, shard.start_index, call.valid_cols, call.with_entropy, threshold,
-                               logit_scale=scale)
-    stats = combine_partials(gather_partials(partials, shard.group), targets, call.with_entropy)
-    return stats, threshold, partials
+            return kept_threshold(logits[:, :self.valid_cols], self.distribution,
+                                  true_vocab_size=self.shard.true_vocab_size, group=self.shard.group,
+                                  kernels=self.kernels)
+
+    def outputs(self, logits: torch.Tensor, targets: torch.Tensor, threshold: torch.Tensor | None) -> RowOutputs:
+        """`(logprob, entropy, lse, mean_x)` of `[rows, V_local]` logits (entropy and E[x] `[0]` without entropy):
+        the forward kernel's own with one rank; else the partials kernel, the one all-gather and the combine."""
+        scale = self.distribution.logit_scale
+        if self.single_rank:
+            return self.kernels.logprob_stats(logits, targets, self.shard.start_index, self.valid_cols,
+                                              self.with_entropy, threshold, scale)
+        partials = self.kernels.logprob_partials(logits, targets, self.shard.start_index, self.valid_cols,
+                                                 self.with_entropy, threshold, scale)
+        return self.kernels.combine(gather_partials(partials, self.shard.group), targets, self.with_entropy)
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[RowOutputs, torch.Tensor | None]:
+        """`(outputs, threshold)`: the filter's threshold (None without one) and `outputs`' outputs; with kept sets,
+        their partials (`core.replay`: the threshold the kernels ran with), the all-gather and the combine."""
+        if self.kept is None:
+            threshold = self.threshold(logits)
+            return self.outputs(logits, targets, threshold), threshold
+        with torch.no_grad():
+            partials, threshold = replay_partials(logits, targets, self.kept, self.kernels, self.shard.start_index,
+                                                  self.valid_cols, self.with_entropy, self.distribution.logit_scale)
+        gathered = gather_partials(partials, self.shard.group)
+        return self.kernels.combine(gathered, targets, self.with_entropy), threshold
+
+
+@functools.lru_cache(maxsize=256)
+def _call_without_group(cols: int, device: torch.device, dtype: torch.dtype, shard: VocabShard,
+                        distribution: SamplingDistribution, with_entropy: bool,
+                        implementation: Implementation) -> LogprobCall:
+    return LogprobCall._build(cols, device, dtype, shard, distribution, with_entropy, implementation)
+
+
+@functools.lru_cache(maxsize=256)
+def _shard_and_distribution(start_index: int | None, true_vocab_size: int | None, logit_scale: float,
+                            top_k: int | None, top_p: float | None,
+                            replay_kept_set: bool) -> tuple[VocabShard, SamplingDistribution]:
+    """The values a call without a TP group carries, built (and checked) once per set of op arguments."""
+    return (VocabShard(start_index=start_index, true_vocab_size=true_vocab_size),
+            SamplingDistribution(logit_scale=logit_scale, top_k=top_k, top_p=top_p, replay_kept_set=replay_kept_set))
+
+
+def _op_call(logits, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
+             implementation, kept_offsets=None, kept_ids=None, kept_next_token=False) -> LogprobCall:
+    """The call of the op's arguments. A group name is resolved at each call: a name can outlive its group (a
+    destroyed group's name is given to the next one). Kept sets (`kept_offsets`, `kept_ids`) are the call's own."""
+    replay = kept_offsets is not None
+    kept = None if not replay else RowSets.of_rows(KeptSet(kept_offsets, kept_ids), logits.shape[0], kept_next_token)
+    if group_name:
+        return LogprobCall.of(logits, VocabShard.with_group_name(start_index, true_vocab_size, group_name),
+                              SamplingDistribution(logit_scale=logit_scale, top_k=top_k, top_p=top_p,
+                                                   replay_kept_set=replay), with_entropy, implementation, kept)
+    shard, distribution = _shard_and_distribution(start_index, true_vocab_size, logit_scale, top_k, top_p, replay)
+    call = _call_without_group(logits.shape[-1], logits.device, logits.dtype, shard, distribution, with_entropy,
+                               implementation)
+    return call if kept is None else replace(call, kept=kept, filter_active=True)
 
 
 def logprob_backward(logits: torch.Tensor, targets: torch.Tensor, call: LogprobCall, stats: RowStats,
@@ -104,44 +162,28 @@ def logprob_backward(logits: torch.Tensor, targets: torch.Tensor, call: LogprobC
 
 # ---- the traceable op (out-of-place backward) ----
 
-def _call(logits, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
-          implementation, kept_offsets=None, kept_ids=None, kept_next_token=False) -> LogprobCall:
-    shard = VocabShard.with_group_name(start_index, true_vocab_size, group_name)
-    distribution = SamplingDistribution(logit_scale=logit_scale, top_k=top_k, top_p=top_p,
-                                        replay_kept_set=kept_offsets is not None)
-    kept = None if kept_offsets is None else RowSets.of_rows(KeptSet(kept_offsets, kept_ids), logits.shape[0],
-                                                             kept_next_token)
-    return LogprobCall.of(logits, shard, distribution, with_entropy, implementation, kept)
+extension_status()  # loads megatron_grpo._C where it can: it defines the op and its autograd kernel in C++
 
 
-@torch.library.custom_op("megatron_grpo::vocab_parallel_logprobs", mutates_args=())
-def _logprobs_op(logits: torch.Tensor, targets: torch.Tensor, start_index: Optional[int],
-                 true_vocab_size: Optional[int], group_name: str, logit_scale: float, top_k: Optional[int],
-                 top_p: Optional[float], with_entropy: bool, check_inputs: bool, implementation: str,
-                 kept_offsets: Optional[torch.Tensor] = None, kept_ids: Optional[torch.Tensor] = None,
-                 kept_next_token: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _logprobs(logits, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
+              check_inputs, implementation, kept_offsets=None, kept_ids=None, kept_next_token=False):
     """`(logprob, entropy, lse, mean_x, threshold)` of `[rows, V_local]` logits: `[rows]` each, or `[0]` for the
     entropy and E[x] without `with_entropy` and for the threshold without a filter (`-inf` rows where the filter
     keeps everything of this vocab). `kept_offsets`, `kept_ids`: a `KeptSet` to replay, its positions those of the
     targets before the shift (`kept_next_token`: row `r` scores position `r + 1`)."""
-    call = _call(logits, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
-                 implementation, kept_offsets, kept_ids, kept_next_token)
+    call = _op_call(logits, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
+                    implementation, kept_offsets, kept_ids, kept_next_token)
     if check_inputs:
         check_target_ids(targets, call.shard)
         if kept_offsets is not None:
             check_kept_values(KeptSet(kept_offsets, kept_ids), targets, call.shard, kept_next_token)
-    stats, threshold, _ = logprob_forward(logits, targets, call)
-    if call.distribution.filtered and threshold is None:  # a filter that keeps this whole vocab
-        threshold = torch.full_like(stats.lse, float("-inf"))
-
-    def present(value: torch.Tensor | None) -> torch.Tensor:  # outputs may not alias: a new empty tensor each
-        return value if value is not None else stats.lse.new_empty(0)
-
-    return stats.logprob, present(stats.entropy), stats.lse, present(stats.mean_x), present(threshold)
+    (logprob, entropy, lse, mean_x), threshold = call.forward(logits, targets)
+    if threshold is None:  # outputs may not alias: a new tensor each
+        threshold = (torch.full_like(lse, float("-inf")) if call.distribution.filtered  # keeps this whole vocab
+                     else lse.new_empty(0))
+    return logprob, entropy, lse, mean_x, threshold
 
 
-@_logprobs_op.register_fake
 def _logprobs_op_fake(logits, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p,
                       with_entropy, check_inputs, implementation, kept_offsets=None, kept_ids=None,
                       kept_next_token=False):
@@ -155,37 +197,44 @@ def _logprobs_op_fake(logits, targets, start_index, true_vocab_size, group_name,
     return per_row(), per_row(with_entropy), per_row(), per_row(with_entropy), per_row(filtered)
 
 
-@torch.library.custom_op("megatron_grpo::vocab_parallel_logprobs_backward", mutates_args=())
-def _logprobs_backward_op(logits: torch.Tensor, targets: torch.Tensor, logprob: torch.Tensor, lse: torch.Tensor,
-                          mean_x: torch.Tensor, threshold: torch.Tensor, grad_logprob: Optional[torch.Tensor],
-                          grad_entropy: Optional[torch.Tensor], start_index: Optional[int],
-                          true_vocab_size: Optional[int], group_name: str, logit_scale: float,
-                          top_k: Optional[int], top_p: Optional[float], implementation: str,
-                          kept_offsets: Optional[torch.Tensor] = None, kept_ids: Optional[torch.Tensor] = None,
-                          kept_next_token: bool = False) -> torch.Tensor:
-    """d(objective)/d(logits), in a new buffer with the logits' row alignment (`empty_with_alignment_of`)."""
+def _logprobs_backward(logits, targets, logprob, lse, mean_x, threshold, grad_logprob, grad_entropy, start_index,
+                       true_vocab_size, group_name, logit_scale, top_k, top_p, implementation, kept_offsets=None,
+                       kept_ids=None, kept_next_token=False):
+    """d(objective)/d(logits), in a new buffer with the logits' row alignment (`alignment.empty_with_alignment_of`)."""
     with_entropy = mean_x.numel() > 0
-    call = _call(logits, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
-                 implementation, kept_offsets, kept_ids, kept_next_token)
-    stats = RowStats(logprob=logprob, lse=lse, entropy=None, mean_x=mean_x if with_entropy else None)
-    grad_logits = empty_with_alignment_of(logits)
-    logprob_backward(logits, targets, call, stats, threshold if call.filter_active else None, grad_logprob,
-                     grad_entropy, grad_logits)
-    return grad_logits
+    call = _op_call(logits, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, with_entropy,
+                    implementation, kept_offsets, kept_ids, kept_next_token)
+    active = call.filter_active
+    if call.kept is not None:  # the kernel, then the gathered rows' kept columns (`core.replay`)
+        stats = RowStats(logprob=logprob, lse=lse, entropy=None, mean_x=mean_x if with_entropy else None)
+        grad_logits = empty_with_alignment_of(logits)
+        logprob_backward(logits, targets, call, stats, threshold, grad_logprob, grad_entropy, grad_logits)
+        return grad_logits
+    return call.kernels.logprob_gradient(logits, targets, call.shard.start_index, call.valid_cols, lse,
+                                        mean_x if with_entropy else None, logprob if active else None, grad_logprob,
+                                        grad_entropy, threshold if active else None, logit_scale)
 
 
-@_logprobs_backward_op.register_fake
 def _logprobs_backward_op_fake(logits, targets, logprob, lse, mean_x, threshold, grad_logprob, grad_entropy,
                                start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, implementation,
                                kept_offsets=None, kept_ids=None, kept_next_token=False):
     return logits.new_empty_strided(logits.shape, (gradient_row_stride(logits), 1))
 
 
+_backward_op = define_op(
+    "megatron_grpo::vocab_parallel_logprobs_backward",
+    "(Tensor logits, Tensor targets, Tensor logprob, Tensor lse, Tensor mean_x, Tensor threshold, "
+    "Tensor? grad_logprob, Tensor? grad_entropy, int? start_index, int? true_vocab_size, str group_name, "
+    "float logit_scale, int? top_k, float? top_p, str implementation, Tensor? kept_offsets=None, "
+    "Tensor? kept_ids=None, bool kept_next_token=False) -> Tensor",
+    _logprobs_backward, _logprobs_backward_op_fake)
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    logits, targets, *args = inputs
+    logits, targets, start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, _, _, implementation, \
+        *kept = inputs
+    kept_offsets, kept_ids, kept_next_token = (list(kept) + [None, None, False])[:3]
     logprob, _, lse, mean_x, threshold = output
-    start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, _, _, implementation, *kept = args
-    kept_offsets, kept_ids, kept_next_token = (kept + [None, None, False])[:3]
     ctx.save_for_backward(logits, targets, logprob, lse, mean_x, threshold, kept_offsets, kept_ids)
     ctx.args = (start_index, true_vocab_size, group_name, logit_scale, top_k, top_p, implementation)
     ctx.kept_next_token = kept_next_token
@@ -194,12 +243,19 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_logprob, grad_entropy, *_):
     logits, targets, logprob, lse, mean_x, threshold, kept_offsets, kept_ids = ctx.saved_tensors
-    grad_logits = _logprobs_backward_op(logits, targets, logprob, lse, mean_x, threshold, grad_logprob, grad_entropy,
-                                        *ctx.args, kept_offsets, kept_ids, ctx.kept_next_token)
+    grad_logits = _backward_op(logits, targets, logprob, lse, mean_x, threshold, grad_logprob, grad_entropy,
+                               *ctx.args, kept_offsets, kept_ids, ctx.kept_next_token)
     return (grad_logits,) + (None,) * 13
 
 
-torch.library.register_autograd("megatron_grpo::vocab_parallel_logprobs", _backward, setup_context=_setup_context)
+_logprobs_op = define_op(
+    "megatron_grpo::vocab_parallel_logprobs",
+    "(Tensor logits, Tensor targets, int? start_index, int? true_vocab_size, str group_name, float logit_scale, "
+    "int? top_k, float? top_p, bool with_entropy, bool check_inputs, str implementation, "
+    "Tensor? kept_offsets=None, Tensor? kept_ids=None, bool kept_next_token=False) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _logprobs, _logprobs_op_fake, differentiable=(0,), setup_context=_setup_context, backward=_backward,
+    non_differentiable_outputs=(2, 3, 4))
 
 
 # ---- the in-place modes (eager) ----
@@ -212,13 +268,21 @@ class InplaceLogprobs(torch.autograd.Function):
     def forward(ctx, logits, targets, call: LogprobCall, mode: bool | str, check_inputs: bool):
         if check_inputs:
             check_target_ids(targets, call.shard)
-        exp_mode = mode == "exp"
-        stats, threshold, partials = logprob_forward(logits, targets, call, write_exps=exp_mode)
-        if exp_mode:
+        prob_scale = target_prob = None
+        if mode == "exp":  # no kept sets (`check_kept_set_argument`)
+            shard, threshold = call.shard, call.threshold(logits)
+            partials = call.kernels.logprob_partials_writing_exps(logits, targets, shard.start_index,
+                                                                  call.valid_cols, call.with_entropy, threshold,
+                                                                  logit_scale=call.distribution.logit_scale)
+            stats = RowStats.of(call.kernels.combine(gather_partials(partials, shard.group), targets,
+                                                     call.with_entropy), call.with_entropy)
             # The logits buffer now holds exp(z - m_local): whoever saved the logits fails loudly at unpack.
             torch.autograd.graph.increment_version(logits)
-        prob_scale = _prob_scale(partials, stats.lse) if exp_mode else None
-        target_prob = torch.exp(stats.logprob).contiguous() if exp_mode else None
+            prob_scale = _prob_scale(partials, stats.lse)
+            target_prob = torch.exp(stats.logprob).contiguous()
+        else:
+            outputs, threshold = call.forward(logits, targets)
+            stats = RowStats.of(outputs, call.with_entropy)
         ctx.save_for_backward(logits, targets, stats.logprob, stats.lse, stats.mean_x, threshold, prob_scale,
                               target_prob)
         ctx.call = call
@@ -253,40 +317,6 @@ def _prob_scale(partials: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     m = partials[:, Partials.MAX].to(lse.dtype)
     shift = torch.where(m == float("-inf"), torch.zeros_like(m), m)
     return torch.exp(shift - lse).contiguous()
-
-
-# ---- the gradient buffer ----
-
-VECTOR_BYTES = 16  # the kernels' vector width: a row takes the vector path where grad and logits share it
-
-
-def gradient_row_stride(logits: torch.Tensor) -> int:
-    """The row stride of `empty_with_alignment_of(logits)`: the smallest one `>= cols` that is congruent to the
-    logits' modulo 16 bytes (so at most 15 bytes per row are wasted)."""
-    rows, cols = logits.shape
-    element = logits.element_size()
-    if rows <= 1 or cols == 0 or VECTOR_BYTES % element:
-        return cols
-    return cols + (logits.stride(0) - cols) % (VECTOR_BYTES // element)
-
-
-def empty_with_alignment_of(logits: torch.Tensor) -> torch.Tensor:
-    """An uninitialised `[rows, cols]` tensor whose every row has the 16-byte alignment of the logits' row.
-
-    A sliced or offset view of logits would otherwise get a gradient buffer aligned differently, and the
-    kernels would fall back to scalar stores for most rows.
-    """
-    rows, cols = logits.shape
-    element = logits.element_size()
-    if rows == 0 or cols == 0 or VECTOR_BYTES % element:
-        return torch.empty_like(logits, memory_format=torch.contiguous_format)
-    per_vector = VECTOR_BYTES // element
-    row_stride = gradient_row_stride(logits)
-    offset = (logits.data_ptr() % VECTOR_BYTES) // element
-    size = offset + (rows - 1) * row_stride + cols + per_vector
-    storage = torch.empty(size, dtype=logits.dtype, device=logits.device)
-    offset = (offset - (storage.data_ptr() % VECTOR_BYTES) // element) % per_vector
-    return storage.as_strided((rows, cols), (row_stride, 1), offset)
 
 
 # ---- the functional API ----
@@ -379,21 +409,25 @@ def vocab_parallel_logprobs(
         logits); with `with_entropy=True` the pair `(logprobs, entropy)`.
     """
     check_logits_inputs(logits, targets)
-    check_inplace_backward(inplace_backward)
-    shard = VocabShard() if shard is None else shard
-    distribution = SamplingDistribution() if distribution is None else distribution
-    check_kept_set_argument(kept_set, distribution, targets, inplace_backward)
+    if inplace_backward is not False:
+        check_inplace_backward(inplace_backward)
+    shard = _UNSHARDED if shard is None else shard
+    distribution = _SOFTMAX if distribution is None else distribution
+    if kept_set is not None or distribution.replay_kept_set:
+        check_kept_set_argument(kept_set, distribution, targets, inplace_backward)
     if shift:
         check_shiftable(targets)
         targets = next_token_targets(targets)
     batch_shape = targets.shape
-    rows_logits = logits.reshape(-1, logits.shape[-1])
+    rows_logits = logits if logits.dim() == 2 else logits.reshape(-1, logits.shape[-1])
     if rows_logits.stride(-1) != 1 or (rows_logits.shape[0] > 1 and rows_logits.stride(0) < rows_logits.shape[1]):
         rows_logits = rows_logits.contiguous()
-    rows_targets = targets.reshape(-1).to(torch.int64).contiguous()
+    rows_targets = targets if targets.dim() == 1 else targets.reshape(-1)
+    if rows_targets.dtype != torch.int64 or not rows_targets.is_contiguous():
+        rows_targets = rows_targets.to(torch.int64).contiguous()
     if inplace_backward is False:
         kept = () if kept_set is None else (kept_set.offsets, kept_set.ids, shift)
-        logprob, entropy, *_ = torch.ops.megatron_grpo.vocab_parallel_logprobs(
+        logprob, entropy, *_ = _logprobs_op(
             rows_logits, rows_targets, shard.start_index, shard.true_vocab_size, shard.group_name,
             distribution.logit_scale, distribution.top_k, distribution.top_p, with_entropy, check_inputs,
             implementation, *kept)
@@ -405,5 +439,10 @@ def vocab_parallel_logprobs(
             check_kept_values(kept_set, rows_targets, call.shard, shift)
         out = InplaceLogprobs.apply(rows_logits, rows_targets, call, inplace_backward, check_inputs)
         out = out if with_entropy else (out,)
-    out = per_token(out, batch_shape, shift)
+    if shift or len(batch_shape) != 1:
+        out = per_token(out, batch_shape, shift)
     return out if with_entropy else out[0]
+
+
+_UNSHARDED = VocabShard()
+_SOFTMAX = SamplingDistribution()

@@ -37,6 +37,7 @@ __all__ = [
     "PassMode",
     "PolicyConfig",
     "PrevMode",
+    "RouterReplayConfig",
     "SequencePackingConfig",
     "TaskConfig",
     "ConfigLoader",
@@ -109,16 +110,42 @@ class ModelConfig(StrictSection):
     hidden_dropout: float
     attention_dropout: float
     make_vocab_size_divisible_by: int  # the vocab is padded to a multiple of this times the TP size
+    add_bias_linear: bool  # biases in the linear layers (an MoE model's experts take none: false)
+    # Mixture of Experts, Megatron's keys and meanings (num_moe_experts null: a dense model)
+    num_moe_experts: int | None
+    moe_ffn_hidden_size: int | None  # each expert's; null: ffn_hidden_size
+    moe_router_topk: int
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"]
+    moe_aux_loss_coeff: float
+    moe_z_loss_coeff: float | None
+    moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"]
+    moe_router_dtype: Literal["fp32", "fp64"] | None
 
     def conflicts(self) -> list[str]:
         positive = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-                    "init_method_std", "make_vocab_size_divisible_by")
-        return [
+                    "init_method_std", "make_vocab_size_divisible_by", "moe_router_topk")
+        problems = [
             *_failing(self, positive, _positive, "must be > 0"),
             *_failing(self, ("hidden_dropout", "attention_dropout"), _in_unit_interval, "must be in [0, 1)"),
+            *_failing(self, ("moe_aux_loss_coeff",), _non_negative, "must be >= 0"),
             *_divisibility([(self.key("num_attention_heads"), self.num_attention_heads,
                              self.key("hidden_size"), self.hidden_size)]),
         ]
+        for name in ("num_moe_experts", "moe_ffn_hidden_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                problems.append(f"{self.key(name)}: must be null or > 0, got {getattr(self, name)!r}")
+        if self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0:
+            problems.append(f"{self.key('moe_z_loss_coeff')}: must be null or >= 0, got {self.moe_z_loss_coeff!r}")
+        experts = self.num_moe_experts
+        if experts is not None and experts > 0:
+            if self.moe_router_topk > experts:
+                problems.append(f"{self.key('moe_router_topk')} ({self.moe_router_topk}) must be at most "
+                                f"{self.key('num_moe_experts')} ({experts})")
+            if self.add_bias_linear:
+                problems.append(f"{self.key('add_bias_linear')}: true with {self.key('num_moe_experts')}: an MoE "
+                                "model's experts take no bias (Megatron-Core's SequentialMLP adds it in place to its "
+                                "TP reduction's output, an autograd error); set it to false")
+        return problems
 
 
 @dataclass(frozen=True, init=False)
@@ -162,6 +189,25 @@ class SequencePackingConfig(StrictSection):
 
 
 @dataclass(frozen=True, init=False)
+class RouterReplayConfig(StrictSection):
+    """NeMo-RL's `policy.router_replay` (R3) for an MoE policy: `enabled` records each token's routes during the
+    rollout and replays them in the prev pass and the training forward, as NeMo-RL does. The other two keys are this
+    runner's own (docs/nemo-rl.md): the reference pass replaying them too (NeMo-RL's does not), and one more pass per
+    step to log the mismatch without replay."""
+
+    SECTION: ClassVar[str] = "policy.router_replay"
+
+    enabled: bool
+    replay_in_reference: bool  # the reference pass replays the rollout's routes too
+    compare_without_replay: bool  # one more forward-only pass per step, by the router's own routes: its logprobs'
+    #   mismatch with the generation logprobs (router_replay_off_token_mult_prob_error)
+
+    def conflicts(self) -> list[str]:
+        return [f"{self.key(name)}: true needs {self.key('enabled')}: true" for name in
+                ("replay_in_reference", "compare_without_replay") if getattr(self, name) and not self.enabled]
+
+
+@dataclass(frozen=True, init=False)
 class PolicyConfig(StrictSection):
     """The trained policy: parallel layout, batch sizes, precision, initial weights, model and optimizer."""
 
@@ -170,6 +216,8 @@ class PolicyConfig(StrictSection):
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
     context_parallel_size: int  # each sequence split over this many ranks (the attention all-gathers K and V)
+    expert_model_parallel_size: int  # an MoE model's experts split over this many ranks (taken from DP)
+    sequence_parallel: bool  # activations outside attention and MLP split along the sequence over TP
     train_global_batch_size: int  # sequences per optimizer step, all DP ranks
     train_micro_batch_size: int  # sequences per microbatch per DP rank
     precision: Literal["fp32", "bf16"]  # no fp16: the train step does no loss scaling
@@ -177,13 +225,27 @@ class PolicyConfig(StrictSection):
     fused_linear_loss: bool  # with fused_linear_logprobs: the training loss's gradient in forward (3 GEMMs, not 4)
     initial_checkpoint: str | None  # a Megatron-Core dist_checkpointing model directory; None = random init
     sequence_packing: SequencePackingConfig
+    router_replay: RouterReplayConfig
     model: ModelConfig
     optimizer: OptimizerConfig
 
     def conflicts(self) -> list[str]:
         positive = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                    "train_global_batch_size", "train_micro_batch_size")
+                    "expert_model_parallel_size", "train_global_batch_size", "train_micro_batch_size")
         problems = _failing(self, positive, _positive, "must be > 0")
+        experts = self.model.num_moe_experts
+        if experts is None:
+            problems.extend(f"{key}: needs an MoE model ({self.model.key('num_moe_experts')}), got a dense one"
+                            for key, on in ((self.key("expert_model_parallel_size"),
+                                             self.expert_model_parallel_size > 1),
+                                            (self.router_replay.key("enabled"), self.router_replay.enabled)) if on)
+        else:
+            if self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
+                problems.append(f"{self.key('sequence_parallel')}: an MoE model at "
+                                f"{self.key('tensor_model_parallel_size')} {self.tensor_model_parallel_size} needs "
+                                "true (Megatron-Core's MoELayer refuses to train under TP without it)")
+            problems.extend(_divisibility([(self.key("expert_model_parallel_size"), self.expert_model_parallel_size,
+                                            self.model.key("num_moe_experts"), experts)]))
         if self.fused_linear_loss and not self.fused_linear_logprobs:
             problems.append(f"{self.key('fused_linear_loss')}: true needs {self.key('fused_linear_logprobs')}: true")
         if self.initial_checkpoint is not None and not self.initial_checkpoint.strip():
@@ -336,6 +398,13 @@ class Config(StrictSection):
                             "loss_fn.reference_policy_kl_penalty > 0: the KL to the reference reads unfiltered "
                             "logprobs, which the loss-fused head does not compute; set policy.fused_linear_loss: false")
         loss = self.loss_fn
+        auxiliary = model.num_moe_experts is not None and (model.moe_z_loss_coeff or (
+            model.moe_aux_loss_coeff > 0 and model.moe_router_load_balancing_type != "none"))
+        if self.grpo.seq_logprob_error_threshold is not None and auxiliary:
+            problems.append("grpo.seq_logprob_error_threshold with policy.model.moe_aux_loss_coeff / moe_z_loss_coeff: "
+                            "the mask defers the step's normalisation to its end, which would divide Megatron's "
+                            "auxiliary losses by the step's count too; set the coefficients to 0 / null, or the "
+                            "threshold to null")
         if self.grpo.seq_logprob_error_threshold is not None and loss.positive_example_nll_weight > 0 \
                 and loss.loss_agg_mode != "token-mean":
             problems.append(f"grpo.seq_logprob_error_threshold with loss_fn.positive_example_nll_weight > 0 and "

@@ -11,6 +11,7 @@ uninterrupted run's metrics exactly (fp32 on the CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from megatron_grpo.loss import ClippedPGLoss
 from megatron_grpo.megatron import (
     Optimizer,
     ParallelLayout,
+    RouteRecorder,
     StepConfig,
     build_gpt_model,
     build_optimizer,
@@ -137,11 +139,14 @@ class Trainer:
             eos_id=tokenizer.eos_id,
             pad_id=tokenizer.pad_id,
         )
+        # R3: the routes each token is given as the sampler reads it, replayed by the train step
+        routes = (RouteRecorder(self.model, prompts.shape[0], prompts.shape[1] + params.max_new_tokens)
+                  if self.cfg.policy.router_replay.enabled else None)
         self.model.eval()
         try:
             rollout = generate(
                 lambda input_ids, last_positions=None: last_position_logits(
-                    self.model, input_ids.to(layout.device), last_positions),
+                    self.model, input_ids.to(layout.device), last_positions, routes=routes),
                 prompts,
                 params,
                 true_vocab_size=tokenizer.vocab_size,
@@ -152,6 +157,9 @@ class Trainer:
             )
         finally:
             self.model.train()
+        if routes is not None:
+            rollout = dataclasses.replace(rollout, routed_experts=routes.routes(rollout.input_ids.shape[1],
+                                                                                layout.device))
         return rollout, answer_reward(rollout.responses, answers, answer_lengths)
 
     def _timed_rollout(self, step: int) -> tuple[Rollout, torch.Tensor, float]:
@@ -184,6 +192,8 @@ class Trainer:
             "rollout_weight_version": torch.full((rollout.input_ids.shape[0],), queued.weight_version,
                                                  dtype=torch.int64),
         }
+        if rollout.routed_experts is not None:  # R3: the prev pass and the training forward replay them
+            batch["routed_experts"] = rollout.routed_experts
         if rollout.kept_set is not None:  # the sampler's kept sets: replayed (generation.replay_kept_set), and logged
             batch.update(kept_set_offsets=rollout.kept_set_offsets, kept_set_ids=rollout.kept_set_ids)
         device_batch = {key: value.to(self.layout.device) for key, value in batch.items()}
@@ -202,6 +212,7 @@ class Trainer:
                                  self.task.tokenizer.eos_id,
                                  group=self.layout.dp_group, device=self.layout.device),
             **mean_over_optimizer_steps(result.step_metrics),
+            **result.routing_metrics,
             **(shaping.metrics if shaping is not None else {}),
             **self._pass_metrics(step, result.passes_run),
             **self._kept_set_metrics(rollout),

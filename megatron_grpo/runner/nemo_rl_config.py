@@ -14,7 +14,7 @@ What it reads:
   (`grpo.adv_estimator.name: opd`, teacher - prev), `loss_fn.use_kl_in_reward` (NeMo-RL's Reinforce++, or this
   runner's outcome form with the other estimators);
 - every dropout a NeMo-RL policy applies (`DROPOUT_SOURCES`): any one > 0 makes the plan compute the prev pass;
-- `policy.router_replay.enabled` (MoE routing replay), read but with no say in this plan yet.
+- `policy.router_replay.enabled` (MoE routing replay), as `PlanInputs.router_replay` (and `moe`).
 Keys NeMo-RL does not know at that commit (`nemo_rl_known_keys.txt`, made by `megatron_grpo/runner/nemo_rl_keys.py`) are
 reported apart, each with the nearest known key. Never imports torch.
 """
@@ -82,6 +82,8 @@ NEMO_RL_KEYS = PlanKeys(
     prev_mode="(prev pass: auto)",
     reference_mode="(reference pass: auto)",
     skip_reference="grpo.skip_reference_policy_logprobs_calculation",
+    moe="policy.router_replay.enabled (R3 is for MoE policies)",
+    router_replay="policy.router_replay.enabled",
 )
 OPD_READER = ("grpo.adv_estimator.name = opd: the OPD advantage, teacher_logprobs - prev_logprobs, reads prev before "
               "the loss")
@@ -165,6 +167,8 @@ def nemo_rl_plan_view(path: str | os.PathLike) -> NemoRlPlanView:
         force_on_policy=bool(value("loss_fn.force_on_policy_ratio")),
         importance_sampling=bool(value("loss_fn.use_importance_sampling_correction")),
         skip_reference=bool(value("grpo.skip_reference_policy_logprobs_calculation")),
+        moe=bool(value("policy.router_replay.enabled")),  # the file does not say whether a policy without R3 is MoE
+        router_replay=bool(value("policy.router_replay.enabled")),
         prev_readers=(OPD_READER,) if estimator == "opd" else (),
         keys=keys,
     )
@@ -362,13 +366,9 @@ def _differences(inputs: PlanInputs, facts: _NemoRlFacts) -> list[str]:
 
 
 def _not_yet(value: _Lookup) -> list[str]:
-    """Keys read that have no say in this plan yet, each with why."""
-    if not value("policy.router_replay.enabled"):
-        return []
-    return ["policy.router_replay.enabled = true: NeMo-RL replays the rollout's MoE routes in its prev pass and "
-            "training forward, not in the reference pass. This plan has no routing-replay input yet: it plans as for "
-            "a model without replay, whose own prev pass and training forward route alike, so skipping prev stays "
-            "exact; NeMo-RL's prev differs from ours by the replayed routes."]
+    """Keys read that have no say in this plan yet, each with why: none at present (`policy.router_replay.enabled`
+    is `PlanInputs.router_replay`)."""
+    return []
 
 
 def _ignored(config: Mapping[str, Any], value: _Lookup, loop: NemoRlLoop) -> list[str]:

@@ -22,6 +22,8 @@ RUNNER_KEYS = PlanKeys(
     prev_mode="logprob_passes.prev",
     reference_mode="logprob_passes.reference",
     skip_reference="grpo.skip_reference_policy_logprobs_calculation",
+    moe="policy.model.num_moe_experts",
+    router_replay="policy.router_replay.enabled",
 )
 
 
@@ -38,6 +40,8 @@ def plan_inputs(cfg: Config) -> PlanInputs:
         reference_mode=cfg.logprob_passes.reference,
         prev_mode=cfg.logprob_passes.prev,
         skip_reference=cfg.grpo.skip_reference_policy_logprobs_calculation,
+        moe=model.num_moe_experts is not None,
+        router_replay=cfg.policy.router_replay.enabled,
         keys=RUNNER_KEYS,
     )
 

@@ -13,18 +13,20 @@ from megatron_grpo.runner.config import Config
 
 def parallel_params(cfg: Config) -> ParallelParams:
     """`policy.tensor_model_parallel_size`, `policy.pipeline_model_parallel_size`, `policy.context_parallel_size`,
-    `seed`, `distributed.timeout_seconds`."""
+    `policy.expert_model_parallel_size`, `seed`, `distributed.timeout_seconds`."""
     return ParallelParams(
         tensor_model_parallel_size=cfg.policy.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.policy.pipeline_model_parallel_size,
         context_parallel_size=cfg.policy.context_parallel_size,
+        expert_model_parallel_size=cfg.policy.expert_model_parallel_size,
         seed=cfg.seed,
         timeout_seconds=cfg.distributed.timeout_seconds,
     )
 
 
 def model_params(cfg: Config) -> GPTModelParams:
-    """`policy.model.*` and `policy.precision`."""
+    """`policy.model.*`, `policy.precision`, `policy.sequence_parallel`, and `policy.router_replay.enabled` (the
+    routers of an MoE policy built to record and replay routes)."""
     model = cfg.policy.model
     return GPTModelParams(
         num_layers=model.num_layers,
@@ -38,6 +40,17 @@ def model_params(cfg: Config) -> GPTModelParams:
         attention_dropout=model.attention_dropout,
         make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
         precision=cfg.policy.precision,
+        add_bias_linear=model.add_bias_linear,
+        sequence_parallel=cfg.policy.sequence_parallel,
+        num_moe_experts=model.num_moe_experts,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_router_topk=model.moe_router_topk,
+        moe_router_load_balancing_type=model.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_z_loss_coeff=model.moe_z_loss_coeff,
+        moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+        moe_router_dtype=model.moe_router_dtype,
+        moe_enable_routing_replay=cfg.policy.router_replay.enabled,
     )
 
 
@@ -49,8 +62,8 @@ def adam_params(cfg: Config) -> AdamParams:
 
 
 def step_config(cfg: Config) -> StepConfig:
-    """The train step's settings: `policy.*` batch sizes, fused paths and sequence packing, the clip, and the
-    sampling settings the trained distribution follows (`generation.*`)."""
+    """The train step's settings: `policy.*` batch sizes, fused paths, sequence packing and routing replay, the clip,
+    and the sampling settings the trained distribution follows (`generation.*`)."""
     packing = cfg.policy.sequence_packing
     return StepConfig(
         global_batch_size=cfg.policy.train_global_batch_size,
@@ -62,4 +75,6 @@ def step_config(cfg: Config) -> StepConfig:
         fused_linear_loss=cfg.policy.fused_linear_loss,
         max_tokens_per_microbatch=packing.train_mb_tokens if packing.enabled else None,
         logprob_max_tokens_per_microbatch=packing.logprob_mb_tokens if packing.enabled else None,
+        reference_replays_routes=cfg.policy.router_replay.replay_in_reference,
+        compare_without_replay=cfg.policy.router_replay.compare_without_replay,
     )

@@ -55,6 +55,8 @@ class Rollout:
     generation_logprobs: torch.Tensor  # float32: log p_sampling(token); 0 outside token_mask
     prompt_length: int
     prompt_lengths: Optional[torch.Tensor] = None  # [B] int64: each row's prompt length; None: all prompt_length
+    routed_experts: Optional[torch.Tensor] = None  # [B, S, L, k] int64: an MoE policy's routes of each token, as the
+    #   sampler's forwards chose them (`megatron.routing_replay.RouteRecorder`); None: not recorded
     kept_set_offsets: Optional[torch.Tensor] = None  # the kept sets (`kept_set`), where the distribution is filtered
     kept_set_ids: Optional[torch.Tensor] = None
 

@@ -14,6 +14,8 @@ Groups (`metric_group`; the first rule that matches wins):
   `reward_kl_penalty`;
 - `rollout/`: `reward_*`, `advantages_*`, `response_*`, `rollout_*` (weight version, age), `perfect_fraction`,
   `groups_without_variance`, `num_groups`, `collapsed`;
+- `moe/`: a Mixture-of-Experts policy's auxiliary losses (`load_balancing_loss`, `z_loss`, ... by Megatron's names) and
+  routing replay's metrics (`router_replay_*`);
 - `train/`: everything else: `grad_norm`, `grad_norm_after_clip`, `lr`, and any key no rule above claims.
 
 Not written: `step` (it is TensorBoard's step axis), and values that are not numbers or booleans (`sample`, the
@@ -37,7 +39,7 @@ from megatron_grpo.runner.helptext import DefaultsHelpFormatter
 
 TIMING_SUFFIX = "_time_s"  # as megatron_grpo.runner.reporting.TIMING_SUFFIX
 STEP_KEY = "step"
-GROUPS = ("train", "rollout", "loss", "timing", "passes")
+GROUPS = ("train", "rollout", "loss", "timing", "passes", "moe")
 
 # The errors of prev's approximations that `logprob_passes.prev: compute_and_compare` logs (loss/prev_approximation.py).
 PREV_APPROXIMATION_ERROR_METRICS = frozenset(f"prox_{method}_{kind}" for method in ("generation", "loglinear", "linear")
@@ -64,12 +66,17 @@ LOSS_METRICS = frozenset({
 PASS_METRICS = frozenset({"reference_pass_ran", "prev_pass_ran", "reference_passes_skipped", "prev_passes_skipped"})
 ROLLOUT_PREFIXES = ("reward_", "advantages_", "response_", "rollout_")
 ROLLOUT_METRICS = frozenset({"perfect_fraction", "groups_without_variance", "num_groups", "collapsed"})
+# Megatron-Core's MoE auxiliary losses, by the names of its tracker (megatron_grpo.megatron.moe_losses)
+MOE_METRICS = frozenset({"load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss"})
+ROUTER_REPLAY_PREFIX = "router_replay_"
 
 
 def metric_group(name: str) -> str:
-    """The TensorBoard group (`train`, `rollout`, `loss`, `timing` or `passes`) of a metrics-record key."""
+    """The TensorBoard group (`train`, `rollout`, `loss`, `timing`, `passes` or `moe`) of a metrics-record key."""
     if name.endswith(TIMING_SUFFIX):
         return "timing"
+    if name in MOE_METRICS or name.startswith(ROUTER_REPLAY_PREFIX):
+        return "moe"
     if name in PASS_METRICS or "_pass" in name:
         return "passes"
     if name in LOSS_METRICS:

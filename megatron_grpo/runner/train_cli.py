@@ -231,6 +231,14 @@ def runner_config_problems(cfg: Config, *, world_size: Optional[int], cuda_avail
     elif cfg.grpo.num_prompts_per_step % (world_size // model_parallel):
         problems.append(f"grpo.num_prompts_per_step ({cfg.grpo.num_prompts_per_step}) must be a multiple of the "
                         f"data-parallel size ({world_size // model_parallel}): each DP rank samples whole groups")
+    expert_parallel = cfg.policy.expert_model_parallel_size
+    if world_size is not None and not world_size % model_parallel and (world_size // model_parallel) % expert_parallel:
+        problems.append(f"policy.expert_model_parallel_size: {expert_parallel} must divide the data-parallel size "
+                        f"({world_size // model_parallel} of {world_size} ranks): the experts are split over ranks "
+                        "that hold different data")
+    if cfg.policy.model.moe_token_dispatcher_type == "flex" and not cuda_available:
+        problems.append("policy.model.moe_token_dispatcher_type: flex (DeepEP / HybridEP) needs CUDA, which is not "
+                        "available here; use allgather or alltoall")
     initial = cfg.policy.initial_checkpoint
     if initial is not None and not (Path(initial) / DIST_CHECKPOINT_METADATA).is_file():
         what = "has no metadata.json" if Path(initial).is_dir() else "is not a directory"

@@ -41,6 +41,7 @@ def configs() -> dict[str, tuple[Path | None, dict, int]]:
            if key not in ("grpo.max_num_steps", "checkpoint.every_n_steps")}
     found["staleness-1"] = (None, {**tp1, **STALE}, 1)
     found["two-steps-per-rollout"] = (None, {**tp1, **TWO_STEPS_PER_ROLLOUT}, 1)
+    found["moe-tp2-router-replay"] = (TESTS.parent / "configs" / "grpo_tiny_cpu_moe.yaml", {}, 2)  # no test: docs
     return found
 
 

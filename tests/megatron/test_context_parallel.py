@@ -299,6 +299,8 @@ def _split_checks(rank: int, world_size: int) -> dict:
 
     init_parallel(ParallelParams(context_parallel_size=2))
     full = _global_batch()
+    # an MoE model's routes, [B, S, L, k]: a distinct value at every position, layer and slot
+    full["routed_experts"] = torch.arange(full["input_ids"].numel() * 4).view(*full["input_ids"].shape, 2, 2)
     local = split_for_context_parallel(full)
     packed = pack_rows(full, PACKED_SPLIT_ROWS, PACKED_SPLIT_LENGTHS)
     local_packed = split_for_context_parallel(packed)
@@ -533,6 +535,9 @@ def test_split_takes_each_chunks_last_target_from_the_next_chunk(ranks):
                                         torch.arange(4 * (3 - cp_rank), 4 * (3 - cp_rank) + 4)])
         assert torch.equal(positions[0], expected_positions)
         assert torch.equal(local["input_ids"], full["input_ids"][:, expected_positions])
+        # the routes belong to the input tokens: split with them, unshifted
+        routes = torch.arange(full["input_ids"].numel() * 4).view(*full["input_ids"].shape, 2, 2)
+        assert torch.equal(local["routed_experts"], routes[:, expected_positions])
         has_next = expected_positions < SEQ - 1
         next_positions = (expected_positions + 1).clamp(max=SEQ - 1)
         assert torch.equal(local["labels"][:, has_next], full["input_ids"][:, next_positions[has_next]])
@@ -575,6 +580,7 @@ def test_packed_split_takes_targets_from_the_same_sequence(ranks):
         positions, within, lengths = _packed_split_positions(rank % 2)
         assert torch.equal(local["cu_seqlens"], torch.tensor([0, 4, 10, 18], dtype=torch.int32))
         assert torch.equal(local["input_ids"][0], packed["input_ids"][0, positions])
+        assert torch.equal(local["routed_experts"][0], packed["routed_experts"][0, positions])  # unshifted
         assert torch.equal(local["position_ids"][0], within)
         has_next = within < lengths - 1
         assert torch.equal(local["labels"][0, has_next], packed["input_ids"][0, positions[has_next] + 1])

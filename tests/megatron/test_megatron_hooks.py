@@ -452,8 +452,8 @@ def test_init_parallel_passes_the_timeout_to_torch_and_megatron(monkeypatch):
     assert parallel.init_parallel(parallel_params(cfg)) == "layout"
     assert calls["init"] == {"backend": "gloo", "rank": 3, "world_size": 4, "timeout": timedelta(seconds=45)}
     assert calls["megatron"] == {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
-                                 "context_parallel_size": 1,
-                                 "distributed_timeout_minutes": 0.75}
+                                 "context_parallel_size": 1, "expert_model_parallel_size": 1,
+                                 "expert_tensor_parallel_size": None, "distributed_timeout_minutes": 0.75}
     assert calls["seed"] == (cfg.seed, True)
 
 
@@ -465,6 +465,19 @@ def test_init_parallel_rejects_a_world_that_tp_times_pp_does_not_divide(monkeypa
     monkeypatch.setattr(parallel.dist, "get_world_size", lambda: 3)
     with pytest.raises(ValueError, match=r"world size 3 is not a multiple of tensor_model_parallel_size \(2\)"):
         parallel.init_parallel(parallel.ParallelParams(tensor_model_parallel_size=2))
+
+
+def test_init_parallel_rejects_an_expert_grid_the_world_does_not_hold(monkeypatch):
+    from megatron_grpo.megatron import parallel
+
+    monkeypatch.setattr(parallel, "apply_cpu_support", lambda: True)
+    monkeypatch.setattr(parallel.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(parallel.dist, "get_world_size", lambda: 2)
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size: world size 2 is not a multiple of "
+                                         r"expert_tensor_parallel_size \(2\) × expert_model_parallel_size \(2\)"):
+        parallel.init_parallel(parallel.ParallelParams(tensor_model_parallel_size=2, expert_model_parallel_size=2))
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size: must be an integer >= 1, got 0"):
+        parallel.init_parallel(parallel.ParallelParams(expert_model_parallel_size=0))
 
 
 def test_train_step_without_the_planned_reference_model_names_it():

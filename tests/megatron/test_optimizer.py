@@ -36,6 +36,18 @@ def step_with(optimizer_of, *, dtype: torch.dtype = torch.float32):
     return moved, len(before), left
 
 
+def clip_norms_with_a_shared_weight() -> tuple[float, float]:
+    """clip_grad_norm's norm of two gradients (3 and 4), then with the second weight marked `shared` as Megatron marks
+    a pipeline stage's copy of the tied embedding."""
+    from megatron_grpo.megatron.optimizer import clip_grad_norm
+
+    model = torch.nn.Linear(1, 1)
+    model.weight.grad, model.bias.grad = torch.full((1, 1), 3.0), torch.full((1,), 4.0)
+    whole = clip_grad_norm(model, 0.0)
+    model.bias.shared = True
+    return whole, clip_grad_norm(model, 0.0)
+
+
 def worker(rank: int, world_size: int) -> dict:
     from megatron_grpo.megatron import destroy_parallel, init_parallel
     from megatron_grpo.runner.plugin_params import parallel_params
@@ -47,6 +59,7 @@ def worker(rank: int, world_size: int) -> dict:
             "sgd": step_with(lambda model: torch.optim.SGD(model.parameters(), lr=1e-2)),
             "bf16": step_with(lambda model: torch.optim.Adam(model.parameters(), lr=1e-3), dtype=torch.bfloat16),
             "others": step_with(lambda model: torch.optim.Adam(torch.nn.Linear(2, 2).parameters(), lr=1e-3)),
+            "shared": clip_norms_with_a_shared_weight(),
         }
     finally:
         destroy_parallel()
@@ -72,3 +85,8 @@ def test_bf16_weights_under_a_torch_optimizer_name_megatrons_optimizer(outcomes)
 
 def test_an_optimizer_over_other_parameters_is_an_error(outcomes):
     assert outcomes["others"].startswith("optimizer: none of its parameters has a gradient after the backward")
+
+
+def test_clip_grad_norm_counts_a_shared_weight_once(outcomes):
+    whole, without_shared = outcomes["shared"]
+    assert (whole, without_shared) == (5.0, 3.0)  # exact: small integers in float32

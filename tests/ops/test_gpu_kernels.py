@@ -5,9 +5,11 @@ vocab_parallel_logprobs in test_logprob_op.py (odd shapes, dtypes, padding, igno
 offsets), test_logprob_errors.py, test_logprob_filtered.py (top-k/top-p) and test_logprob_temperature.py
 (logit_scale); vocab_parallel_linear_logprobs in test_linear_logprobs.py and the loss-fused path in
 test_linear_loss.py. This file holds what only the CUDA kernels have: the raw partials, rows split across blocks
-and merged (also with logit_scale), the launch heuristic's boundaries, production shapes, offsets beyond 2^31
-elements, streams, several devices, a random-layout fuzz against the plain-torch reference at sizes where rows
-split, and the exp mode's refusal. The fused linear op's GPU cases are in test_gpu_linear.py.
+and merged (also with logit_scale), the launch rules' boundaries (one warp per row, one block, split blocks: the
+plans themselves come from the extension, `cuda_launch_plan`), production shapes, offsets beyond 2^31 elements,
+streams, several devices, CUDA graph capture, the TP 1 outputs against the partials' combine, the combine kernel,
+top-p's fused search against its plain-torch twin, a random-layout fuzz against the plain-torch reference at sizes
+where rows split, and the exp mode's refusal. The fused linear op's GPU cases are in test_gpu_linear.py.
 
 Every call asks for `implementation="fused"`, which raises instead of falling back. Values are checked against
 the float64 anchor of `logprob_reference` on the CPU, or, in the fuzz, against `implementation="torch"`.
@@ -29,12 +31,11 @@ pytestmark = pytest.mark.gpu  # conftest skips it, with the reason, where there 
 DEVICE = "cuda"  # every case runs here (a module constant, so that the helpers can be checked on the CPU too)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
-# The launch heuristic (plan_launch in csrc/logprob_cuda.cu): rows are split across blocks while there are fewer
-# than BLOCKS_PER_SM_TO_FILL blocks per SM, into shares of at least MIN_SPLIT_COLS columns, at multiples of
-# SPLIT_ALIGN_COLS. On an H200 (132 SMs) the boundary is 1056 rows.
-BLOCKS_PER_SM_TO_FILL = 8
-MIN_SPLIT_COLS = 4096
-SPLIT_ALIGN_COLS = 8
+# The launch rules (csrc/launch_plan.h): rows of up to WARP_ROW_MAX_COLS columns go one warp per row when there are
+# at least as many as the warp kernel keeps resident; other rows one block each, split while rows x splits fits one
+# wave of the block kernel (splits = floor(wave / rows)), into shares of at least 4096 columns.
+WARP_ROW_MAX_COLS = 8192
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def cuda_ops():
@@ -43,24 +44,14 @@ def cuda_ops():
     return torch.ops.megatron_grpo
 
 
-def sm_count(device: int | torch.device = 0) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def split_plan(rows: int, valid_cols: int, sms: int) -> tuple[int, int]:
-    """(splits, split width) as plan_launch computes them, so that tests can aim at its boundaries."""
-    splits = 1
-    fill = sms * BLOCKS_PER_SM_TO_FILL
-    if 0 < rows < fill:
-        splits = min(ceil_div(fill, rows), max(1, ceil_div(valid_cols, MIN_SPLIT_COLS)), 65535)
-    width = ceil_div(ceil_div(valid_cols, splits), SPLIT_ALIGN_COLS) * SPLIT_ALIGN_COLS
-    if width > 0:
-        splits = ceil_div(valid_cols, width)
-    return splits, width
+def launch_plan(rows: int, valid_cols: int, dtype: torch.dtype = torch.bfloat16, *, cols: int | None = None,
+                with_entropy: bool = True, filtered: bool = False, backward: bool = False) -> dict[str, int]:
+    """The extension's own launch plan of a call on this device (`cuda_launch_plan`), so that tests aim at its
+    boundaries: warp_rows (0/1), splits, split_cols, threads, blocks, and the waves (in blocks) of the warp-per-row
+    and of the block-per-row kernel."""
+    values = cuda_ops().cuda_launch_plan(rows, cols if cols is not None else valid_cols, valid_cols,
+                                         DTYPE_NAMES[dtype], with_entropy, filtered, backward)
+    return dict(zip(("warp_rows", "splits", "split_cols", "threads", "blocks", "warp_wave", "block_wave"), values))
 
 
 def gpu_case(rows: int, vocab: int, true_vocab: int, dtype: torch.dtype, seed: int):
@@ -99,7 +90,7 @@ SPLIT_ROW_CASES = [(257, 50257, False), (257, 50257, True), (3, 131072, False), 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rows_split_across_blocks_match_anchor(dtype, rows, vocab, with_entropy):
     """Few rows of many columns: forward splits each row across blocks and merges their partials."""
-    assert split_plan(rows, vocab, sm_count())[0] > 1
+    assert launch_plan(rows, vocab, dtype, with_entropy=with_entropy)["splits"] > 1
     true_vocab = vocab - vocab // 7
     logits, targets = gpu_case(rows, vocab, true_vocab, dtype, seed=rows * 1000 + vocab)
     g_lp, g_h = upstream_grads(rows, seed=rows)
@@ -224,22 +215,29 @@ def test_66000_contiguous_rows_of_32768_bf16():
     assert_matches_anchor(logits_checked, cpu["targets"], cols, cpu["g_lp"], cpu["g_h"], *results)
 
 
-def boundary_cases(sms: int) -> list[tuple[int, int, int]]:
-    """(rows, cols, valid_cols): rows at the split boundary (SMs x 8 -1, +0, +1: 1055, 1056, 1057 on an H200),
-    4097 and 8200 columns, and valid_cols at the split width (of the whole row) -1, +0, +1, and 0."""
-    fill = sms * BLOCKS_PER_SM_TO_FILL
+def boundary_cases() -> list[tuple[int, int, int]]:
+    """(rows, cols, valid_cols), bf16 with entropy: rows at the split boundary (half a wave of the block kernel -1, +0,
+    +1: two splits at most half a wave), at the warp-per-row boundary (its resident warps -1, +0, +1, for 4097 and
+    8192 columns), 8200 columns (never warp rows), and valid_cols at the split width (of the whole row) -1, +0, +1,
+    and 0."""
     cases = []
-    for rows in (fill - 1, fill, fill + 1):
-        for cols in (4097, 8200):
-            width = split_plan(fill - 1, cols, sms)[1]
+    for cols in (4097, 8192, 8200):
+        plan = launch_plan(1, cols)
+        half_wave = plan["block_wave"] // 2
+        resident_warps = plan["warp_wave"] * 8
+        for rows in (half_wave - 1, half_wave, half_wave + 1, resident_warps - 1, resident_warps, resident_warps + 1):
+            width = launch_plan(half_wave, cols)["split_cols"] or cols
             for valid in sorted({0, width - 1, width, width + 1}):
-                cases.append((rows, cols, valid))
+                if valid <= cols:
+                    cases.append((rows, cols, valid))
     return cases
 
 
-@pytest.mark.parametrize("rows,cols,valid", boundary_cases(sm_count()) if torch.cuda.is_available() else [])
-def test_split_heuristic_boundary(rows, cols, valid):
-    """Values on both sides of the launch heuristic's boundaries, bf16 (16 bytes = one split alignment)."""
+@pytest.mark.parametrize("rows,cols,valid", boundary_cases() if torch.cuda.is_available() else [pytest.param(
+    0, 0, 0, marks=pytest.mark.skip(reason="needs a CUDA device: the cases come from its launch plan"))])
+def test_launch_rule_boundaries(rows, cols, valid):
+    """Values on both sides of the launch rules' boundaries (warp rows, block rows, split block rows), bf16 (16 bytes
+    = one split alignment)."""
     dtype = torch.bfloat16
     logits, targets = gpu_case(rows, cols, max(valid, 1), dtype, seed=rows + cols + valid)
     g_lp, g_h = upstream_grads(rows, seed=valid)
@@ -378,6 +376,80 @@ def test_logit_scale_in_rows_split_across_blocks(dtype, top_k, top_p):
     ((torch.where(finite, logprob, 0.0) * g_lp.to(DEVICE)).sum() + (entropy * g_h.to(DEVICE)).sum()).backward()
     expected = anchor(logits, targets, true_vocab, scale, top_k, top_p, g_lp, g_h)
     check(logprob.detach().cpu(), entropy.detach().cpu(), leaf.grad.cpu(), expected, targets, true_vocab, dtype)
+
+
+def test_the_plans_cover_the_three_kernel_shapes():
+    assert launch_plan(32768, 4096)["warp_rows"] == 1  # many short rows: one warp each, one wave of blocks
+    assert launch_plan(32768, 4096)["blocks"] <= launch_plan(32768, 4096)["warp_wave"]
+    assert launch_plan(8192, 32768)["splits"] == 1 and launch_plan(8192, 32768)["warp_rows"] == 0
+    short_wide = launch_plan(256, 131072)
+    assert short_wide["splits"] > 1 and short_wide["blocks"] <= short_wide["block_wave"]  # no second wave
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("rows,cols", [(2048, 4099), (3, 131072), (8192, 1000)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tp1_outputs_are_the_combine_of_the_partials(dtype, rows, cols, with_entropy):
+    """The forward kernel's own outputs (TP 1) against the combine kernel on its partials: the same maths in another
+    kernel (fma contraction may differ: a few fp32 ulps)."""
+    ops = cuda_ops()
+    logits, targets = gpu_case(rows, cols, cols - 3, dtype, seed=rows)
+    x, t = logits.to(DEVICE), targets.to(DEVICE)
+    direct = ops.logprob_forward(x, t, 0, cols - 3, with_entropy, None, 1.25)
+    partials = ops.logprob_partials(x, t, 0, cols - 3, with_entropy, None, 1.25)
+    combined = ops.logprob_combine(partials.unsqueeze(0).contiguous(), t, with_entropy)
+    for got, want in zip(direct, combined):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_the_combine_kernel_is_the_torch_combine(with_entropy):
+    from test_op_registration import edge_partials
+
+    from megatron_grpo.ops.core.partials import combine_partials
+
+    gathered, targets = edge_partials(4, 5000, with_entropy, seed=4)
+    fused = cuda_ops().logprob_combine(gathered.to(DEVICE), targets.to(DEVICE), with_entropy)
+    for got, want in zip(fused, combine_partials(gathered, targets, with_entropy)):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("capacity", [None, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_top_p_fused_search_is_its_twin_on_cuda(dtype, capacity, monkeypatch):
+    """The CUDA kernels (float64 atomics: another summation order) find the twin's threshold on random logits, also
+    with rows whose candidates overflow the compact buffer."""
+    from megatron_grpo.ops.core import filtering
+    from megatron_grpo.ops.core.backends import FusedKernels, TorchKernels
+
+    if capacity is not None:
+        monkeypatch.setattr(filtering, "CANDIDATE_CAPACITY", capacity)
+    gen = torch.Generator().manual_seed(21)
+    logits = (torch.randn(300, 50257, generator=gen) * 3).to(dtype).to(DEVICE)
+    distribution = SamplingDistribution.of_sampling(0.8, top_k=200, top_p=0.9)
+    twin, fused = (filtering.kept_threshold(logits, distribution, true_vocab_size=50257, kernels=kernels)
+                   for kernels in (TorchKernels(), FusedKernels()))
+    assert torch.equal(twin, fused)
+
+
+def test_the_op_captured_in_a_cuda_graph_replays_as_eager():
+    """A split-row call (it needs the forward's workspace) captured into a CUDA graph: the capture takes a workspace
+    of its own, and replays give the eager values."""
+    rows, cols = 3, 131072
+    logits, targets = gpu_case(rows, cols, cols, torch.bfloat16, seed=71)
+    x, t = logits.to(DEVICE), targets.to(DEVICE)
+    eager = vocab_parallel_logprobs(x, t, with_entropy=True, check_inputs=False, implementation="fused")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up on the capture stream, as torch.cuda.graph's documentation asks
+        vocab_parallel_logprobs(x, t, with_entropy=True, check_inputs=False, implementation="fused")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = vocab_parallel_logprobs(x, t, with_entropy=True, check_inputs=False, implementation="fused")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
 
 
 def test_exp_mode_is_refused_by_name_on_cuda():

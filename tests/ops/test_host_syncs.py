@@ -19,11 +19,22 @@ from torch._library.custom_ops import OPDEFS
 from torch.overrides import TorchFunctionMode
 
 from megatron_grpo.loss import ClippedPGLoss, check_batch_values, count_valid
-from megatron_grpo.ops import VocabShard, vocab_parallel_linear_logprobs
+from megatron_grpo.ops import VocabShard, vocab_parallel_linear_logprobs, vocab_parallel_logprobs
+from megatron_grpo.ops.core.custom_op import IMPLEMENTATIONS
 
 SYNCS = {torch.Tensor.nonzero: "nonzero", torch.nonzero: "nonzero", torch.Tensor.tolist: "tolist",
          torch.Tensor.item: "item", torch.Tensor.__bool__: "bool", torch.Tensor.__int__: "int",
          torch.Tensor.__float__: "float"}
+
+
+def _implementation(func):
+    """The Python body of one of the project's `torch.library` ops (`custom_op`'s or `define_op`'s), else None."""
+    name = getattr(func, "_qualified_op_name", None) or getattr(getattr(func, "_schema", None), "name", "")
+    if not name.startswith("megatron_grpo::"):
+        return None
+    if name in OPDEFS:
+        return OPDEFS[name]._init_fn
+    return IMPLEMENTATIONS.get(name)
 
 
 class CountSyncs(TorchFunctionMode):
@@ -37,10 +48,10 @@ class CountSyncs(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in SYNCS:
             self.counts[SYNCS[func]] += 1
-        name = getattr(func, "_qualified_op_name", "")
-        if name.startswith("megatron_grpo::") and name in OPDEFS:
+        implementation = _implementation(func)
+        if implementation is not None:
             with self:
-                return OPDEFS[name]._init_fn(*args, **(kwargs or {}))
+                return implementation(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 
@@ -95,6 +106,22 @@ def test_the_loss_without_value_checks_reads_nothing_back():
         ClippedPGLoss(loss_config())(logits, batch, global_valid_tokens=tokens, global_valid_seqs=seqs,
                                      check_inputs=False)
     assert unchecked.counts == Counter()
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_the_logprob_op_without_checks_reads_nothing_back(filtered):
+    """The op's own body runs under the mode (its implementation, not just its dispatch): without the target check,
+    neither the kernels nor top-k / top-p's fused search read a value back."""
+    from megatron_grpo.ops import SamplingDistribution
+
+    logits, targets = torch.randn(5, 40), torch.tensor([1, 39, -1, 7, 0])
+    distribution = SamplingDistribution(top_k=9, top_p=0.8) if filtered else None
+    with CountSyncs() as unchecked:
+        vocab_parallel_logprobs(logits, targets, distribution=distribution, check_inputs=False, with_entropy=True)
+    with CountSyncs() as checked:
+        vocab_parallel_logprobs(logits, targets, distribution=distribution, with_entropy=True)
+    assert unchecked.counts == Counter()
+    assert checked.counts == Counter(tolist=1)  # the target ids' range: one read of min and max
 
 
 def test_check_batch_values_names_the_bad_key():

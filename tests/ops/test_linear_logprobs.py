@@ -197,6 +197,9 @@ class CountingKernels:
         assert bool((targets >= 0).all()), "an ignored row reached the backward kernel"
         return self.inner.logprob_backward(logits, targets, *args)
 
+    def combine(self, gathered, targets, with_entropy):
+        return self.inner.combine(gathered, targets, with_entropy)
+
 
 @pytest.fixture
 def counting(monkeypatch):

@@ -1,6 +1,7 @@
 """Top-p's selection works on pieces of rows (`chunking.PIECE_LOGITS` logits per rank, rows per piece the same on
 every rank): cutting a call into many pieces changes nothing, bit for bit, on one rank and over TP = 2 with a last
-shard narrower than the first; the kept sets match the sorting reference of tests/logprob_reference.py."""
+shard narrower than the first, where the fused search and its plain-torch twin agree too; the kept sets match the
+sorting reference of tests/logprob_reference.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from _dist import counted_collectives, run_on_ranks
 from logprob_reference import filtered_keep_mask
 
 from megatron_grpo.ops.core import chunking
+from megatron_grpo.ops.core.backends import TorchKernels
 from megatron_grpo.ops.core.filtering import kept_threshold
 from megatron_grpo.ops.distribution import SamplingDistribution
 
@@ -37,7 +39,7 @@ def test_pieces_change_nothing_on_one_rank(monkeypatch, top_k, top_p):
     assert torch.equal(logits >= pieces[:, None], filtered_keep_mask(logits, top_k, top_p))
 
 
-def sharded_worker(rank: int, world: int, top_p: float) -> tuple[torch.Tensor, int]:
+def sharded_worker(rank: int, world: int, top_p: float) -> tuple[torch.Tensor, int, torch.Tensor]:
     chunking.PIECE_LOGITS = 4 * V_LOCAL  # this process only: pieces of 4 rows on both ranks
     logits = logits_with_ties(seed=2)
     padded = torch.cat([logits, torch.full((ROWS, 2 * V_LOCAL - TRUE_VOCAB), 1e4)], dim=1)
@@ -46,15 +48,18 @@ def sharded_worker(rank: int, world: int, top_p: float) -> tuple[torch.Tensor, i
     with counted_collectives() as calls:
         threshold = kept_threshold(local[:, :valid], SamplingDistribution(top_p=top_p), true_vocab_size=TRUE_VOCAB,
                                    group=dist.group.WORLD)
-    return threshold, calls["n"]
+    twin = kept_threshold(local[:, :valid], SamplingDistribution(top_p=top_p), true_vocab_size=TRUE_VOCAB,
+                          group=dist.group.WORLD, kernels=TorchKernels())
+    return threshold, calls["n"], twin
 
 
 def test_pieces_agree_over_tensor_parallel_ranks():
+    """Also the fused search (where the extension is built) against its plain-torch twin, on each rank."""
     top_p = 0.8
     per_rank = run_on_ranks(2, sharded_worker, top_p)
     pieces = -(-ROWS // 4)
-    for threshold, collectives in per_rank:
-        assert torch.equal(threshold, per_rank[0][0])
+    for threshold, collectives, twin in per_rank:
+        assert torch.equal(threshold, per_rank[0][0]) and torch.equal(twin, threshold)
         assert collectives == 1 + pieces * (1 + 4)  # the row max; per piece the value bins and 4 radix passes
     logits = logits_with_ties(seed=2)
     assert torch.equal(logits >= per_rank[0][0][:, None], filtered_keep_mask(logits, None, top_p))

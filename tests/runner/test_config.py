@@ -10,7 +10,7 @@ import typing
 
 import pytest
 import yaml
-from _configs import CONFIGS, TINY, drop_key, set_key, tiny
+from _configs import CONFIGS, TINY, config_with, drop_key, set_key, tiny
 
 from megatron_grpo.loss.config import ClippedPGLossConfig
 from megatron_grpo.runner.config import (
@@ -329,6 +329,49 @@ def test_range_conflict_and_type_problems_of_different_sections_come_in_one_erro
     problems = problems_of(data)
     assert [p.split(":")[0] for p in problems] == [
         "policy.model.hidden_dropout", "task.name", "generation.temperature", "loss_fn.ratio_clip_c"], problems
+
+
+MOE = {"policy.model.num_moe_experts": 4, "policy.model.add_bias_linear": False, "policy.sequence_parallel": True}
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ({"policy.router_replay.enabled": True},
+     ["policy.router_replay.enabled: needs an MoE model (policy.model.num_moe_experts), got a dense one"]),
+    ({"policy.expert_model_parallel_size": 2},
+     ["policy.expert_model_parallel_size: needs an MoE model (policy.model.num_moe_experts), got a dense one"]),
+    ({**MOE, "policy.sequence_parallel": False},
+     ["policy.sequence_parallel: an MoE model at policy.tensor_model_parallel_size 2 needs true"]),
+    ({**MOE, "policy.model.add_bias_linear": True},
+     ["policy.model.add_bias_linear: true with policy.model.num_moe_experts: an MoE model's experts take no bias"]),
+    ({**MOE, "policy.model.moe_router_topk": 5},
+     ["policy.model.moe_router_topk (5) must be at most policy.model.num_moe_experts (4)"]),
+    ({**MOE, "policy.expert_model_parallel_size": 3},
+     ["policy.expert_model_parallel_size (3) must divide policy.model.num_moe_experts (4)"]),
+    ({**MOE, "policy.router_replay.compare_without_replay": True, "policy.router_replay.replay_in_reference": True},
+     ["policy.router_replay.replay_in_reference: true needs policy.router_replay.enabled: true",
+      "policy.router_replay.compare_without_replay: true needs policy.router_replay.enabled: true"]),
+    ({**MOE, "policy.model.moe_z_loss_coeff": 0.001, "grpo.seq_logprob_error_threshold": 2.0},
+     ["grpo.seq_logprob_error_threshold with policy.model.moe_aux_loss_coeff / moe_z_loss_coeff: the mask defers"]),
+    ({**MOE, "policy.model.num_moe_experts": 0, "policy.model.moe_z_loss_coeff": -1.0},
+     ["policy.model.num_moe_experts: must be null or > 0, got 0",
+      "policy.model.moe_z_loss_coeff: must be null or >= 0, got -1.0"]),
+])
+def test_moe_settings_the_runner_cannot_build_are_named(overrides, expected):
+    problems = problems_of(_with(overrides))
+    for fragment in expected:
+        assert any(fragment in problem for problem in problems), (fragment, problems)
+
+
+def test_an_moe_policy_with_routing_replay_loads():
+    cfg = config_with({**MOE, "policy.router_replay.enabled": True, "policy.expert_model_parallel_size": 2})
+    assert cfg.policy.model.num_moe_experts == 4 and cfg.policy.router_replay.enabled
+
+
+def _with(overrides: dict) -> dict:
+    data = tiny()
+    for key, value in overrides.items():
+        data = set_key(data, key, value)
+    return data
 
 
 def test_keyword_construction_of_a_section_runs_the_yaml_checks():

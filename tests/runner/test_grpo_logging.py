@@ -54,6 +54,8 @@ def test_metric_groups() -> None:
                  "token_mult_prob_error", "gen_kl_error", "kl_penalty", "is_oob_ratio", "reward_kl_penalty"],
         "timing": ["step_time_s", "rollout_time_s", "reference_pass_time_s", "forward_backward_time_s"],
         "passes": ["reference_pass_ran", "prev_pass_ran", "reference_passes_skipped", "prev_passes_skipped"],
+        "moe": ["load_balancing_loss", "z_loss", "router_replay_changed_fraction",
+                "router_replay_token_mult_prob_error", "router_replay_off_token_mult_prob_error"],
     }
     assert set(expected) == set(GROUPS)
     for group, names in expected.items():

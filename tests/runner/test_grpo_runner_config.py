@@ -57,6 +57,12 @@ def test_a_bad_config_is_a_config_error_naming_the_key(tmp_path, capsys, torchru
         ("4", {"grpo.num_prompts_per_step": 15, "policy.train_global_batch_size": 120,
                "policy.train_micro_batch_size": 60}, "grpo.num_prompts_per_step (15) must be a multiple of the "
                                                      "data-parallel size (2)"),
+        ("2", {"policy.model.num_moe_experts": 4, "policy.model.add_bias_linear": False,
+               "policy.sequence_parallel": True, "policy.expert_model_parallel_size": 2},
+         "policy.expert_model_parallel_size: 2 must divide the data-parallel size (1 of 2 ranks)"),
+        ("2", {"policy.model.num_moe_experts": 4, "policy.model.add_bias_linear": False,
+               "policy.sequence_parallel": True, "policy.model.moe_token_dispatcher_type": "flex"},
+         "policy.model.moe_token_dispatcher_type: flex (DeepEP / HybridEP) needs CUDA"),
     ],
 )
 def test_a_config_that_does_not_fit_the_world_size_is_named(tmp_path, capsys, torchrun_env, monkeypatch,
@@ -127,7 +133,8 @@ def test_running_outside_torchrun_says_how_to_launch(tmp_path, capsys, monkeypat
     assert code == train_cli.EXIT_BAD_INPUT and "RANK" in err and "torchrun" in err
 
 
-@pytest.mark.parametrize("name", ["grpo_tiny_cpu.yaml", "grpo_tiny_cpu_ragged.yaml", "grpo_gpt_gpu.yaml"])
+@pytest.mark.parametrize("name", ["grpo_tiny_cpu.yaml", "grpo_tiny_cpu_ragged.yaml", "grpo_gpt_gpu.yaml",
+                                  "grpo_tiny_cpu_moe.yaml", "grpo_tiny_cpu_moe_ep2.yaml"])
 def test_the_shipped_configs_load_plan_and_pass_the_runner_checks(name):
     cfg = load_config(REPO / "configs" / name)
     plan = plan_for(cfg)

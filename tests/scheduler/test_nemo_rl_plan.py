@@ -340,16 +340,17 @@ def test_the_known_keys_list_names_its_nemo_rl_commit():
     assert NEMO_RL_COMMIT == "7ea279abfbeb698b092856d0dab61e7cf39bc909"  # megatron_grpo/runner/nemo_rl_keys.py's header
 
 
-def test_router_replay_is_read_with_no_say_in_the_plan_yet(capsys):
+def test_router_replay_is_read_into_the_plan_and_named_in_the_prev_decision(capsys):
     view, plan = plan_and_view("router_replay.yaml")
-    base = plan_logprob_passes(nemo_rl_plan_view(NEMO / "grpo_base.yaml").inputs)
+    base_view, base = plan_and_view("grpo_base.yaml")
     assert (plan.compute_reference_logprobs, plan.compute_prev_logprobs) == (base.compute_reference_logprobs,
                                                                              base.compute_prev_logprobs)
-    (note,) = view.not_yet
-    assert note.startswith("policy.router_replay.enabled = true: NeMo-RL replays the rollout's MoE routes in its "
-                           "prev pass and training forward, not in the reference pass")
+    assert (view.inputs.moe, view.inputs.router_replay) == (True, True)
+    assert (base_view.inputs.moe, base_view.inputs.router_replay) == (False, False)  # NeMo-RL's default
+    assert view.not_yet == ()
     code, out, _ = run_plan("router_replay.yaml", capsys)
-    assert "read, no say in the plan yet:\n  - policy.router_replay.enabled = true" in out
+    assert "would replay the rollout's routes, as the training forward does (policy.router_replay.enabled)" in out
+    assert "read, no say in the plan yet:\n  - none" in out
 
 
 def test_nemo_rls_resolvers_are_evaluated_on_numbers():

@@ -27,6 +27,8 @@ DROPOUT = {"policy.model.hidden_dropout": 0.1}
 FORCE = {"loss_fn.force_on_policy_ratio": True}
 SKIP_REFERENCE = {"grpo.skip_reference_policy_logprobs_calculation": True}
 IS_CORRECTION = {"loss_fn.use_importance_sampling_correction": True}
+MOE = {"policy.model.num_moe_experts": 4, "policy.model.add_bias_linear": False, "policy.sequence_parallel": True}
+R3 = {**MOE, "policy.router_replay.enabled": True}
 
 
 def prev(mode: str) -> dict:
@@ -72,6 +74,18 @@ PLANS = [
     ("nemo-rl-skip-reference-switch", SKIP_REFERENCE, False, False, ["on-policy"]),
     ("nemo-rl-switch-agrees-with-skip", {**SKIP_REFERENCE, "logprob_passes.reference": "skip"}, False, False,
      ["on-policy"]),
+    ("moe-replayed-routes", R3, False, False,
+     ["on-policy", "The prev pass would replay the rollout's routes, as the training forward does "
+                   "(policy.router_replay.enabled): curr.detach() is what it computes"]),
+    ("moe-stale-replayed-routes", {**R3, **STALE}, False, False,
+     ["stale rollouts", "would replay the rollout's routes"]),
+    ("moe-replayed-routes-two-steps", {**R3, **ROLLOUT_X2}, False, True,
+     ["policy.train_global_batch_size", "The prev pass replays the rollout's routes"]),
+    ("moe-own-routes", MOE, False, False,
+     ["on-policy", "MoE model without replayed routes (policy.model.num_moe_experts, policy.router_replay.enabled "
+                   "off): the skip assumes the prev pass would route every token as the training forward does"]),
+    ("moe-own-routes-skip-override", {**MOE, "logprob_passes.prev": "skip"}, False, False,
+     ["logprob_passes.prev = skip", "the skip assumes the prev pass would route every token"]),
 ]
 
 
@@ -405,6 +419,8 @@ RUNNER_KEY = re.compile(r"\b(grpo|policy|logprob_passes)\.[a-z_]")  # a key of t
 
 @pytest.mark.parametrize("settings", [
     dict(rollout_batch=8, global_batch=8, dropout=False),
+    dict(rollout_batch=8, global_batch=8, dropout=False, moe=True, router_replay=True),
+    dict(rollout_batch=8, global_batch=8, dropout=False, moe=True),
     dict(rollout_batch=8, global_batch=8, dropout=False, staleness=2),
     dict(rollout_batch=16, global_batch=8, dropout=False),
     dict(rollout_batch=8, global_batch=8, dropout=True, error_threshold=1.5),
@@ -425,6 +441,21 @@ def test_a_plan_for_a_loss_explains_itself_in_the_callers_names(settings):
                                                 dropout=False, prev_mode="skip"))
     assert "rollout_batch (12) must be a multiple of global_batch (8)" in str(err.value)
     assert RUNNER_KEY.search(str(err.value)) is None, str(err.value)
+
+
+def test_routes_replayed_for_a_dense_policy_are_a_conflict_in_the_callers_names():
+    from megatron_grpo.loss import ClippedPGLossConfig
+    from megatron_grpo.scheduler import PlanInputs, plan_logprob_passes
+
+    with pytest.raises(ConfigError, match=r"router_replay replays the routes of a Mixture-of-Experts policy, "
+                                          r"but moe is false"):
+        plan_logprob_passes(PlanInputs.for_loss(ClippedPGLossConfig(), rollout_batch=8, global_batch=8,
+                                                dropout=False, router_replay=True))
+
+
+def test_a_dense_plan_says_nothing_of_routes():
+    words = " ".join(plan_for(config_with({})).reasons)
+    assert "route" not in words and "MoE" not in words
 
 
 def test_the_runner_config_is_adapted_outside_the_scheduler():

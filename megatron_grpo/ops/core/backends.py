@@ -20,11 +20,21 @@ IMPLEMENTATIONS = ("auto", "fused", "torch")
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+RowOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 class Kernels(Protocol):
     """`threshold` (float32 `[rows]`, or None) keeps only the logits `>=` it: the top-k/top-p filter.
 
     `logit_scale` (> 0, e.g. 1 / temperature): the kernels see `z = logit_scale * logits`; partials, threshold,
     lse and mean_x are in units of z, and the gradient written is d/d(logits) = logit_scale * d/dz.
+
+    The op's per-row outputs come from the kernels: `logprob_stats` (one rank: the forward kernel ends each row with
+    the combine) and `combine` (after the all-gather) return `(logprob, entropy, lse, mean_x)`, entropy and E[x]
+    `[0]` without entropy. `logprob_gradient` is the out-of-place backward: a new gradient buffer with the logits'
+    row alignment, from the upstream gradients as autograd hands them (None, any layout); `mean_x` is given with an
+    entropy, `logprob` with the threshold (a filtered target passes no gradient). `logprob_backward` writes into a
+    given buffer, which may be the logits.
 
     The in-place exp mode: `logprob_partials_writing_exps` also overwrites each valid column of each non-ignored
     row with `exp(z - m)` (m = the row's local max, the partials' MAX column; filtered logits get 0), and
@@ -36,6 +46,19 @@ class Kernels(Protocol):
     def logprob_partials(
         self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, with_entropy: bool,
         threshold: torch.Tensor | None, logit_scale: float = 1.0,
+    ) -> torch.Tensor: ...
+
+    def logprob_stats(
+        self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, with_entropy: bool,
+        threshold: torch.Tensor | None, logit_scale: float = 1.0,
+    ) -> RowOutputs: ...
+
+    def combine(self, gathered: torch.Tensor, targets: torch.Tensor, with_entropy: bool) -> RowOutputs: ...
+
+    def logprob_gradient(
+        self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, lse: torch.Tensor,
+        mean_x: torch.Tensor | None, logprob: torch.Tensor | None, grad_logprob: torch.Tensor | None,
+        grad_entropy: torch.Tensor | None, threshold: torch.Tensor | None, logit_scale: float = 1.0,
     ) -> torch.Tensor: ...
 
     def logprob_backward(
@@ -58,9 +81,27 @@ class Kernels(Protocol):
 class FusedKernels:
     """The C++/CUDA kernels, through `torch.ops.megatron_grpo` (the in-place exp mode is CPU-only)."""
 
+    def __init__(self) -> None:
+        extension_status()  # loads megatron_grpo._C, which registers the ops
+        ops = torch.ops.megatron_grpo
+        # The overloads themselves: a call skips the overload packet's resolution.
+        self._forward, self._combine, self._gradient = (ops.logprob_forward.default, ops.logprob_combine.default,
+                                                        ops.logprob_gradient.default)
+
     def logprob_partials(self, logits, targets, vocab_start, valid_cols, with_entropy, threshold, logit_scale=1.0):
         return torch.ops.megatron_grpo.logprob_partials(logits, targets, vocab_start, valid_cols, with_entropy,
                                                         threshold, float(logit_scale))
+
+    def logprob_stats(self, logits, targets, vocab_start, valid_cols, with_entropy, threshold, logit_scale=1.0):
+        return self._forward(logits, targets, vocab_start, valid_cols, with_entropy, threshold, float(logit_scale))
+
+    def combine(self, gathered, targets, with_entropy):
+        return self._combine(gathered, targets, with_entropy)
+
+    def logprob_gradient(self, logits, targets, vocab_start, valid_cols, lse, mean_x, logprob, grad_logprob,
+                         grad_entropy, threshold, logit_scale=1.0):
+        return self._gradient(logits, targets, vocab_start, valid_cols, lse, mean_x, logprob, grad_logprob,
+                              grad_entropy, threshold, float(logit_scale))
 
     def logprob_backward(self, logits, targets, vocab_start, valid_cols, lse, mean_x, grad_logprob, grad_entropy,
                          grad_logits, threshold, logit_scale=1.0):
@@ -94,6 +135,9 @@ class TorchKernels:
     """The plain-torch kernels of `megatron_grpo.ops.core.torch_kernels`."""
 
     logprob_partials = staticmethod(torch_kernels.logprob_partials)
+    logprob_stats = staticmethod(torch_kernels.logprob_stats)
+    combine = staticmethod(torch_kernels.combine)
+    logprob_gradient = staticmethod(torch_kernels.logprob_gradient)
     logprob_backward = staticmethod(torch_kernels.logprob_backward)
     logprob_partials_writing_exps = staticmethod(torch_kernels.logprob_partials_writing_exps)
     logprob_backward_from_exps = staticmethod(torch_kernels.logprob_backward_from_exps)
@@ -160,22 +204,27 @@ def _warn_fallback(reason: str) -> None:
 
 def select_kernels(logits: torch.Tensor, implementation: Implementation) -> Kernels:
     """The kernels for these logits; `auto` prefers fused and falls back to the torch kernels with a warning."""
+    return select_kernels_for(logits.device, logits.dtype, implementation)
+
+
+def select_kernels_for(device: torch.device, dtype: torch.dtype, implementation: Implementation) -> Kernels:
+    """`select_kernels` for logits of this device and dtype."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {', '.join(map(repr, IMPLEMENTATIONS))}, "
                          f"got {implementation!r}")
     if implementation == "torch":
         return TorchKernels()
-    if logits.dtype not in FUSED_DTYPES:
+    if dtype not in FUSED_DTYPES:
         if implementation == "fused":
-            raise ValueError(f"the fused kernels support float32, bfloat16 and float16 logits, got {logits.dtype}")
+            raise ValueError(f"the fused kernels support float32, bfloat16 and float16 logits, got {dtype}")
         return TorchKernels()
-    if fused_supports(logits.device):
+    if fused_supports(device):
         return FusedKernels()
     loaded, reason = extension_status()
-    if loaded and logits.device.type == "cpu":
+    if loaded and device.type == "cpu":
         reason = cpu_kernel_status()[1]
     elif loaded:
-        reason = f"megatron_grpo._C was built without kernels for {logits.device.type} devices"
+        reason = f"megatron_grpo._C was built without kernels for {device.type} devices"
     if implementation == "fused":
         raise RuntimeError(f"fused logprob kernels unavailable: {reason}")
     _warn_fallback(reason)

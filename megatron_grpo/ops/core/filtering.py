@@ -17,7 +17,12 @@ logits at or above it. Collectives, on a TP group of more than one rank:
 - top-p: one all-reduce (max) of `[rows]`, then per piece of rows (some 2^23 logits per rank) one all-reduce of
   `[rows, 256]` float64 masses by distance below the row max, which leaves few candidates, and an exact radix
   select over the candidates' ordered bit patterns, 8 bits per pass, each pass one all-reduce of `[rows, 257]`
-  float64 masses (4 passes for fp32 logits, 8 for float64). Gathering the candidates is a host sync per piece.
+  float64 masses (4 passes for fp32 logits, 8 for float64).
+
+Top-p runs as three fused kernels where the fused kernels serve the logits (fp32, bf16, fp16; csrc/top_p.h): the
+value histogram (one pass over the logits), the boundary bin's candidates into a compact buffer (a second pass) and
+the radix passes over that buffer; no host synchronisation. Elsewhere (float64 logits, the plain-torch kernels) the
+same algorithm runs in plain torch, which gathers the candidates with one host sync per piece.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.ops.core.backends import FUSED_DTYPES, FusedKernels, Kernels, fused_supports
 from megatron_grpo.ops.core.chunking import piece_rows, pieces
 from megatron_grpo.ops.core.dtypes import compute_dtype
 from megatron_grpo.ops.distribution import SamplingDistribution
@@ -37,6 +43,7 @@ def kept_threshold(
     true_vocab_size: int,
     group: dist.ProcessGroup | None = None,
     scaled: bool = False,
+    kernels: Kernels | None = None,
 ) -> torch.Tensor | None:
     """Per-row threshold `[rows]` such that the kept tokens are exactly `z >= threshold`; None = keep all.
 
@@ -45,6 +52,8 @@ def kept_threshold(
     dtype as the kernels round it; `scaled=True` says the logits are z already (the fused linear path forms them
     scaled). Every rank of `group` must call this with the same rows and distribution. The threshold has the
     logits' compute dtype (float64 for float64 logits, else float32); comparing it with z in that dtype is exact.
+    `kernels` are the op's (top-p runs fused with `FusedKernels`, in plain torch with the torch kernels); None: fused
+    wherever the fused kernels serve these logits.
     """
     if not distribution.active(true_vocab_size):
         return None
@@ -53,7 +62,11 @@ def kept_threshold(
     floor = (_top_k_threshold(x, distribution.top_k, group, logit_scale)
              if distribution.uses_top_k(true_vocab_size) else None)
     if distribution.uses_top_p():
-        return _top_p_threshold(x, distribution.top_p, floor, group, logit_scale, true_vocab_size).contiguous()
+        fused = (isinstance(kernels, FusedKernels) if kernels is not None
+                 else fused_supports(x.device))
+        fused = fused and x.dtype in FUSED_DTYPES and x.shape[1] > 0 and x.stride(-1) == 1
+        return _top_p_threshold(x, distribution.top_p, floor, group, logit_scale, true_vocab_size,
+                                fused).contiguous()
     return floor.contiguous()
 
 
@@ -122,6 +135,11 @@ def _value_of_unsigned_key(keys: torch.Tensor, width: int) -> torch.Tensor:
     return torch.where(signed < 0, signed ^ info.max, signed).view(float_dtype)
 
 
+# Top-p's fused path keeps up to this many candidates per row in its compact buffer (12 bytes each); a row whose
+# boundary bin holds more is read again from the logits at each radix pass.
+CANDIDATE_CAPACITY = 1024
+
+
 def _histogram(index: torch.Tensor, mass: torch.Tensor, rows: int, bins: int,
                group: dist.ProcessGroup | None) -> torch.Tensor:
     """float64 `[rows, bins]`, summed over the ranks of `group`: the `mass` of each element added at its flat
@@ -132,7 +150,7 @@ def _histogram(index: torch.Tensor, mass: torch.Tensor, rows: int, bins: int,
 
 
 def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None, group: dist.ProcessGroup | None,
-                     logit_scale: float, true_vocab_size: int) -> torch.Tensor:
+                     logit_scale: float, true_vocab_size: int, fused: bool) -> torch.Tensor:
     """The smallest logit v of each row whose strictly larger kept logits hold a mass `< p` of the kept mass.
 
     mass(v) = the kept mass of the logits `> v` is non-increasing in v. After one all-reduce of the row max, each
@@ -141,13 +159,14 @@ def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None, grou
     1. the logits are binned by their distance below the row max (`VALUE_BINS`, in the order of the logits; ties
        share a bin) and the bins' masses all-reduced: the boundary is in the last non-empty bin whose higher bins
        hold less than p of the row's kept mass. Every logit above that bin is kept, every logit below it is not.
-    2. only that bin's logits (gathered out: a host sync) go through an exact radix select over their ordered bit
-       patterns, 8 bits per pass (4 passes for float32, 8 for float64), each pass one all-reduce of `[rows, 256]`
-       masses: the highest bucket whose mass, with the buckets above it, reaches what is left of p is kept, until
-       the last bucket is one bit pattern: a logit of the row.
+    2. only that bin's logits go through an exact radix select over their ordered bit patterns, 8 bits per pass (4
+       passes for float32, 8 for float64), each pass one all-reduce of `[rows, 257]` masses: the highest bucket
+       whose mass, with the buckets above it, reaches what is left of p is kept, until the last bucket is one bit
+       pattern: a logit of the row.
 
-    Masses are `exp(z - row max)` in the compute dtype, summed in float64. A row with a NaN or infinite max keeps
-    everything (the kernels then make it NaN).
+    Masses are `exp(z - row max)`, z in the compute dtype, the exponential and the sums in float64. A row with a NaN
+    or infinite max keeps everything (the kernels then make it NaN). `fused`: the stages run as the fused kernels
+    (`_select_top_p_fused`), else in plain torch (`_select_top_p`).
     """
     rows, dtype = x.shape[0], compute_dtype(x.dtype)
     local_max = (_scaled(x.amax(dim=-1), logit_scale) if x.shape[1]
@@ -155,21 +174,35 @@ def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None, grou
     row_max = _all_reduce(local_max, dist.ReduceOp.MAX, group)
     shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     threshold = torch.empty(rows, dtype=dtype, device=x.device)
+    select = _select_top_p_fused if fused else _select_top_p
     # every rank cuts the same pieces: by its share of the true vocab, never its own (padded) width
     for sl in pieces(rows, piece_rows(-(-true_vocab_size // _world(group)))):
-        threshold[sl] = _select_top_p(x[sl], p, shift[sl], None if floor is None else floor[sl], group, logit_scale)
+        threshold[sl] = select(x[sl], p, shift[sl], None if floor is None else floor[sl], group, logit_scale)
     threshold = torch.where(torch.isfinite(row_max), threshold, torch.full_like(threshold, float("-inf")))
     return threshold if floor is None else torch.maximum(threshold, floor)
 
 
+def _boundary_bin(value_masses: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1's choice from the rows' all-reduced value histograms `[rows, 256]`: the boundary bin (int64 `[rows]`)
+    and the mass that the boundary bin's kept logits must still reach (p of the row's kept mass, less the bins
+    above it)."""
+    target = p * value_masses.sum(dim=-1)  # p of the whole kept mass
+    higher = value_masses.cumsum(dim=-1) - value_masses  # the mass of the bins above each bin
+    open_bins = (higher < target[:, None]) & (value_masses > 0)
+    bin_index = torch.arange(VALUE_BINS, device=value_masses.device)
+    boundary = torch.where(open_bins, bin_index, -1).amax(dim=-1).clamp(min=0)
+    return boundary, target - higher.gather(1, boundary[:, None]).squeeze(1)
+
+
 def _select_top_p(x: torch.Tensor, p: float, shift: torch.Tensor, floor: torch.Tensor | None,
                   group: dist.ProcessGroup | None, logit_scale: float) -> torch.Tensor:
-    """`_top_p_threshold` of one piece of rows (the two stages of its docstring)."""
+    """`_top_p_threshold` of one piece of rows in plain torch (the fused kernels' twin; gathering the boundary bin's
+    logits is a host sync)."""
     rows = x.shape[0]
     z = _scaled(x, logit_scale)
     width = 64 if z.dtype == torch.float64 else 32
     centered = z - shift[:, None].to(z.dtype)
-    mass = torch.exp(centered, out=torch.empty(z.shape, dtype=torch.float64, device=z.device))
+    mass = torch.empty(z.shape, dtype=torch.float64, device=z.device).copy_(centered).exp_()
     below = None
     if floor is not None:  # the top-k floor: never kept, no mass
         below = z < floor[:, None].to(z.dtype)
@@ -180,13 +213,7 @@ def _select_top_p(x: torch.Tensor, p: float, shift: torch.Tensor, floor: torch.T
     del centered
     row_offsets = torch.arange(rows, dtype=torch.int32, device=z.device)[:, None] * VALUE_BINS
     flat_bins = bins.add_(row_offsets)  # in place: each row's bins after the rows above
-    value_masses = _histogram(flat_bins, mass, rows, VALUE_BINS, group)
-    target = p * value_masses.sum(dim=-1)  # p of the whole kept mass
-    higher = value_masses.cumsum(dim=-1) - value_masses  # the mass of the bins above each bin
-    open_bins = (higher < target[:, None]) & (value_masses > 0)
-    bin_index = torch.arange(VALUE_BINS, device=z.device)
-    boundary = torch.where(open_bins, bin_index, -1).amax(dim=-1).clamp(min=0)
-    target = target - higher.gather(1, boundary[:, None]).squeeze(1)
+    boundary, target = _boundary_bin(_histogram(flat_bins, mass, rows, VALUE_BINS, group), p)
     # Stage 2, over the boundary bin's logits only.
     candidates = flat_bins == (boundary.to(torch.int32)[:, None] + row_offsets)
     if below is not None:
@@ -197,24 +224,49 @@ def _select_top_p(x: torch.Tensor, p: float, shift: torch.Tensor, floor: torch.T
     keys = _unsigned_keys(z[candidate_rows, candidate_cols])  # (z may be a strided view: no copy of it)
     candidate_mass = mass.view(-1).index_select(0, flat)
     del mass, candidates
-    return _radix_select(keys, candidate_rows, candidate_mass, target, rows, width, group)
+    flat_rows = candidate_rows * (BUCKETS + 1)  # one more bucket per row takes the candidates off the prefix
 
-
-def _radix_select(keys: torch.Tensor, rows_of: torch.Tensor, mass: torch.Tensor, target: torch.Tensor, rows: int,
-                  width: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Each row's threshold among its candidates (`keys`, flat, with their row in `rows_of` and their `mass`): the
-    smallest whose strictly larger candidates hold less than the row's `target` mass (see `_top_p_threshold`)."""
-    device = keys.device
-    prefix = torch.zeros(rows, dtype=torch.int64, device=device)
-    bucket_index = torch.arange(BUCKETS, device=device)
-    flat_rows = rows_of * (BUCKETS + 1)  # one more bucket per row takes the candidates off the prefix
-    for low_bit in range(width - BUCKET_BITS, -1, -BUCKET_BITS):
+    def bucket_masses(low_bit: int, prefix: torch.Tensor) -> torch.Tensor:
         prefix_bit = low_bit + BUCKET_BITS
         bucket = (keys >> low_bit) & (BUCKETS - 1)
         if prefix_bit < width:  # (the mask drops the sign extension of the arithmetic shift)
-            on_prefix = ((keys >> prefix_bit) & ((1 << (width - prefix_bit)) - 1)) == prefix[rows_of].to(keys.dtype)
+            on_prefix = ((keys >> prefix_bit) & ((1 << (width - prefix_bit)) - 1)) == prefix[candidate_rows].to(
+                keys.dtype)
             bucket = torch.where(on_prefix, bucket, BUCKETS)
-        masses = _histogram(flat_rows + bucket, mass, rows, BUCKETS + 1, group)[:, :BUCKETS]
+        return _histogram(flat_rows + bucket, candidate_mass, rows, BUCKETS + 1, group)
+
+    return _radix_select(bucket_masses, target, rows, width, z.device)
+
+
+def _select_top_p_fused(x: torch.Tensor, p: float, shift: torch.Tensor, floor: torch.Tensor | None,
+                        group: dist.ProcessGroup | None, logit_scale: float) -> torch.Tensor:
+    """`_top_p_threshold` of one piece of rows with the fused kernels (csrc/top_p.h): the value histogram, the
+    boundary bin's candidates (at most `CANDIDATE_CAPACITY` per row in a compact buffer), then the radix passes over
+    them. No host sync."""
+    ops = torch.ops.megatron_grpo
+    shift = shift.to(torch.float32).contiguous()
+    floor = None if floor is None else floor.to(torch.float32).contiguous()
+    scale = float(logit_scale)
+    boundary, target = _boundary_bin(
+        _all_reduce(ops.top_p_value_histogram(x, shift, floor, scale), dist.ReduceOp.SUM, group), p)
+    keys, masses, counts = ops.top_p_candidates(x, shift, floor, boundary, min(x.shape[1], CANDIDATE_CAPACITY), scale)
+
+    def bucket_masses(low_bit: int, prefix: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(ops.top_p_bucket_masses(x, shift, floor, boundary, keys, masses, counts, prefix, low_bit,
+                                                   scale), dist.ReduceOp.SUM, group)
+
+    return _radix_select(bucket_masses, target, x.shape[0], 32, x.device)
+
+
+def _radix_select(bucket_masses, target: torch.Tensor, rows: int, width: int, device: torch.device) -> torch.Tensor:
+    """Each row's threshold among its candidates: the smallest whose strictly larger candidates hold less than the
+    row's `target` mass (see `_top_p_threshold`). `bucket_masses(low_bit, prefix)` is the all-reduced `[rows, 257]`
+    float64 mass of the candidates by their bits `[low_bit, low_bit + 8)`, slot 256 for those off `prefix` (the bits
+    chosen so far)."""
+    prefix = torch.zeros(rows, dtype=torch.int64, device=device)
+    bucket_index = torch.arange(BUCKETS, device=device)
+    for low_bit in range(width - BUCKET_BITS, -1, -BUCKET_BITS):
+        masses = bucket_masses(low_bit, prefix)[:, :BUCKETS]
         at_or_above = masses.flip(-1).cumsum(-1).flip(-1)  # mass of the buckets >= b
         reaching = (at_or_above >= target[:, None]).sum(dim=-1) - 1  # the highest bucket that reaches it
         lowest_filled = torch.where(masses > 0, bucket_index, BUCKETS).amin(dim=-1)

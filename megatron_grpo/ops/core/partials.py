@@ -8,6 +8,10 @@ gives every rank the full picture, and the combine turns it into log-sum-exp, lo
 The entropy moment is kept relative to the max, s_r = sum exp(x - m_r) (x - m_r), which moves to M as
 S = sum_r exp(m_r - M) (s_r + (m_r - M) d_r). Then E[x] = M + S / D and entropy = log D - S / D: no
 cancellation between two large numbers, unlike lse - E[x] with absolute moments.
+
+The fused kernels run the combine as one kernel after the all-gather (`combine_partials` in
+csrc/logprob_common.h), and with one rank at the end of the forward kernel itself; `combine_partials` here is its
+plain-torch twin, operation for operation.
 """
 
 from __future__ import annotations
@@ -40,6 +44,14 @@ class RowStats:
     entropy: torch.Tensor | None
     mean_x: torch.Tensor | None
 
+    @classmethod
+    def of(cls, outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+           with_entropy: bool) -> RowStats:
+        """From the kernels' `(logprob, entropy, lse, mean_x)`, whose entropy and E[x] are `[0]` without entropy."""
+        logprob, entropy, lse, mean_x = outputs
+        return cls(logprob=logprob, lse=lse, entropy=entropy if with_entropy else None,
+                   mean_x=mean_x if with_entropy else None)
+
 
 def gather_partials(partials: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """All ranks' partials as [world, rows, k]: the op's single collective."""
@@ -55,8 +67,10 @@ def gather_partials(partials: torch.Tensor, group: dist.ProcessGroup | None) -> 
     return gathered.view(world, *partials.shape)
 
 
-def combine_partials(gathered: torch.Tensor, targets: torch.Tensor, with_entropy: bool) -> RowStats:
-    """Turns all ranks' partials into per-row statistics; ignored rows (target < 0) come out as exactly 0."""
+def combine_partials(gathered: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All ranks' partials `[world, rows, k]` as the kernels' per-row `(logprob, entropy, lse, mean_x)` (entropy and
+    E[x] `[0]` without entropy); ignored rows (target < 0) get a logprob and an entropy of exactly 0."""
     m = gathered[..., Partials.MAX]
     global_max = m.amax(dim=0)
     shift = torch.where(global_max == float("-inf"), torch.zeros_like(global_max), global_max)
@@ -66,11 +80,11 @@ def combine_partials(gathered: torch.Tensor, targets: torch.Tensor, with_entropy
     ignored = targets < 0
     zero = torch.zeros_like(lse)
     logprob = torch.where(ignored, zero, gathered[..., Partials.TARGET].amax(dim=0) - lse)
-    entropy = mean_x = None
-    if with_entropy:
-        d = gathered[..., Partials.SUM_EXP]
-        moved = torch.where(d == 0, torch.zeros_like(d), (m - shift) * d)
-        relative_mean = ((gathered[..., Partials.SUM_EXP_X] + moved) * scale).sum(dim=0) / sum_exp
-        mean_x = shift + relative_mean
-        entropy = torch.where(ignored, zero, torch.log(sum_exp) - relative_mean)
-    return RowStats(logprob=logprob, lse=lse, entropy=entropy, mean_x=mean_x)
+    if not with_entropy:
+        return logprob, lse.new_empty(0), lse, lse.new_empty(0)
+    d = gathered[..., Partials.SUM_EXP]
+    moved = torch.where(d == 0, torch.zeros_like(d), (m - shift) * d)
+    relative_mean = ((gathered[..., Partials.SUM_EXP_X] + moved) * scale).sum(dim=0) / sum_exp
+    mean_x = shift + relative_mean
+    entropy = torch.where(ignored, zero, torch.log(sum_exp) - relative_mean)
+    return logprob, entropy, lse, mean_x

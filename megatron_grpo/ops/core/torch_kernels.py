@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from megatron_grpo.ops.core.alignment import empty_with_alignment_of
 from megatron_grpo.ops.core.chunking import piece_rows, pieces
 from megatron_grpo.ops.core.dtypes import compute_dtype
-from megatron_grpo.ops.core.partials import Partials
+from megatron_grpo.ops.core.partials import Partials, combine_partials
+from megatron_grpo.ops.core.rows import upstream_gradients
 
 
 def _local_target_column(targets: torch.Tensor, vocab_start: int, valid_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +85,35 @@ def _chunk_partials(
     if with_entropy:
         out[ignored, Partials.SUM_EXP_X] = 0.0
     return out
+
+
+def logprob_stats(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, with_entropy: bool,
+    threshold: torch.Tensor | None = None, logit_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One rank's `(logprob, entropy, lse, mean_x)` (TP 1): the combine of its own partials."""
+    partials = logprob_partials(logits, targets, vocab_start, valid_cols, with_entropy, threshold, logit_scale)
+    return combine(partials.unsqueeze(0), targets, with_entropy)
+
+
+def combine(gathered: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(logprob, entropy, lse, mean_x)` from the all-gathered partials `[world, rows, k]`."""
+    return combine_partials(gathered, targets, with_entropy)
+
+
+def logprob_gradient(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid_cols: int, lse: torch.Tensor,
+    mean_x: torch.Tensor | None, logprob: torch.Tensor | None, grad_logprob: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None, threshold: torch.Tensor | None = None, logit_scale: float = 1.0,
+) -> torch.Tensor:
+    """The out-of-place backward: `logprob_backward` into a new buffer with the logits' row alignment, from the
+    upstream gradients as autograd hands them (`upstream_gradients`); `logprob` is given with the threshold."""
+    grad_logprob, mean_x, grad_entropy = upstream_gradients(grad_logprob, grad_entropy, lse, mean_x, logprob)
+    grad_logits = empty_with_alignment_of(logits)
+    logprob_backward(logits, targets, vocab_start, valid_cols, lse, mean_x, grad_logprob, grad_entropy, grad_logits,
+                     threshold, logit_scale)
+    return grad_logits
 
 
 def logprob_backward(

@@ -1,0 +1,73 @@
+// The per-element maths of the top-p threshold search (megatron_grpo/ops/core/filtering.py has the algorithm and its
+// plain-torch twin), shared by the CPU kernels (top_p_cpu.cpp) and the CUDA kernels (top_p_cuda.cu).
+//
+// A row's threshold is found in two stages, with no host synchronisation:
+//   1. a histogram of the kept masses exp(z - M) (M the row max over every rank; float64 sums) by value bin: the
+//      distance below M in bins of 1/8 nat, 256 bins (the last one takes every lower logit). Summed over the ranks,
+//      it fixes the bin that holds the boundary;
+//   2. the boundary bin's logits ("candidates", at most `capacity` per row kept in a compact buffer) go through an
+//      exact radix select over the ordered bit patterns of their fp32 z, 8 bits per pass, 4 passes, each a
+//      [rows, 257] histogram of masses by the next 8 bits (bucket 256: off the prefix chosen so far). A row with more
+//      candidates than the buffer holds is read again from the logits at each pass instead.
+// Logits below the top-k floor are neither kept nor counted. Bins, keys and masses are computed as the torch twin
+// computes them (the masses in float64); only the order of the float64 sums differs.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "logprob_common.h"
+
+namespace megatron_grpo {
+namespace top_p {
+
+constexpr int kValueBins = 256;
+constexpr float kValueBinsPerNat = 8.0f;
+constexpr int kBucketBits = 8;
+constexpr int kBuckets = 1 << kBucketBits;
+constexpr int kBucketSlots = kBuckets + 1;  // the last: candidates off the prefix
+constexpr int kKeyBits = 32;
+
+// The value bin of a logit `centered = z - shift` (<= 0 below the row max): floor(-8 * centered), in [0, 255]; a NaN
+// goes to the last bin, as torch's nan_to_num(nan=255).clamp(0, 255).
+MGRPO_HD int value_bin(float centered) {
+  const float position = centered * -kValueBinsPerNat;
+  if (position != position) return kValueBins - 1;
+  if (!(position > 0.0f)) return 0;
+  return position >= static_cast<float>(kValueBins - 1) ? kValueBins - 1 : static_cast<int>(position);
+}
+
+// The bits of an fp32 in the order of its value, read as unsigned (NaN aside): the bits with every bit of a
+// negative flipped, and the sign bit of a non-negative one.
+MGRPO_HD uint32_t ordered_key(float value) {
+  uint32_t bits;
+  memcpy(&bits, &value, sizeof(bits));
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// What a logit contributes: its z and value bin, and whether the top-k floor keeps it.
+struct Element {
+  float z;
+  float centered;
+  bool kept;
+};
+
+MGRPO_HD Element element_of(float x, float scale, float shift, float floor) {
+  const float z = x * scale;
+  return {z, z - shift, !(z < floor)};  // floor = -inf without top-k
+}
+
+// The mass of a kept logit, exp(z - shift) in float64 (the twin's torch.exp of the fp32 difference into float64).
+MGRPO_HD double mass_of(const Element& e) { return exp(static_cast<double>(e.centered)); }
+
+// The slot of a candidate's key in a radix pass over bits [low_bit, low_bit + 8): its next 8 bits when its higher
+// bits are the prefix chosen so far (`prefix`, the bits above low_bit + 8), else the slot of the candidates off it.
+MGRPO_HD int bucket_slot(uint32_t key, int low_bit, int64_t prefix) {
+  const int prefix_bit = low_bit + kBucketBits;
+  if (prefix_bit < kKeyBits && static_cast<int64_t>(key >> prefix_bit) != prefix) return kBuckets;
+  return static_cast<int>((key >> low_bit) & (kBuckets - 1));
+}
+
+}  // namespace top_p
+}  // namespace megatron_grpo

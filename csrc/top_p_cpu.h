@@ -1,0 +1,34 @@
+// CPU kernels of the top-p threshold search (top_p.h has the maths, megatron_grpo/ops/core/filtering.py the
+// algorithm), on raw pointers. Each reads `rows` rows of `cols` logits (row i at logits + i * row_stride, the
+// shard's valid columns only) as z = logit_scale * x; `shift` (fp32 [rows]) is the row max over every rank, finite
+// or 0; `floor` (fp32 [rows], or null) the top-k threshold below which nothing is kept.
+#pragma once
+
+#include <cstdint>
+
+#include "logprob_common.h"
+
+namespace megatron_grpo {
+namespace top_p {
+namespace cpu {
+
+// hist (float64 [rows, kValueBins], overwritten): each kept logit's mass in its value bin.
+void value_histogram(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                     float scale, const float* shift, const float* floor, double* hist);
+
+// The kept logits of each row's `boundary` bin: their count (int64 [rows]) and the first `capacity` of them, their
+// ordered keys (int32 [rows, capacity], the uint32 bits) and masses (float64 [rows, capacity]).
+void candidates(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride, float scale,
+                const float* shift, const float* floor, const int64_t* boundary, int64_t capacity, int32_t* keys,
+                double* masses, int64_t* counts);
+
+// One radix pass: out (float64 [rows, kBucketSlots], overwritten) the candidates' masses by bucket_slot(key,
+// low_bit, prefix[row]). A row with more candidates than `capacity` reads them again from the logits.
+void bucket_masses(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                   float scale, const float* shift, const float* floor, const int64_t* boundary, int64_t capacity,
+                   const int32_t* keys, const double* masses, const int64_t* counts, const int64_t* prefix,
+                   int low_bit, double* out);
+
+}  // namespace cpu
+}  // namespace top_p
+}  // namespace megatron_grpo

@@ -1,0 +1,74 @@
+"""Top-p's fused kernels (csrc/top_p.h: the value histogram, the boundary bin's candidates, the radix passes) against
+their plain-torch twin (`filtering._select_top_p`): the same threshold, bit for bit, on one rank (over TP 2: in
+test_top_p_pieces.py), for
+fp32, bf16 and fp16 logits, with a temperature, a top-k floor, exact ties, a flat row and a NaN row; also when a
+row's candidates overflow the compact buffer and are read again from the logits. The fused path reads nothing back
+to the host. (Both sum their float64 masses in another order; on these inputs no cumulative mass lies within an ulp
+of its target, so the thresholds agree exactly.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from logprob_reference import filtered_keep_mask
+from test_host_syncs import CountSyncs
+
+from megatron_grpo.ops.core import filtering
+from megatron_grpo.ops.core.backends import FusedKernels, TorchKernels, extension_status
+from megatron_grpo.ops.distribution import SamplingDistribution
+
+pytestmark = pytest.mark.skipif(not extension_status()[0], reason=extension_status()[1])
+
+ROWS, VOCAB = 11, 333
+
+
+def logits_case(dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(ROWS, VOCAB, generator=gen) * 3
+    logits[:, ::5] = (logits[:, ::5] * 2).round() / 2  # exact ties, some at the boundary
+    logits[4] = 0.25  # a flat row: every logit is a candidate of the boundary bin
+    logits[7, 100:200] = -float("inf")  # masked logits
+    logits[9, 17] = float("nan")  # a poisoned row keeps everything (threshold NaN on both paths)
+    return logits.to(dtype)
+
+
+def thresholds(logits, distribution):
+    return [filtering.kept_threshold(logits, distribution, true_vocab_size=VOCAB, kernels=kernels)
+            for kernels in (TorchKernels(), FusedKernels())]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, 0.9), (0.7, None, 0.3), (1.3, 40, 0.8),
+                                                     (1.0, None, 0.999)])
+def test_the_fused_threshold_is_the_twins(dtype, temperature, top_k, top_p):
+    logits = logits_case(dtype, seed=int(100 * top_p))
+    distribution = SamplingDistribution.of_sampling(temperature, top_k=top_k, top_p=top_p)
+    twin, fused = thresholds(logits, distribution)
+    assert torch.equal(twin.isnan(), fused.isnan())
+    assert torch.equal(twin.nan_to_num(), fused.nan_to_num())
+    if dtype == torch.float32 and temperature == 1.0:  # the sorting reference of NeMo-RL's rule
+        clean = torch.arange(ROWS) != 9
+        expected = filtered_keep_mask(logits[clean], top_k, top_p)
+        assert torch.equal(logits[clean] >= fused[clean, None], expected)
+
+
+def test_rows_beyond_the_compact_buffer_are_read_again_from_the_logits(monkeypatch):
+    logits = logits_case(torch.float32, seed=5)
+    distribution = SamplingDistribution(top_p=0.6)
+    whole_buffer = thresholds(logits, distribution)[1]
+    monkeypatch.setattr(filtering, "CANDIDATE_CAPACITY", 2)  # the flat row and the ties overflow it
+    twin, fused = thresholds(logits, distribution)
+    assert torch.equal(fused.nan_to_num(), whole_buffer.nan_to_num())
+    assert torch.equal(fused.nan_to_num(), twin.nan_to_num())
+
+
+def test_the_fused_search_reads_nothing_back():
+    logits = logits_case(torch.bfloat16, seed=6)
+    with CountSyncs() as syncs:
+        filtering.kept_threshold(logits, SamplingDistribution(top_k=50, top_p=0.9), true_vocab_size=VOCAB,
+                                 kernels=FusedKernels())
+    assert syncs.counts.total() == 0, syncs.counts
+    with CountSyncs() as twin_syncs:
+        filtering.kept_threshold(logits, SamplingDistribution(top_p=0.9), true_vocab_size=VOCAB,
+                                 kernels=TorchKernels())
+    assert twin_syncs.counts["nonzero"] == 1  # the twin gathers the candidates: one sync per piece
