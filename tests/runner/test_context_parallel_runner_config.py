@@ -46,3 +46,13 @@ def test_world_size_must_split_into_tensor_pipeline_context_groups():
     cfg = config_with({"policy.context_parallel_size": 2})  # TP 2 × CP 2 = 4
     problems = runner_config_problems(cfg, world_size=6, cuda_available=False)
     assert any("tensor × pipeline × context parallel size 4" in problem for problem in problems)
+
+
+def test_router_replay_under_context_parallelism_is_a_config_error_naming_both_keys():
+    """The sampler records an MoE model's routes on whole sequences; under CP each rank's forward sees its share."""
+    moe = {"policy.tensor_model_parallel_size": 1, "policy.model.num_moe_experts": 4,
+           "policy.model.moe_ffn_hidden_size": 64, "policy.model.add_bias_linear": False,
+           "policy.router_replay.enabled": True}
+    assert config_with(moe).policy.router_replay.enabled
+    with pytest.raises(ConfigError, match=r"policy\.router_replay\.enabled: true with policy\.context_parallel_size 2"):
+        config_with({**moe, "policy.context_parallel_size": 2})
