@@ -30,7 +30,12 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megatron_grpo.loss.kept_set_batch import as_positions, with_kept_set
 from megatron_grpo.loss.packing import CU_SEQLENS, POSITION_IDS, SequenceLayout
-from megatron_grpo.megatron.routing_replay import INPUT_ALIGNED_KEYS
+from megatron_grpo.megatron.routing_replay import (
+    INPUT_ALIGNED_KEYS,
+    MOE_PADDING_MASK,
+    ROUTED_EXPERTS,
+    placeholder_routes,
+)
 from megatron_grpo.megatron.transformer_engine import transformer_engine_usable
 from megatron_grpo.ops.context_shard import ContextShard
 
@@ -103,7 +108,8 @@ def padded_for_context_parallel(batch: Batch) -> Batch:
     """A padded `[B, S]` batch with every per-token tensor (shaped like `input_ids`) extended with zeros to the next
     multiple of 2·CP, the length the zigzag split needs: untrained positions after every row's end, which causal
     attention never lets a real token see (`train_step` and `compute_logprobs` cut the results back to `S`); kept
-    sets follow their tokens, and the added positions hold none. A packed batch (its sequences padded when packed)
+    sets follow their tokens, and the added positions hold none; an MoE model's routes there are placeholders and its
+    padding mask marks them padding. A packed batch (its sequences padded when packed)
     or CP 1: `batch` itself."""
     multiple = 2 * context_parallel_size()
     input_ids = batch["input_ids"]
@@ -111,9 +117,20 @@ def padded_for_context_parallel(batch: Batch) -> Batch:
     if multiple == 2 or CU_SEQLENS in batch or not missing:
         return batch
     batch, kept = as_positions(batch)  # the kept sets follow their tokens; the added positions hold none
-    return with_kept_set({key: torch.cat([value, value.new_zeros((value.shape[0], missing, *value.shape[2:]))], dim=1)
+    return with_kept_set({key: torch.cat([value, _filler(key, value, missing)], dim=1)
                           if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == input_ids.shape
                           else value for key, value in batch.items()}, kept)
+
+
+def _filler(key: str, value: torch.Tensor, missing: int) -> torch.Tensor:
+    """The `missing` positions added after every row of `value`: zeros, except an MoE model's routes (`0 .. k-1`,
+    k distinct experts, as for positions never routed) and its padding mask (True: padding)."""
+    shape = (value.shape[0], missing, *value.shape[2:])
+    if key == ROUTED_EXPERTS:
+        return placeholder_routes(shape[:-1], shape[-1], value.device).to(value.dtype)
+    if key == MOE_PADDING_MASK:
+        return value.new_ones(shape)
+    return value.new_zeros(shape)
 
 
 def _split_packed(batch: Batch) -> dict[str, torch.Tensor]:

@@ -486,7 +486,8 @@ def test_packed_sequences_not_a_multiple_of_2cp_are_value_errors_naming_cu_seqle
 
 def test_rows_padded_for_context_parallel_carry_their_kept_sets(monkeypatch):
     """At CP 2 a padded batch of width 6 is extended to 8 (a multiple of 2·CP) with zeros after every row's end; the
-    kept sets stay with their tokens and the added positions hold none."""
+    kept sets stay with their tokens and the added positions hold none; an MoE model's routes there are `0 .. k-1`
+    and its padding mask marks them."""
     from megatron_grpo.loss.kept_set_batch import KEPT_SET_IDS, KEPT_SET_OFFSETS, kept_set_of
     from megatron_grpo.megatron import context_parallel
     from megatron_grpo.ops.kept_set import KeptSet
@@ -496,10 +497,16 @@ def test_rows_padded_for_context_parallel_carry_their_kept_sets(monkeypatch):
     sets = [[] if t % 6 == 0 else [t % 5, 7 + t % 3] for t in range(12)]
     kept = KeptSet.from_lists(sets)
     batch = {"input_ids": input_ids, "token_mask": torch.ones(2, 6), "advantages": torch.ones(2),
-             KEPT_SET_OFFSETS: kept.offsets, KEPT_SET_IDS: kept.ids}
+             KEPT_SET_OFFSETS: kept.offsets, KEPT_SET_IDS: kept.ids,
+             "routed_experts": torch.full((2, 6, 3, 2), 5, dtype=torch.int32),
+             "moe_padding_mask": torch.zeros(2, 6, dtype=torch.bool)}
     padded = context_parallel.padded_for_context_parallel(batch)
     assert padded["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 0, 0], [7, 8, 9, 10, 11, 12, 0, 0]]
     assert padded["token_mask"][:, 6:].eq(0).all() and padded["advantages"] is batch["advantages"]
+    routes = padded["routed_experts"]
+    assert routes.dtype == torch.int32 and routes[:, :6].eq(5).all()
+    assert routes[:, 6:].tolist() == [[[[0, 1]] * 3] * 2] * 2
+    assert padded["moe_padding_mask"].tolist() == [[False] * 6 + [True] * 2] * 2
     got = kept_set_of(padded)
     expected = [sorted(s) for s in sets[:6]] + [[], []] + [sorted(s) for s in sets[6:]] + [[], []]
     assert [got.ids[a:b].tolist() for a, b in zip(got.offsets[:-1], got.offsets[1:])] == expected
