@@ -9,6 +9,9 @@ PIP_INSTALL := $(BIN)/pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 STAMP := $(VENV)/.installed
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu) $(CONSTRAINTS)
 NVCC ?= nvcc
+# Where nvcc exists, the SASS check (tests/ops/test_cuda_static.py) disassembles the kernels with these two tools,
+# which not every CUDA toolkit install ships: their PyPI wheels are small and run without a GPU.
+CUDA_TOOLS := nvidia-cuda-cuobjdump==13.5.37 nvidia-cuda-nvdisasm==13.5.37
 
 # megatron-core 0.17+ declares Python >= 3.12 and imports triton undeclared; its code runs on 3.11, so the tests of
 # the code that imports megatron.core run against it too, from a private target directory (the .venv keeps 0.16.x).
@@ -30,6 +33,7 @@ $(STAMP): $(SOURCES)
 	$(PIP_INSTALL) --upgrade pip setuptools wheel ninja
 	$(PIP_INSTALL) torch
 	$(PIP_INSTALL) --no-build-isolation -e '.[test,bench]'
+	if command -v $(NVCC) >/dev/null 2>&1; then $(PIP_INSTALL) $(CUDA_TOOLS); fi
 	touch $@
 
 install: $(STAMP)

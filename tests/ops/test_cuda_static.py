@@ -5,7 +5,8 @@
 - The streaming kernels read the logits in 16-byte vectors: each has at least kUnroll + 1 128-bit global loads in its
   PTX (the unrolled loop and its remainder), and the kernels that never alias their gradient read them through the
   non-coherent path (`ld.global.nc.v4`, what `__restrict__` allows).
-- In the SASS (where cuobjdump is found), the innermost loop of each streaming kernel loads 128 bits at a time, and
+- In the SASS (where cuobjdump and nvdisasm are found: on PATH, next to nvcc, or the PyPI wheels `make install`
+  adds where nvcc exists), the innermost loop of each streaming kernel loads 128 bits at a time, and
   in the out-of-place backward all four of its loads issue before its first store.
 
 The compiled artifacts come from `make cuda-check` (build/cuda-check, as CI runs it before the tests) when they are
@@ -18,6 +19,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,7 +119,14 @@ def test_the_streaming_kernels_load_16_bytes_at_a_time(compiled):
             assert all(nc for nc in vector_loads), f"{_short(name)}: a 128-bit load outside the non-coherent path"
 
 
-CUOBJDUMP = shutil.which("cuobjdump") or (str(Path(NVCC).parent / "cuobjdump") if NVCC else None)
+def _cuda_tool(name: str) -> str | None:
+    """A CUDA binary tool: on PATH, next to nvcc, or from NVIDIA's PyPI wheel in this environment (nvidia/cu*/bin)."""
+    wheels = sorted(Path(sys.prefix).glob(f"lib/python*/site-packages/nvidia/cu*/bin/{name}"))
+    candidates = [shutil.which(name), str(Path(NVCC).parent / name) if NVCC else None, *map(str, wheels)]
+    return next((path for path in candidates if path and Path(path).exists()), None)
+
+
+CUOBJDUMP, NVDISASM = _cuda_tool("cuobjdump"), _cuda_tool("nvdisasm")
 
 
 def _innermost_loops(sass: list[str]) -> list[list[str]]:
@@ -133,11 +142,12 @@ def _innermost_loops(sass: list[str]) -> list[list[str]]:
     return [sass[s:e + 1] for s, e in inner]
 
 
-@pytest.mark.skipif(CUOBJDUMP is None or not Path(CUOBJDUMP).exists(),
-                    reason="cuobjdump not found (on PATH or next to nvcc): the SASS check needs it")
+@pytest.mark.skipif(CUOBJDUMP is None or NVDISASM is None,
+                    reason="cuobjdump or nvdisasm not found (on PATH, next to nvcc, or as NVIDIA's PyPI wheels, which "
+                           "`make install` adds where nvcc exists): the SASS check needs both")
 def test_the_hot_loops_issue_128_bit_loads_before_their_stores(compiled):
     sass = subprocess.run([CUOBJDUMP, "-sass", str(compiled["logprob_cuda"][2])], capture_output=True, text=True,
-                          check=True).stdout
+                          check=True, env={**os.environ, "NVDISASM_PATH": str(Path(NVDISASM).parent)}).stdout
     functions = re.split(r"\n\s*Function : ", sass)[1:]
     checked = 0
     for function in functions:
