@@ -66,7 +66,7 @@ export WORK WHEELS=.whl SITE="$PWD/build/gpu_check_site"  # SITE: megatron-core 
 # tests/bench/test_bench_gpu_check.py checks that GPU_TESTS and LINEAR_TESTS name every file with a `gpu`-marked case.
 export GPU_TESTS="${GPU_TESTS:-tests/ops/test_gpu_kernels.py tests/ops/test_logprob_op.py tests/ops/test_logprob_errors.py \
 tests/ops/test_logprob_filtered.py tests/ops/test_logprob_temperature.py \
-tests/ops/test_linear_logprobs.py tests/loss/test_linear_loss.py tests/ops/test_kept_set.py}"
+tests/ops/test_linear_logprobs.py tests/loss/test_linear_loss.py tests/ops/test_kept_set.py tests/megatron/test_attention.py}"
 export CPU_TESTS="${CPU_TESTS:-tests/ops/test_logprob_op.py tests/ops/test_logprob_errors.py}"
 # The fused linear op's GPU-specific tests (split-row and production shapes, peak memory, the loss-fused path in
 # bf16): their own step and budget. Its small-shape cuda cases run in `tests`.
@@ -264,7 +264,9 @@ step_bench() {
 
 # The whole GRPO train step (`megatron-grpo bench step`) on one GPU at a realistic shape: vocab 128K, hidden 4096,
 # 2 layers, bf16, 16 sequences of 256-4096 tokens; its four configurations one after the other (one model in
-# memory at a time), one warm-up and two timed steps each. Its report is printed here, so it lands in gpu_check.log.
+# memory at a time), one warm-up and two timed steps each. Its report is printed here, so it lands in gpu_check.log,
+# and then one line on packing: configuration 4's peak memory and step time against configuration 3's (packed
+# microbatches through torch's varlen_attn without TE, against padded ones).
 # The dry run skips it: tests/bench/test_bench_step.py runs its CPU version at a tiny shape.
 step_step() {
   if [ "$DRY_RUN" = 1 ]; then
@@ -278,7 +280,15 @@ step_step() {
   "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 -m megatron_grpo bench step --device cuda \
     --dtype bf16 --vocab 128000 --hidden 4096 --heads 32 --layers 2 --prompts 4 --generations 4 \
     --prompt-tokens 64 256 --response-tokens 192 3840 --micro-batch-size 1 --warmup 1 --steps 2 --sequential \
-    --out "$WORK/step"
+    --out "$WORK/step" || return
+  "$PYTHON" - "$WORK/step/step_cuda.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))["configurations"]
+fused, packed = c["fused"], c["packed"]
+print(f"packing: peak extra memory {packed['peak_extra_mib']:.0f} MiB (configuration 4) against "
+      f"{fused['peak_extra_mib']:.0f} MiB (3), {fused['peak_extra_mib'] / packed['peak_extra_mib']:.2f}x smaller; "
+      f"step {packed['step_s']:.3f} s against {fused['step_s']:.3f} s, {fused['step_s'] / packed['step_s']:.2f}x faster")
+PY
 }
 
 export -f section step_machine step_wheels step_registers step_build step_tests step_linear step_runner step_roofline \

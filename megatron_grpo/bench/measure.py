@@ -2,13 +2,16 @@
 machine's description, and `run_ranks`, which runs one benchmark body on N fresh TP ranks and never hangs.
 
 Peak memory on the CPU is the process's resident high-water mark (VmHWM), reset before each call through
-/proc/self/clear_refs; large tensors are mmapped by glibc, so they leave RSS as soon as they are freed. On CUDA
-it is torch's allocator peak. `LiveTensorBytes` counts the bytes of tensor storages alive at once instead, at the
-dispatcher: deterministic on any device and independent of the allocator (what the memory tests hold).
+/proc/self/clear_refs, after glibc's `malloc_trim(0)` has handed its free heap memory back: glibc serves tensors
+below its mmap threshold (which it raises up to 32 MiB as it frees larger blocks) from a heap it keeps, and a call
+that reuses memory an earlier one freed would otherwise not raise RSS at all. On CUDA it is torch's allocator peak.
+`LiveTensorBytes` counts the bytes of tensor storages alive at once instead, at the dispatcher: deterministic on any
+device and independent of the allocator (what the memory tests hold).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import queue as queue_module
@@ -58,6 +61,16 @@ def _read_status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def _malloc_trim() -> None:
+    """glibc's `malloc_trim(0)`: its free heap memory back to the system, so that RSS is what is live (a no-op
+    without glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.malloc_trim(0)
+
+
 class PeakMemory:
     """Peak memory of a region above what was live when it began: `with PeakMemory(device) as peak: ...`,
     then `peak.extra_bytes`."""
@@ -72,6 +85,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
+            _malloc_trim()
             Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
             self._base = _read_status_kib("VmRSS") * 1024
         return self

@@ -10,7 +10,7 @@ model's `routed_experts` and `moe_padding_mask` (`routing_replay.INPUT_ALIGNED_K
 unshifted: the routes of the tokens each rank feeds its routers. A padded batch is split with Megatron's
 `get_batch_on_this_cp_rank`. A packed batch (`cu_seqlens`, each sequence a multiple of 2·CP long) is split sequence
 by sequence, as Megatron's `get_thd_batch_on_this_cp_rank` does with Transformer Engine's
-`thd_get_partitioned_indices` (used where TE is importable; elsewhere `_thd_partition_without_te` computes the same
+`thd_get_partitioned_indices` (used where TE is importable; elsewhere `zigzag_positions` computes the same
 indices); the rank's share is a packed batch of the same sequences, each `1 / CP` as long (`cu_seqlens // CP`).
 Per-sequence tensors (`[B]` or `[N]`) are not split. The loss reads such a share with an `ops.ContextShard`
 (`context_shard()`); `gather_from_context_parallel` undoes the split of a per-row result and returns it
@@ -30,8 +30,13 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megatron_grpo.loss.kept_set_batch import as_positions, with_kept_set
 from megatron_grpo.loss.packing import CU_SEQLENS, POSITION_IDS, SequenceLayout
-from megatron_grpo.megatron.model import transformer_engine_usable
-from megatron_grpo.megatron.routing_replay import INPUT_ALIGNED_KEYS
+from megatron_grpo.megatron.routing_replay import (
+    INPUT_ALIGNED_KEYS,
+    MOE_PADDING_MASK,
+    ROUTED_EXPERTS,
+    placeholder_routes,
+)
+from megatron_grpo.megatron.transformer_engine import transformer_engine_usable
 from megatron_grpo.ops.context_shard import ContextShard
 
 Batch = Mapping[str, torch.Tensor]
@@ -99,6 +104,35 @@ def _split_padded(batch: Batch) -> dict[str, torch.Tensor]:
     return {**{key: value for key, value in batch.items() if key not in local}, **local}
 
 
+def padded_for_context_parallel(batch: Batch) -> Batch:
+    """A padded `[B, S]` batch with every per-token tensor (shaped like `input_ids`) extended with zeros to the next
+    multiple of 2·CP, the length the zigzag split needs: untrained positions after every row's end, which causal
+    attention never lets a real token see (`train_step` and `compute_logprobs` cut the results back to `S`); kept
+    sets follow their tokens, and the added positions hold none; an MoE model's routes there are placeholders and its
+    padding mask marks them padding. A packed batch (its sequences padded when packed)
+    or CP 1: `batch` itself."""
+    multiple = 2 * context_parallel_size()
+    input_ids = batch["input_ids"]
+    missing = -input_ids.shape[1] % multiple
+    if multiple == 2 or CU_SEQLENS in batch or not missing:
+        return batch
+    batch, kept = as_positions(batch)  # the kept sets follow their tokens; the added positions hold none
+    return with_kept_set({key: torch.cat([value, _filler(key, value, missing)], dim=1)
+                          if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == input_ids.shape
+                          else value for key, value in batch.items()}, kept)
+
+
+def _filler(key: str, value: torch.Tensor, missing: int) -> torch.Tensor:
+    """The `missing` positions added after every row of `value`: zeros, except an MoE model's routes (`0 .. k-1`,
+    k distinct experts, as for positions never routed) and its padding mask (True: padding)."""
+    shape = (value.shape[0], missing, *value.shape[2:])
+    if key == ROUTED_EXPERTS:
+        return placeholder_routes(shape[:-1], shape[-1], value.device).to(value.dtype)
+    if key == MOE_PADDING_MASK:
+        return value.new_ones(shape)
+    return value.new_zeros(shape)
+
+
 def _split_packed(batch: Batch) -> dict[str, torch.Tensor]:
     """`split_for_context_parallel` of a packed batch: the targets shifted within each sequence, then every
     per-token tensor cut to this rank's two chunks of each sequence (`_thd_partition`)."""
@@ -135,11 +169,11 @@ def _check_packed_lengths(cu_seqlens: torch.Tensor, size: int) -> None:
 def _thd_partition(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """int64 `[T / CP]`: the packed positions this CP rank holds, chunks `r` and `2·CP−1−r` of each sequence, in
     sequence order: Megatron's THD split (Transformer Engine's `thd_get_partitioned_indices`) where TE is
-    importable, else `_thd_partition_without_te`."""
+    importable, else `zigzag_positions`."""
     group = parallel_state.get_context_parallel_group()
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if not transformer_engine_usable():
-        return _thd_partition_without_te(cu_seqlens, num_tokens, size, rank)
+        return zigzag_positions(cu_seqlens, num_tokens, size, rank)
     # Megatron's helper splits a batch's tokens; splitting the positions themselves gives the indices.
     positions = {"tokens": torch.arange(num_tokens, device=cu_seqlens.device)[None]}
     if _THD_HELPER is not None:  # Megatron-Core 0.16
@@ -151,9 +185,10 @@ def _thd_partition(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     return local["tokens"][0].to(torch.int64)
 
 
-def _thd_partition_without_te(cu_seqlens: torch.Tensor, num_tokens: int, size: int, rank: int) -> torch.Tensor:
-    """The CPU / no-TE stand-in of `_thd_partition`: reproduces Transformer Engine's
-    `thd_get_partitioned_indices` (used only where TE is not importable). Local position `p` of sequence `i`
+def zigzag_positions(cu_seqlens: torch.Tensor, num_tokens: int, size: int, rank: int) -> torch.Tensor:
+    """int64 `[T / CP]`: the packed positions CP rank `rank` of `size` holds, Megatron's zigzag computed in plain
+    torch: Transformer Engine's `thd_get_partitioned_indices` (what `_thd_partition` uses where TE is importable),
+    and the order `attention.TorchDotProductAttention` gathers K and V back into. Local position `p` of sequence `i`
     (`o = p − cu_i / CP` into its share, chunk `c = len_i / 2·CP`) is packed position `cu_i + r·c + o` in the first
     chunk, `cu_i + (2·CP−2−r)·c + o` in the second."""
     local_cu = torch.div(cu_seqlens, size, rounding_mode="floor").to(torch.int64)

@@ -9,29 +9,32 @@ Every workaround lives here, with its reason (docs/design.md, "Platforms and Meg
 3. `dist_checkpointing` calls `torch.cuda.synchronize()`; with no device there is nothing to wait for: no-op.
 4. Megatron-Core 0.19's DDP asks `torch.cuda.current_stream()` for the stream that waits on CUDA-graph events
    before each gradient reduction; without a device it gets a stream that has nothing to wait for.
+5. Under context parallelism RoPE takes this rank's zigzag chunks of its table (padded `[s, b]` batches) with
+   `get_pos_emb_on_this_cp_rank`, whose index is built `pin_memory=True` and moved with `.cuda()` (Megatron-Core 0.16
+   and 0.19): without CUDA the same chunks are taken with an index on the table's device.
 
 Mixture-of-Experts models (`_apply_moe_support`; docs/moe.md, "On the CPU"), each checked by a test in
 tests/megatron/test_cpu_support.py:
 
-5. (0.16 only) the router's gating GEMM reads `moe_utils.te_general_gemm`, which 0.16 defines only where
+6. (0.16 only) the router's gating GEMM reads `moe_utils.te_general_gemm`, which 0.16 defines only where
    Transformer Engine imports: it is set to None, the torch GEMM branch (0.19 sets it so itself).
-6. (0.16, 0.19) the `alltoall` token dispatcher creates one class-wide `torch.cuda.Stream()` for its
+7. (0.16, 0.19) the `alltoall` token dispatcher creates one class-wide `torch.cuda.Stream()` for its
    device-to-host copies the first time one is built: it gets a CPU stream whose work is already done.
-7. (0.16, 0.19) the `alltoall` dispatcher hands its split sizes to `all_to_all_single` as numpy arrays only when
+8. (0.16, 0.19) the `alltoall` dispatcher hands its split sizes to `all_to_all_single` as numpy arrays only when
    they were on a GPU (`moe_utils.maybe_move_tensor_to_cpu`); gloo rejects them as tensors once EP > 1: CPU split
    sizes are made numpy arrays too.
-8. (0.16, 0.19) with EP > 1 and expert-TP > 1 the `alltoall` dispatcher all-gathers and reduce-scatters unequal
+9. (0.16, 0.19) with EP > 1 and expert-TP > 1 the `alltoall` dispatcher all-gathers and reduce-scatters unequal
    token counts over expert-TP (`tensor_parallel.mappings`), which gloo cannot: the uneven branches pad to equal
    sizes and cut (the all-gather), or all-reduce and slice (the reduce-scatter).
-9. (0.16, 0.19) activation recompute (`tensor_parallel.checkpoint`, MoE layers' recompute) saves and restores the
+10. (0.16, 0.19) activation recompute (`tensor_parallel.checkpoint`, MoE layers' recompute) saves and restores the
    CUDA RNG state: on the CPU it saves and restores the CPU generator and Megatron's RNG tracker only.
 
 Handled where they arise rather than by patching:
-10. The RNG tracker: `model_parallel_cuda_manual_seed` needs CUDA RNG state, so `parallel.init_parallel` asks
+11. The RNG tracker: `model_parallel_cuda_manual_seed` needs CUDA RNG state, so `parallel.init_parallel` asks
    for Megatron's inference tracker on CPU (its forks are no-ops; dropout then draws from the CPU generator).
-11. `sequence_parallel`: the local spec's torch norm refuses it; `model.build_gpt_model` builds its norms as
+12. `sequence_parallel`: the local spec's torch norm refuses it; `model.build_gpt_model` builds its norms as
    `model.SequenceParallelTorchNorm` then (a spec choice, on any device without Transformer Engine).
-12. `megatron.core.optimizer` allocates on "cuda" in its constructor: on the CPU the policy's optimizer is a torch
+13. `megatron.core.optimizer` allocates on "cuda" in its constructor: on the CPU the policy's optimizer is a torch
    one over the gradients Megatron's DDP reduced into `main_grad` (`optimizer.py`).
 """
 
@@ -46,7 +49,7 @@ _applied = False
 
 
 def apply_cpu_support() -> bool:
-    """Applies workarounds 1-9 once if CUDA is unavailable; returns whether the process runs on the CPU."""
+    """Applies workarounds 1-10 once if CUDA is unavailable; returns whether the process runs on the CPU."""
     global _applied
     if torch.cuda.is_available():
         return False
@@ -54,12 +57,27 @@ def apply_cpu_support() -> bool:
         torch.cuda.current_device = _cpu_device
         torch.cuda.synchronize = _no_synchronize
         torch.cuda.current_stream = _CpuStream
+        from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
         from megatron.core.pipeline_parallel import schedules
 
         schedules.torch = _CpuFactoryTorch()
+        for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):  # each imported it by name
+            module.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
         _apply_moe_support()
         _applied = True
     return True
+
+
+def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """Megatron's `get_pos_emb_on_this_cp_rank` without CUDA: chunks r and 2·CP−1−r of the table's 2·CP along
+    `seq_dim`."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    size, rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([rank, 2 * size - rank - 1], device=pos_emb.device)
+    chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[seq_dim + 1:])
+    chunks = chunks.index_select(seq_dim, index)
+    return chunks.view(*chunks.shape[:seq_dim], -1, *chunks.shape[seq_dim + 2:])
 
 
 def _cpu_device() -> str:

@@ -16,6 +16,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_grpo.loss.packing import CU_SEQLENS, POSITION_IDS, SequenceLayout
+from megatron_grpo.megatron.attention import takes_packed_sequences
 from megatron_grpo.megatron.ddp import unwrapped
 from megatron_grpo.megatron.hidden_states import without_output_layer
 from megatron_grpo.megatron.routing_replay import (
@@ -38,21 +39,20 @@ def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, *, hidden_sta
                   routes: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
                   record: OnRoutes | None = None, changes: RouteChanges | None = None,
                   counted: torch.Tensor | None = None) -> torch.Tensor:
-    """GPTModel forward over positions 0..S-1 with an explicit causal mask (True = masked out), or over a packed
-    row `[1, T]` of sequences cut by `cu_seqlens` (int32 `[N + 1]`, `loss.packing`), each attending only to itself,
-    or over a context-parallel rank's share of `[B, S]` rows or of a packed row.
+    """GPTModel forward over `[B, S]` rows, causal over positions 0..S-1; or over a packed row `[1, T]` of sequences
+    cut by `cu_seqlens` (int32 `[N + 1]`, `loss.packing`), each attending only to itself;
+    or over a context-parallel rank's share of either (`context_parallel.split_for_context_parallel`'s, with its
+    `position_ids`: each token's position in its sequence, required).
 
-    Passing the mask keeps it on the batch's device: Megatron's default causal mask is built on "cuda".
-    Packed: with Transformer Engine's attention, Megatron's `PackedSeqParams(qkv_format="thd")` and no mask;
-    otherwise (the local spec, which takes no `packed_seq_params`) a block-diagonal causal mask, `[1, 1, T, T]`.
-    Either way the positions restart at 0 in every sequence, unless `position_ids` `[1, T]` are given (a packed
-    batch's own, `loss.packing.pack_rows`: 0 on padding).
-    `position_ids` without `cu_seqlens`: a context-parallel rank's share
-    (`context_parallel.split_for_context_parallel`), its tokens' global positions, and no mask (Transformer
-    Engine's attention applies the causal mask across the CP ranks). A context-parallel rank's share of a packed
-    batch (CP > 1 with `cu_seqlens`, the share's own, and its `position_ids`, each token's position in its sequence,
-    required): no mask either (a model without attention, in the tests; the local spec has no CP), and with TE's
-    attention the THD `PackedSeqParams` of the whole sequences (`_context_parallel_thd_params`).
+    Packed batches go through Megatron's THD path, `PackedSeqParams(qkv_format="thd")` of the whole sequences (under
+    CP `CP ×` the share's `cu_seqlens`), which the model's core attention must take
+    (`attention.takes_packed_sequences`: `TorchDotProductAttention` or Transformer Engine's; else a ValueError naming
+    `cu_seqlens`); RoPE then restarts in every sequence, and learned absolute positions read `position_ids`
+    (default: restarting at 0 in every sequence; a packed batch's own, `loss.packing.pack_rows`, are 0 on padding).
+    Padded rows: that attention is causal without a mask; Megatron's local `DotProductAttention` gets an explicit
+    causal mask (True = masked out), on the batch's device (its default one is built on "cuda"). A CP share takes no
+    mask: the attention is causal across the ranks. A model without attention (`takes_packed_sequences` None) gets
+    neither.
     `hidden_states`: the last stage returns the `[b, s, h]` final hidden states (after the final norm) instead
     of the logits, their gradient all-reduced over TP as the output layer's input is
     (`hidden_states.without_output_layer`).
@@ -66,9 +66,9 @@ def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, *, hidden_sta
     """
     seq_len = input_ids.shape[1]
     context_parallel = parallel_state.get_context_parallel_world_size() > 1
-    if context_parallel and cu_seqlens is not None and position_ids is None:
-        raise ValueError("position_ids: a context-parallel rank's share of a packed batch needs its tokens' "
-                         "positions (split_for_context_parallel's)")
+    if context_parallel and position_ids is None:
+        raise ValueError("position_ids: under context parallelism the model takes a rank's share of the batch "
+                         "with its tokens' positions (split_for_context_parallel's)")
     share = position_ids is not None and (cu_seqlens is None or context_parallel)  # a context-parallel share
     layers = moe_layers(model)
     pad = sequence_parallel_padding(model, seq_len)
@@ -82,7 +82,7 @@ def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, *, hidden_sta
         extra["padding_mask"] = _padding_mask_of_stage(padding_mask, unwrapped(model).config)
     causal_mask = None
     if share:
-        if cu_seqlens is not None and _uses_transformer_engine_attention(model):
+        if cu_seqlens is not None and _packed_attention(model, cu_seqlens):
             extra["packed_seq_params"] = _context_parallel_thd_params(cu_seqlens)
     else:
         causal_mask, position_ids = _attention_inputs(model, input_ids, cu_seqlens, position_ids, extra)
@@ -101,24 +101,24 @@ def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, *, hidden_sta
 
 def _attention_inputs(model: torch.nn.Module, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
                       position_ids: torch.Tensor | None, extra: dict) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The causal mask `[S, S]` (None with TE's THD attention, whose `packed_seq_params` go into `extra`) and the
-    positions of a padded batch or a packed row."""
+    """The causal mask `[S, S]` (True = masked out; only for an attention that is not causal by itself, Megatron's
+    local `DotProductAttention`, on the batch's device: its default one is built on "cuda") and the positions of a
+    padded batch or a packed row; a packed row's THD `packed_seq_params` go into `extra`."""
     seq_len = input_ids.shape[1]
-    causal_mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=input_ids.device).triu(diagonal=1)
     if cu_seqlens is None:
+        causal_mask = None
+        if not takes_packed_sequences(model):  # Megatron's DotProductAttention (or no attention at all)
+            causal_mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=input_ids.device).triu(diagonal=1)
         return causal_mask, torch.arange(seq_len, device=input_ids.device).expand_as(input_ids)
-    layout = SequenceLayout.packed(cu_seqlens, seq_len) if input_ids.shape[0] == 1 else None
-    if layout is None:
+    if input_ids.shape[0] != 1:
         raise ValueError(f"batch['input_ids']: a packed batch (with cu_seqlens) is [1, T], got "
                          f"{list(input_ids.shape)}")
+    layout = SequenceLayout.packed(cu_seqlens, seq_len)
     if position_ids is None:
         position_ids = layout.positions
-    if _uses_transformer_engine_attention(model):
+    if _packed_attention(model, cu_seqlens):
         extra["packed_seq_params"] = _thd_params(cu_seqlens, layout.max_seqlen)
-        return None, position_ids
-    _check_positions_restart(model)
-    ids = layout.sequence_ids[0]
-    return causal_mask | (ids[:, None] != ids[None, :]), position_ids
+    return None, position_ids
 
 
 def sequence_parallel_padding(model: torch.nn.Module, seq_len: int) -> int:
@@ -184,14 +184,24 @@ def batch_forward(model: torch.nn.Module, batch: Batch, *, hidden_states: bool =
                          counted=batch.get(ROUTES_COUNTED))
 
 
-def _uses_transformer_engine_attention(model: torch.nn.Module) -> bool:
-    """Whether the model's core attention is Transformer Engine's (which takes THD `packed_seq_params`)."""
-    return any(type(module).__name__ == "TEDotProductAttention" for module in model.modules())
+def _packed_attention(model: torch.nn.Module, cu_seqlens: torch.Tensor) -> bool:
+    """Whether the packed batch goes to the model's attention as THD `PackedSeqParams`: yes where it takes them, no
+    for a model without attention; a model whose attention cannot take them is a ValueError (its dense alternative,
+    one [T, T] attention under a block-diagonal mask, is kept only as the tests' reference)."""
+    takes = takes_packed_sequences(model)
+    if takes is False:
+        names = sorted({type(module.core_attention).__name__ for module in model.modules()
+                        if hasattr(module, "core_attention")})
+        raise ValueError(f"cu_seqlens: this model's core attention ({', '.join(names)}) takes no packed (THD) "
+                         "sequences; build its layers with megatron_grpo.megatron.torch_attention_layer_spec() "
+                         "(or Transformer Engine's spec), or pass padded rows")
+    return bool(takes)
 
 
 def _thd_params(cu_seqlens: torch.Tensor, max_seqlen: int):
     """Megatron's `PackedSeqParams` for THD attention over sequences that span `cu_seqlens` (their padding, if
-    any, is untrained and sits at each sequence's end, where causal attention never lets a real token see it)."""
+    any, is untrained and sits at each sequence's end, where causal attention never lets a real token see it).
+    `max_seqlen` is the longest whole sequence (RoPE's table length; varlen_attn's bound)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
@@ -201,22 +211,11 @@ def _thd_params(cu_seqlens: torch.Tensor, max_seqlen: int):
 
 def _context_parallel_thd_params(local_cu_seqlens: torch.Tensor):
     """`PackedSeqParams` for a context-parallel rank's share of a packed batch, as Megatron's
-    `get_thd_batch_on_this_cp_rank` builds them: the whole (padded) sequences' `cu_seqlens`, `CP ×` the share's,
-    and TE's attention works out each rank's chunks itself. Not run without Transformer Engine (no CPU test)."""
+    `get_thd_batch_on_this_cp_rank` builds them: the whole (padded) sequences' `cu_seqlens`, `CP ×` the share's;
+    the attention works out each rank's chunks itself."""
     size = parallel_state.get_context_parallel_world_size()
     cu_seqlens = local_cu_seqlens * size
     return _thd_params(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
-
-
-def _check_positions_restart(model: torch.nn.Module) -> None:
-    """The local spec's GPTModel applies RoPE over positions 0..T-1 whatever `position_ids` say: packed sequences
-    would be rotated by their offset in the row. Learned absolute positions read `position_ids`."""
-    for module in model.modules():
-        kind = getattr(module, "position_embedding_type", None)
-        if kind is not None and kind != "learned_absolute":
-            raise ValueError(f"cu_seqlens: a packed batch without Transformer Engine's attention needs learned "
-                             f"absolute position embeddings (this model's are {kind!r}, applied over the packed "
-                             "row's positions 0..T-1)")
 
 
 def run_schedule(forward_step: ForwardStep, model: torch.nn.Module, microbatches: list[Batch],

@@ -1,11 +1,12 @@
 """Builds a Megatron-Core GPTModel from `GPTModelParams`: the runner's policy and reference model, and a
 convenience for scripts (a model built with `GPTModel(...)` directly works with every function of this package).
 
-Transformer Engine's layer spec is used only when TE imports cleanly and CUDA is available, the local spec
-otherwise; under sequence parallelism the local spec's norms are `SequenceParallelTorchNorm` (Megatron's torch norm
-refuses it). A Mixture-of-Experts model (`num_moe_experts`) takes Megatron's MoE settings under Megatron's names
-(docs/moe.md). The vocabulary is padded as Megatron-LM pads it (to a multiple of make_vocab_size_divisible_by × TP);
-`vocab_shard_of(model, true_vocab_size)` then says which columns are padding. The TP and PP sizes are the ones
+Transformer Engine's layer spec is used only when TE imports cleanly and CUDA is available; otherwise Megatron's local
+spec with `TorchDotProductAttention` (`attention.py`: packed sequences and context parallelism without TE); under
+sequence parallelism the local spec's norms are `SequenceParallelTorchNorm` (Megatron's torch norm refuses it). A
+Mixture-of-Experts model (`num_moe_experts`) takes Megatron's MoE settings under Megatron's names (docs/moe.md). The
+vocabulary is padded as Megatron-LM pads it (to a multiple of make_vocab_size_divisible_by × TP);
+`vocab_shard_of(model, true_vocab_size)` then says which columns are padding. The TP, PP and CP sizes are the ones
 `parallel_state` was initialised with. Logits stay vocab-parallel (`parallel_output=True`):
 `[b, s, padded_vocab / tp]` per rank. Mixed precision (bf16) keeps fp32 master weights and runs the forward under
 Megatron's autocast.
@@ -19,10 +20,12 @@ from typing import Literal
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_grpo.megatron.attention import torch_attention_layer_spec
+from megatron_grpo.megatron.transformer_engine import transformer_engine_usable
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16}
 
@@ -70,17 +73,6 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp_siz
     return -(-vocab_size // multiple) * multiple
 
 
-def transformer_engine_usable() -> bool:
-    """TE only with CUDA; an installed TE without CUDA libraries raises RuntimeError (not ImportError) on import."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except (ImportError, RuntimeError, OSError):
-        return False
-    return True
-
-
 class SequenceParallelTorchNorm:
     """Megatron's torch norm (`WrappedTorchNorm`: `torch.nn.LayerNorm` or `RMSNorm` as `config.normalization` says)
     under sequence parallelism, which `WrappedTorchNorm` refuses. A norm is per token, so it is the same on a
@@ -100,16 +92,16 @@ class SequenceParallelTorchNorm:
 
 def layer_spec(config: TransformerConfig | None = None,
                params: GPTModelParams | None = None) -> ModuleSpec | TransformerBlockSubmodules:
-    """Transformer Engine's layer spec where it is usable, else the local spec (an MoE model's with its
-    `SequentialMLP` experts); under sequence parallelism the local spec's norms, the final one included, are
-    `SequenceParallelTorchNorm`."""
+    """Transformer Engine's layer spec where it is usable, else the local spec with `TorchDotProductAttention`
+    (`attention.torch_attention_layer_spec`; an MoE model's with its `SequentialMLP` experts); under sequence
+    parallelism the local spec's norms, the final one included, are `SequenceParallelTorchNorm`."""
     experts = {} if params is None or not params.is_moe else {"num_experts": params.num_moe_experts,
                                                               "moe_grouped_gemm": params.moe_grouped_gemm}
     if transformer_engine_usable():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(**experts)
-    spec = get_gpt_layer_local_spec(**experts)
+    spec = torch_attention_layer_spec(**experts)
     if config is None or not config.sequence_parallel:
         return spec
     spec.submodules.input_layernorm = SequenceParallelTorchNorm
@@ -193,15 +185,9 @@ def build_gpt_model(params: GPTModelParams, vocab_size: int, *,
     `share_embeddings_and_output_weights`: tie the output layer to the input embedding (Megatron's option; the
     output layer then has no weight of its own). No config key sets it yet; the tests build tied models with it.
 
-    Context parallelism (CP > 1 in parallel_state) needs Transformer Engine's attention: the local spec has none
-    (each rank would attend within its own chunks), so it is a ValueError naming `context_parallel_size`; so is any
-    MoE setting that cannot be built here (`check_params`).
+    Its attention takes packed (THD) batches and context parallelism (CP > 1 in parallel_state) with or without
+    Transformer Engine (`layer_spec`). An MoE setting that cannot be built here is a ValueError (`check_params`).
     """
-    cp = parallel_state.get_context_parallel_world_size()
-    if cp > 1 and not transformer_engine_usable():
-        raise ValueError(f"context_parallel_size: {cp} needs Transformer Engine's attention (CUDA with "
-                         "transformer_engine importable); Megatron-Core's local attention spec has no context "
-                         "parallelism")
     check_params(params)
     padded = padded_vocab_size(vocab_size, params.make_vocab_size_divisible_by,
                                parallel_state.get_tensor_model_parallel_world_size())

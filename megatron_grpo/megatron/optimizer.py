@@ -2,7 +2,7 @@
 
 On CUDA it is Megatron-Core's own (`get_megatron_optimizer`, Adam, with the distributed optimizer: ZeRO-1, each
 DP rank keeps the Adam state of its slice of DDP's buffers), as Megatron training scripts build it; it clips
-inside its `step()`. On the CPU, where Megatron's optimizer cannot be built (cpu_support, item 12), it is
+inside its `step()`. On the CPU, where Megatron's optimizer cannot be built (cpu_support, item 13), it is
 `AdamOverMainGrad`, torch's AdamW over the gradients DDP reduced, clipped here by `clip_grad_norm`. Both use
 Megatron's parameter groups: no weight decay on biases and other 1-D parameters (norms).
 

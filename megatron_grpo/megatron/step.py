@@ -69,6 +69,7 @@ from megatron_grpo.megatron.context_parallel import (
     context_parallel_size,
     context_shard,
     gather_from_context_parallel,
+    padded_for_context_parallel,
     split_for_context_parallel,
 )
 from megatron_grpo.megatron.ddp import is_ddp, scale_gradients, unwrapped
@@ -352,13 +353,16 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
     A forward-only pass through Megatron's schedule; with pipeline parallelism the last stage broadcasts the
     result to the other stages. With context parallelism every CP rank is given the full batch, computes the
     logprobs of its share of each sequence, and returns the whole `[B, S]` (one all-gather over the CP group per
-    padded pass, or per packed microbatch). A packed batch's sequences must each be a multiple of 2·CP long;
+    padded pass, or per packed microbatch). Padded rows are extended to a multiple of 2·CP for the pass
+    (`padded_for_context_parallel`); a packed batch's sequences must each be a multiple of 2·CP long, and
     `max_tokens_per_microbatch` pads them so.
 
     A batch with `routed_experts` (`[B, S, L, k]`, `routing_replay`) is computed under those routes, replayed in each
     microbatch (checked against the model first, the ids only with `check_inputs`); without them an MoE model routes
     by its own router.
     """
+    width = batch["input_ids"].shape[1]
+    batch = padded_for_context_parallel(batch)
     input_ids = batch["input_ids"]
     if ROUTED_EXPERTS in batch:
         check_routes(model, batch[ROUTED_EXPERTS], input_ids, check_values=check_inputs)
@@ -412,7 +416,7 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
         logprobs = torch.empty(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     else:
         logprobs = _whole_per_token(outputs, microbatches, packing)
-    return from_last_stage(logprobs)
+    return from_last_stage(logprobs)[:, :width]
 
 
 def _whole_per_token(per_microbatch: list[torch.Tensor], microbatches: list[Batch],
@@ -476,6 +480,8 @@ def train_step(
     in one host sync (`loss.check_batch_values`); the passes and the loss then skip their own checks of values in
     every microbatch (`check_inputs=False`). A bad value is a `ValueError` naming its batch key.
 
+    Under context parallelism the rows are extended to a multiple of 2·CP for the step
+    (`padded_for_context_parallel`: untrained positions after every row's end), and the results cut back to `S`.
     A Mixture-of-Experts model: each optimizer step's metrics add Megatron's auxiliary losses (`load_balancing_loss`,
     `z_loss`, ...: `moe_losses.aux_losses`). With `routed_experts` in the batch (`[B, S, L, k]`, the rollout's routes,
     `routing_replay`; checked once, here) the prev pass and every training forward replay them (the reference pass
@@ -509,10 +515,11 @@ def train_step(
         raise ValueError("batch['cu_seqlens']: train_step takes the rollout padded, [B, S], and packs each optimizer "
                          "step itself with StepConfig.max_tokens_per_microbatch")
     step_rows = _rows_per_optimizer_step(step, batch["input_ids"].shape[0])
+    width = batch["input_ids"].shape[1]
     deferred = step.defer_normalisation or plan.seq_logprob_error_threshold is not None
     if deferred:
         check_no_deferred_aux_losses(model)
-    batch = dict(batch)
+    batch = dict(padded_for_context_parallel(batch))
     passes_run: dict[str, int] = {}
     if plan.compute_reference_logprobs:
         # Unfiltered, as NeMo-RL's reference pass: the KL compares the current and reference full distributions.
@@ -586,10 +593,11 @@ def train_step(
         routing_metrics["router_replay_token_mult_prob_error"] = _token_mult_prob_error(batch, curr_logprobs)
         if natural_logprobs is not None:
             routing_metrics["router_replay_off_token_mult_prob_error"] = _token_mult_prob_error(batch, natural_logprobs)
+    reference_logprobs = batch.get("reference_policy_logprobs")
     return TrainStepResult(
-        curr_logprobs=curr_logprobs,
-        prev_logprobs=prev_logprobs,
-        reference_policy_logprobs=batch.get("reference_policy_logprobs"),
+        curr_logprobs=curr_logprobs[:, :width],
+        prev_logprobs=prev_logprobs[:, :width],
+        reference_policy_logprobs=None if reference_logprobs is None else reference_logprobs[:, :width],
         step_metrics=step_metrics,
         passes_run=passes_run,
         routing_metrics=routing_metrics,

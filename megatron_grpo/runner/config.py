@@ -215,7 +215,7 @@ class PolicyConfig(StrictSection):
 
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
-    context_parallel_size: int  # each sequence split over this many ranks; > 1 is refused by this runner
+    context_parallel_size: int  # each sequence split over this many ranks (the attention all-gathers K and V)
     expert_model_parallel_size: int  # an MoE model's experts split over this many ranks (taken from DP)
     sequence_parallel: bool  # activations outside attention and MLP split along the sequence over TP
     train_global_batch_size: int  # sequences per optimizer step, all DP ranks
@@ -246,6 +246,10 @@ class PolicyConfig(StrictSection):
                                 "true (Megatron-Core's MoELayer refuses to train under TP without it)")
             problems.extend(_divisibility([(self.key("expert_model_parallel_size"), self.expert_model_parallel_size,
                                             self.model.key("num_moe_experts"), experts)]))
+            if self.router_replay.enabled and self.context_parallel_size > 1:
+                problems.append(f"{self.router_replay.key('enabled')}: true with {self.key('context_parallel_size')} "
+                                f"{self.context_parallel_size}: the sampler records routes on whole sequences, and "
+                                "under context parallelism each rank's forward sees its share")
         if self.fused_linear_loss and not self.fused_linear_logprobs:
             problems.append(f"{self.key('fused_linear_loss')}: true needs {self.key('fused_linear_logprobs')}: true")
         if self.initial_checkpoint is not None and not self.initial_checkpoint.strip():

@@ -18,7 +18,6 @@ ranks' exit codes into one line; under a bare `torchrun`, torchrun adds its own 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import re
 import signal
@@ -213,23 +212,6 @@ def checked_plan(cfg: Config, *, world_size: Optional[int], cuda_available: bool
     return plan
 
 
-def context_parallel_problems(size: int, *, cuda_available: bool) -> list[str]:
-    """Why this runner cannot split sequences over `size` > 1 context-parallel ranks here. Megatron-Core's local
-    attention spec (the one without Transformer Engine) has no context parallelism: each rank would attend within
-    its own chunks only. With TE, the plugin's training API splits batches (`make_forward_step`, `train_step`), but
-    this runner's sampler feeds every rank whole sequences, which TE's CP attention would take as chunks."""
-    if size <= 1:
-        return []
-    te_found = cuda_available and importlib.util.find_spec("transformer_engine") is not None
-    if not te_found:
-        return [f"policy.context_parallel_size: {size} needs Transformer Engine's attention (CUDA with "
-                "transformer_engine importable): Megatron-Core's local attention spec has no context parallelism; "
-                "set it to 1"]
-    return [f"policy.context_parallel_size: {size}: this runner's rollout sampler does not split sequences over "
-            "context-parallel ranks; set it to 1 (the plugin's train_step and make_forward_step support it: "
-            "docs/runner.md)"]
-
-
 def runner_config_problems(cfg: Config, *, world_size: Optional[int], cuda_available: bool) -> list[str]:
     """Settings the config accepts in general but this runner cannot run on `world_size` ranks (None: not known
     yet, as for an elastic number of nodes) with or without CUDA, each naming its key."""
@@ -237,7 +219,6 @@ def runner_config_problems(cfg: Config, *, world_size: Optional[int], cuda_avail
     if cfg.policy.precision != "fp32" and not cuda_available:
         problems.append(f"policy.precision: {cfg.policy.precision} needs CUDA, which is not available here; "
                         "use fp32 on the CPU")
-    problems.extend(context_parallel_problems(cfg.policy.context_parallel_size, cuda_available=cuda_available))
     model_parallel = (cfg.policy.tensor_model_parallel_size * cfg.policy.pipeline_model_parallel_size
                       * cfg.policy.context_parallel_size)
     if world_size is None:
@@ -268,18 +249,22 @@ def runner_config_problems(cfg: Config, *, world_size: Optional[int], cuda_avail
                         f"prompt, got {cfg.grpo.num_generations_per_prompt}")
     task = DigitTask(cfg.task.name, cfg.task.num_digits, DigitTokenizer(), min_digits=cfg.task.min_digits)
     longest = task.prompt_length + cfg.generation.max_new_tokens
+    sequence = (f"a prompt ({task.prompt_length} tokens) plus generation.max_new_tokens "
+                f"({cfg.generation.max_new_tokens})")
+    multiple = 2 * cfg.policy.context_parallel_size
+    if multiple > 2 and longest % multiple:  # context parallelism cuts each sequence into 2·CP equal chunks
+        sequence += f" padded to a multiple of 2 × policy.context_parallel_size ({multiple})"
+        longest += -longest % multiple
     if cfg.policy.model.max_position_embeddings < longest:
-        problems.append(f"policy.model.max_position_embeddings: a prompt ({task.prompt_length} tokens) plus "
-                        f"generation.max_new_tokens ({cfg.generation.max_new_tokens}) needs {longest}, got "
+        problems.append(f"policy.model.max_position_embeddings: {sequence} needs {longest}, got "
                         f"{cfg.policy.model.max_position_embeddings}")
     packing = cfg.policy.sequence_packing
     if packing.enabled:
         for name in ("train_mb_tokens", "logprob_mb_tokens"):
             budget = getattr(packing, name)
             if budget is not None and 0 < budget < longest:
-                problems.append(f"policy.sequence_packing.{name}: a microbatch must hold the longest sequence, a "
-                                f"prompt ({task.prompt_length} tokens) plus generation.max_new_tokens "
-                                f"({cfg.generation.max_new_tokens}) = {longest}, got {budget}")
+                problems.append(f"policy.sequence_packing.{name}: a microbatch must hold the longest sequence, "
+                                f"{sequence}: {longest} tokens, got {budget}")
     return problems
 
 

@@ -1,22 +1,33 @@
-"""The packing benchmark: its variants, token counts and summary, and one tiny run of the CLI under the launcher
-(1 rank, 1 step per variant) whose report carries every column."""
+"""The packing benchmark: its variants, token counts and summary, its long setting's synthetic rollouts, checks and
+report, and one tiny run of the CLI under the launcher (1 rank, 1 step per variant) whose report carries every
+column."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 import yaml
 from _configs import CONFIGS, set_key
 
-from megatron_grpo.bench.packing import main, summarise, tokens_per_pass, variants_of
+from megatron_grpo.bench.packing import (
+    long_setting_problems,
+    main,
+    summarise,
+    synthetic_rollout,
+    tokens_per_pass,
+    variants_of,
+    write_report,
+)
 from megatron_grpo.runner.config import load_config
 from megatron_grpo.runner.config_files import read_yaml_with_defaults
 
 RAGGED = CONFIGS / "grpo_tiny_cpu_ragged.yaml"
+LONG = CONFIGS / "grpo_tiny_cpu_long.yaml"
 
 
 def test_variants_differ_only_in_packing():
@@ -50,6 +61,62 @@ def test_summary_takes_medians_ratios_and_where_each_curve_learned():
     assert summary["variants"]["padded"]["first_learned_step"] == 10  # (0.5 + 9 × 0.95) / 10 = 0.905
     assert summary["variants"]["packed"]["first_learned_step"] is None
     assert summary["first_rollout_identical"]
+
+
+def _trainer_stub(cfg, dp_rank: int = 0, dp_size: int = 1):
+    from megatron_grpo.runner.tasks import DigitTask, DigitTokenizer
+
+    task = DigitTask(cfg.task.name, cfg.task.num_digits, DigitTokenizer(), min_digits=cfg.task.min_digits)
+    return types.SimpleNamespace(cfg=cfg, task=task, layout=types.SimpleNamespace(dp_rank=dp_rank, dp_size=dp_size))
+
+
+def test_the_long_settings_rollouts_are_the_tasks_prompts_then_long_random_responses():
+    cfg = load_config(LONG)
+    trainer = _trainer_stub(cfg)
+    rollout, rewards = synthetic_rollout(trainer, step=3, response_tokens=(256, 1024))
+    again, _ = synthetic_rollout(trainer, step=3, response_tokens=(256, 1024))
+    rows = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    assert rollout.input_ids.shape[0] == rows and torch.equal(rollout.input_ids, again.input_ids)  # per step
+    eos = trainer.task.tokenizer.eos_id
+    responses = rollout.token_mask.sum(dim=1)
+    assert ((responses >= 257) & (responses <= 1025)).all() and responses.unique().numel() > 1  # ragged + <eos>
+    for row in range(rows):
+        start, length = int(rollout.prompt_lengths[row]), int(responses[row])
+        assert rollout.token_mask[row, start:start + length].all() and not rollout.token_mask[row, :start].any()
+        assert int(rollout.input_ids[row, start + length - 1]) == eos
+        assert (rollout.input_ids[row, start:start + length - 1] < 10).all()  # digits
+    assert rollout.input_ids.shape[1] == int((rollout.prompt_lengths + responses).max())
+    assert set(rewards.tolist()) <= {0.0, 1.0}
+    other, _ = synthetic_rollout(_trainer_stub(cfg, dp_rank=1, dp_size=2), step=3, response_tokens=(256, 1024))
+    assert other.input_ids.shape[0] == rows // 2 and not torch.equal(other.token_mask.sum(1),
+                                                                       responses[:rows // 2])
+
+
+def test_the_long_setting_must_fit_the_positions_and_the_budgets():
+    assert long_setting_problems(load_config(LONG), (256, 1024)) == []
+    assert long_setting_problems(load_config(LONG), None) == []
+    assert long_setting_problems(load_config(LONG), (9, 3)) == ["--response-tokens must be MIN MAX with 1 <= MIN <= "
+                                                                "MAX, got 9 3"]
+    problems = long_setting_problems(load_config(RAGGED), (256, 1024))
+    assert [problem.split(", more than ")[1] for problem in problems] == [
+        "policy.model.max_position_embeddings (12)", "policy.sequence_packing.train_mb_tokens (384)"]
+    assert problems[0].startswith("--response-tokens 256 1024: the longest sequence (a prompt of 7, 1024 tokens and "
+                                  "<eos>) is 1032 tokens")
+
+
+def test_the_long_settings_report_has_no_reward_columns(tmp_path):
+    cfg = load_config(LONG)
+    records = {name: [{"tokens_through_model": t, "step_time_s": 2.0, "train_time_s": 1.5, "peak_extra_mib": 9.0}
+                      for t in (100, 120)] for name in ("padded", "packed")}
+    summary = summarise(records, {"padded": [0.5, 0.4], "packed": [0.5, 0.6]}, cfg, world_size=2, tp_size=2,
+                        response_tokens=(256, 1024))
+    assert summary["config"]["response_tokens"] == [256, 1024]
+    assert summary["variants"]["packed"]["train_phase_s_per_step"] == [1.5, 1.5]
+    path = write_report(summary, tmp_path, LONG, ["--response-tokens", "256", "1024"])
+    assert path.name == "packing_cpu_long.md" and (tmp_path / "packing_cpu_long.png").stat().st_size > 0
+    report = path.read_text()
+    assert "synthetic rollouts (the long setting)" in report and "256 to 1024 random digits" in report
+    assert "reward" not in report.split("| variant")[1].split("\n")[0]
 
 
 def test_without_torchrun_exits_2_with_the_launch_command(monkeypatch, capsys):

@@ -23,6 +23,8 @@ VOCAB, PADDED, HIDDEN, FFN, SEQ, ROWS = 30, 32, 16, 32, 16, 8
 LAYOUTS = {"cp1": (1, 1), "cp2": (1, 2), "cp2_tp2": (2, 2)}  # name: (TP, CP) on 4 ranks; DP = 4 / (TP · CP)
 PACKED_TOKENS = 2 * SEQ  # packed microbatches of at most two sequences
 PATHS = {"materialised": (False, False), "fused_linear": (True, False), "loss_fused": (True, True)}
+GPT_LOSSES = ("seq_mean_token_mean",)  # the tiny GPTModel: the CP attention under a loss with CP sequence sums,
+GPT_PATHS = ("materialised", "loss_fused")  # from its logits and from its hidden states
 LOSSES = {
     "token_mean": dict(loss_agg_mode="token-mean", ratio_clip_c=1.3, reference_policy_kl_penalty=0.2,
                        use_importance_sampling_correction=True,
@@ -135,19 +137,37 @@ def _build_model(tp: int, cp: int):
     return model
 
 
+def _build_gpt_model(tp: int, cp: int):
+    """The tiny GPTModel on `torch_attention_layer_spec()` (the spec a user's own GPTModel takes): 2 layers, RoPE,
+    4 heads in 2 query groups (one per rank at TP 2), from the same weights at every layout (CPU initialisation from
+    one seed splits the same master weights over TP)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_grpo.megatron import torch_attention_layer_spec
+
+    config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2,
+                               ffn_hidden_size=FFN, init_method_std=0.3, hidden_dropout=0.0, attention_dropout=0.0,
+                               use_cpu_initialization=True, tensor_model_parallel_size=tp, context_parallel_size=cp)
+    torch.manual_seed(17)
+    return GPTModel(config=config, transformer_layer_spec=torch_attention_layer_spec(), vocab_size=PADDED,
+                    max_sequence_length=SEQ, position_embedding_type="rope", parallel_output=True)
+
+
 def _full_gradients(model) -> dict[str, torch.Tensor]:
-    """Every parameter's reduced gradient (DDP's main_grad), the output layer's gathered over TP."""
+    """Every parameter's reduced gradient (DDP's main_grad), each TP-split one gathered along its partition dim."""
     from megatron.core import parallel_state
 
     from megatron_grpo.megatron.ddp import gradient, unwrapped
 
     grads = {}
+    tp = parallel_state.get_tensor_model_parallel_world_size()
     for name, param in unwrapped(model).named_parameters():
         grad = gradient(param).detach().clone()
-        if name.startswith("output_layer") and parallel_state.get_tensor_model_parallel_world_size() > 1:
-            shards = [torch.empty_like(grad) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
+        if tp > 1 and getattr(param, "tensor_model_parallel", False):
+            shards = [torch.empty_like(grad) for _ in range(tp)]
             dist.all_gather(shards, grad, group=parallel_state.get_tensor_model_parallel_group())
-            grad = torch.cat(shards)
+            grad = torch.cat(shards, dim=param.partition_dim)
         grads[name] = grad
     return grads
 
@@ -179,42 +199,53 @@ def _microbatches(batch: dict[str, torch.Tensor], packed: bool):
 def _run_layout(tp: int, cp: int, packed: bool) -> dict:
     from megatron.core import parallel_state
 
-    from megatron_grpo.loss import ClippedPGLoss, aggregate_metrics, count_valid
-    from megatron_grpo.megatron import (
-        ParallelParams,
-        compute_logprobs,
-        gather_from_context_parallel,
-        init_parallel,
-        make_forward_step,
-        vocab_shard_of,
-        wrap_in_ddp,
-    )
+    from megatron_grpo.loss import count_valid
+    from megatron_grpo.megatron import ParallelParams, init_parallel, vocab_shard_of, wrap_in_ddp
+
+    layout = init_parallel(ParallelParams(tensor_model_parallel_size=tp, context_parallel_size=cp))
+    assert (layout.tp_size, layout.cp_size, layout.dp_size) == (tp, cp, 4 // (tp * cp))
+    full = _global_batch()
+    counts = count_valid(full)
+    rows = ROWS // layout.dp_size
+    batch = {key: value[layout.dp_rank * rows:(layout.dp_rank + 1) * rows] for key, value in full.items()}
+    model = wrap_in_ddp(_build_model(tp, cp))
+    vocab = vocab_shard_of(model, VOCAB)
+    results = _step_paths(model, vocab, batch, packed, counts, LOSSES, PATHS)
+    if packed:
+        results["train_step"] = _packed_train_step(model, batch, vocab)
+    gpt = wrap_in_ddp(_build_gpt_model(tp, cp))
+    results["gpt"] = _step_paths(gpt, vocab_shard_of(gpt, VOCAB), batch, packed, counts,
+                                 {name: LOSSES[name] for name in GPT_LOSSES}, GPT_PATHS)
+    parallel_state.destroy_model_parallel()
+    return results
+
+
+def _step_paths(model, vocab, batch: dict[str, torch.Tensor], packed: bool, counts, losses: dict, paths) -> dict:
+    """On each of `paths`: `compute_logprobs` of this DP rank's rows, and per loss one forward-backward through
+    Megatron's schedule (its metrics, every parameter's gradient, the curr logprobs), all gathered whole."""
+    from megatron.core import parallel_state
+
+    from megatron_grpo.loss import ClippedPGLoss, aggregate_metrics
+    from megatron_grpo.megatron import compute_logprobs, gather_from_context_parallel, make_forward_step
     from megatron_grpo.megatron.ddp import zero_grads
     from megatron_grpo.megatron.forward import run_schedule
     from megatron_grpo.scheduler import LogprobPlan
 
-    layout = init_parallel(ParallelParams(tensor_model_parallel_size=tp, context_parallel_size=cp))
-    assert (layout.tp_size, layout.cp_size, layout.dp_size) == (tp, cp, 4 // (tp * cp))
-    model = wrap_in_ddp(_build_model(tp, cp))
-    vocab = vocab_shard_of(model, VOCAB)
-    full = _global_batch()
-    tokens, seqs = count_valid(full)
-    rows = ROWS // layout.dp_size
-    batch = {key: value[layout.dp_rank * rows:(layout.dp_rank + 1) * rows] for key, value in full.items()}
     microbatches, packing = _microbatches(batch, packed)
     plan = LogprobPlan(compute_reference_logprobs=False, compute_prev_logprobs=True, prev_from_current=False,
                        reasons=())
     results: dict = {"logprobs": {}}
-    for path, (fused_linear, fused_loss) in PATHS.items():
+    for path in paths:
+        fused_linear, fused_loss = PATHS[path]
         # Packed: compute_logprobs packs the rows itself (each sequence padded to a multiple of 2·CP under CP).
         results["logprobs"][path] = _all_rows(compute_logprobs(
             model, batch, micro_batch_size=2, vocab=vocab, fused_linear=fused_linear,
             max_tokens_per_microbatch=PACKED_TOKENS if packed else None))
-        for loss_name, overrides in LOSSES.items():
+        for loss_name, overrides in losses.items():
             loss_fn = ClippedPGLoss(loss_config(**overrides))
             zero_grads(model)
             forward_step = make_forward_step(loss_fn, plan, num_microbatches=len(microbatches),
-                                             global_valid_tokens=tokens, global_valid_seqs=seqs, vocab=vocab,
+                                             global_valid_tokens=counts[0], global_valid_seqs=counts[1], vocab=vocab,
                                              fused_linear=fused_linear, fused_loss=fused_loss)
             outputs = run_schedule(forward_step, model, microbatches, forward_only=False)
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -227,9 +258,6 @@ def _run_layout(tp: int, cp: int, packed: bool) -> dict:
                                        for m, mb in zip(outputs, microbatches)])
             results[path, loss_name] = {"metrics": metrics, "grads": _full_gradients(model),
                                         "curr": _all_rows(curr)}
-    if packed:
-        results["train_step"] = _packed_train_step(model, batch, vocab)
-    parallel_state.destroy_model_parallel()
     return results
 
 
@@ -303,11 +331,11 @@ def _split_checks(rank: int, world_size: int) -> dict:
 
 
 def _refusals() -> dict[str, str]:
-    """The ValueErrors of bad CP settings: a world size TP × PP × CP does not divide, a size below 1, and the GPTModel
-    without Transformer Engine's attention (the local spec has no CP)."""
+    """The ValueErrors of bad CP settings: a world size TP × PP × CP does not divide, a size below 1, and sequences
+    that the CP split or the CP attention cannot cut into 2·CP chunks."""
     from megatron.core import parallel_state
 
-    from megatron_grpo.megatron import GPTModelParams, ParallelParams, build_gpt_model, init_parallel
+    from megatron_grpo.megatron import ParallelParams, init_parallel
 
     messages = {}
     for name, params in (("indivisible", ParallelParams(context_parallel_size=3)),
@@ -316,11 +344,8 @@ def _refusals() -> dict[str, str]:
             init_parallel(params)
         messages[name] = str(error.value)
     init_parallel(ParallelParams(context_parallel_size=2))
-    with pytest.raises(ValueError) as error:
-        build_gpt_model(GPTModelParams(num_layers=1, hidden_size=8, num_attention_heads=2,
-                                       max_position_embeddings=SEQ, ffn_hidden_size=16), VOCAB)
-    messages["local_spec"] = str(error.value)
     messages.update(_packed_refusals())
+    messages.update(_attention_refusals())
     parallel_state.destroy_model_parallel()
     return messages
 
@@ -345,11 +370,72 @@ def _packed_refusals() -> dict[str, str]:
     return messages
 
 
+ATTENTION_LENGTHS = [8, 24, 16]  # packed sequences of the core attention check: multiples of 2·CP at CP 2 and 4
+
+
+def _attention_checks(rank: int, world_size: int) -> dict:
+    """`TorchDotProductAttention` on this CP rank's zigzag share, float64, at CP 2 × DP 2 and CP 4: its output and
+    dQ, dK, dV against `reference_attention` of the whole sequences at this rank's positions (dK, dV summed over
+    every rank's queries: the reduce-scatter), packed (THD) and padded (b = 2 rows of 16)."""
+    from megatron.core import parallel_state
+    from test_attention import core_attention, cu_seqlens_of, reference_attention, relative_error, thd_params
+
+    from megatron_grpo.megatron import ParallelParams, init_parallel
+    from megatron_grpo.megatron.context_parallel import zigzag_positions
+
+    errors = {}
+    for cp in (2, 4):
+        init_parallel(ParallelParams(context_parallel_size=cp))
+        cp_rank = parallel_state.get_context_parallel_rank()
+        attention = core_attention(2, megatron_groups=True, cp=cp)
+        for layout, lengths, rows in (("packed", ATTENTION_LENGTHS, None), ("padded", [SEQ], 2)):
+            gen = torch.Generator().manual_seed(cp)
+            tokens = sum(lengths)
+            shape = (tokens,) if rows is None else (tokens, rows)
+            q = torch.randn(*shape, 4, 8, generator=gen, dtype=torch.float64)
+            k, v = (torch.randn(*shape, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+            upstream = torch.randn(*shape, 32, generator=gen, dtype=torch.float64)
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            flat = [t if rows is None else t.transpose(0, 1).reshape(-1, *t.shape[2:]) for t in full]  # rows end to end
+            expected = reference_attention(*flat, lengths * (rows or 1), 8 ** -0.5).reshape(-1, 32)
+            if rows is not None:
+                expected = expected.view(rows, tokens, 32).transpose(0, 1)
+            expected_grads = torch.autograd.grad(expected, full, upstream)
+            cu_seqlens = cu_seqlens_of(lengths)
+            mine = zigzag_positions(cu_seqlens, tokens, cp, cp_rank)
+            local = [t[mine].clone().requires_grad_() for t in (q, k, v)]
+            params = thd_params(cu_seqlens) if rows is None else None
+            out = attention(*local, None, packed_seq_params=params)
+            grads = torch.autograd.grad(out, local, upstream[mine])
+            errors[cp, layout] = [relative_error(out, expected[mine].reshape(out.shape))] + [
+                relative_error(g, e[mine]) for g, e in zip(grads, expected_grads)]
+        parallel_state.destroy_model_parallel()
+    return errors
+
+
+def _attention_refusals() -> dict[str, str]:
+    """Under CP 2: whole sequences that 2·CP = 4 chunks cannot split, packed and padded."""
+    from test_attention import core_attention, cu_seqlens_of, thd_params
+
+    q, k, v = torch.zeros(8, 4, 8), torch.zeros(8, 2, 8), torch.zeros(8, 2, 8)
+    attention = core_attention(2, megatron_groups=True, cp=2)
+    params = thd_params(cu_seqlens_of([6, 10]))
+    attempts = {"packed_lengths": lambda: attention(q, k, v, None, packed_seq_params=params),
+                "padded_length": lambda: attention(q[:3, None], k[:3, None], v[:3, None], None)}
+    messages = {}
+    for name, attempt in attempts.items():
+        with pytest.raises(ValueError) as error:
+            attempt()
+        messages[name] = str(error.value)
+    return messages
+
+
 def _all_checks(rank: int, world_size: int) -> dict:
     from megatron_grpo.megatron.cpu_support import apply_cpu_support
 
     apply_cpu_support()
-    out = {"refusals": _refusals(), "split": _split_checks(rank, world_size)}
+    out = {"refusals": _refusals(), "split": _split_checks(rank, world_size),
+           "attention": _attention_checks(rank, world_size)}
     out.update({(name, packed): _run_layout(tp, cp, packed) for name, (tp, cp) in LAYOUTS.items()
                 for packed in (False, True)})
     return out
@@ -364,7 +450,27 @@ def test_bad_context_parallel_settings_are_value_errors_naming_the_key(ranks):
     messages = ranks[0]["refusals"]
     assert "context_parallel_size" in messages["indivisible"] and "world size 4" in messages["indivisible"]
     assert messages["zero"].startswith("context_parallel_size: must be an integer >= 1, got 0")
-    assert messages["local_spec"].startswith("context_parallel_size: 2 needs Transformer Engine's attention")
+
+
+def test_the_attention_refuses_sequences_that_2cp_chunks_cannot_split(ranks):
+    """Under CP 2, whole sequences of 6 and 10 tokens (packed) or 6 (3 rows on each rank, padded) are not multiples
+    of 4: a ValueError naming the cu_seqlens, or the query, with the lengths."""
+    messages = ranks[0]["refusals"]
+    assert messages["packed_lengths"].startswith("packed_seq_params.cu_seqlens_q: context parallelism (2 ranks)")
+    assert "[6, 10]" in messages["packed_lengths"] and "multiple of 4" in messages["packed_lengths"]
+    assert messages["padded_length"].startswith("query: context parallelism (2 ranks)")
+    assert "[6]" in messages["padded_length"]
+
+
+def test_context_parallel_attention_equals_the_whole_sequences_attention(ranks):
+    """Each CP rank's output and dQ, dK, dV (float64) are the whole sequences' at its zigzag positions, at CP 2 and
+    CP 4, packed and padded; float64, the same maths in another order (test_attention.RTOL64)."""
+    from test_attention import RTOL64
+
+    for rank in ranks:
+        assert set(rank["attention"]) == {(cp, layout) for cp in (2, 4) for layout in ("packed", "padded")}
+        for case, errors in rank["attention"].items():
+            assert max(errors) <= RTOL64, (case, errors)
 
 
 def test_packed_sequences_not_a_multiple_of_2cp_are_value_errors_naming_cu_seqlens(ranks):
@@ -378,10 +484,38 @@ def test_packed_sequences_not_a_multiple_of_2cp_are_value_errors_naming_cu_seqle
     assert messages["share_without_positions"].startswith("position_ids: ")
 
 
+def test_rows_padded_for_context_parallel_carry_their_kept_sets(monkeypatch):
+    """At CP 2 a padded batch of width 6 is extended to 8 (a multiple of 2·CP) with zeros after every row's end; the
+    kept sets stay with their tokens and the added positions hold none; an MoE model's routes there are `0 .. k-1`
+    and its padding mask marks them."""
+    from megatron_grpo.loss.kept_set_batch import KEPT_SET_IDS, KEPT_SET_OFFSETS, kept_set_of
+    from megatron_grpo.megatron import context_parallel
+    from megatron_grpo.ops.kept_set import KeptSet
+
+    monkeypatch.setattr(context_parallel, "context_parallel_size", lambda: 2)
+    input_ids = torch.arange(1, 13).view(2, 6)
+    sets = [[] if t % 6 == 0 else [t % 5, 7 + t % 3] for t in range(12)]
+    kept = KeptSet.from_lists(sets)
+    batch = {"input_ids": input_ids, "token_mask": torch.ones(2, 6), "advantages": torch.ones(2),
+             KEPT_SET_OFFSETS: kept.offsets, KEPT_SET_IDS: kept.ids,
+             "routed_experts": torch.full((2, 6, 3, 2), 5, dtype=torch.int32),
+             "moe_padding_mask": torch.zeros(2, 6, dtype=torch.bool)}
+    padded = context_parallel.padded_for_context_parallel(batch)
+    assert padded["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 0, 0], [7, 8, 9, 10, 11, 12, 0, 0]]
+    assert padded["token_mask"][:, 6:].eq(0).all() and padded["advantages"] is batch["advantages"]
+    routes = padded["routed_experts"]
+    assert routes.dtype == torch.int32 and routes[:, :6].eq(5).all()
+    assert routes[:, 6:].tolist() == [[[[0, 1]] * 3] * 2] * 2
+    assert padded["moe_padding_mask"].tolist() == [[False] * 6 + [True] * 2] * 2
+    got = kept_set_of(padded)
+    expected = [sorted(s) for s in sets[:6]] + [[], []] + [sorted(s) for s in sets[6:]] + [[], []]
+    assert [got.ids[a:b].tolist() for a, b in zip(got.offsets[:-1], got.offsets[1:])] == expected
+
+
 def test_partition_without_transformer_engine_matches_hand_written_indices():
     """The no-TE stand-in of TE's `thd_get_partitioned_indices` at CP 2: each sequence in 4 chunks, rank 0 keeping
     chunks 0 and 3, rank 1 chunks 1 and 2, sequence after sequence."""
-    from megatron_grpo.megatron.context_parallel import _thd_partition_without_te
+    from megatron_grpo.megatron.context_parallel import zigzag_positions
 
     cases = {  # cu_seqlens: (rank 0's positions, rank 1's)
         (0, 4, 12): ([0, 3, 4, 5, 10, 11], [1, 2, 6, 7, 8, 9]),
@@ -390,7 +524,7 @@ def test_partition_without_transformer_engine_matches_hand_written_indices():
     for cu, expected in cases.items():
         cu_seqlens = torch.tensor(cu, dtype=torch.int32)
         for rank in range(2):
-            got = _thd_partition_without_te(cu_seqlens, cu[-1], 2, rank)
+            got = zigzag_positions(cu_seqlens, cu[-1], 2, rank)
             assert got.tolist() == expected[rank], (cu, rank, got.tolist())
 
 
@@ -495,25 +629,39 @@ def test_context_parallel_equals_cp1_through_megatrons_schedule(ranks, layout, p
     """Loss, every metric, every gradient and the curr logprobs (the chunk boundaries included) of each path and
     loss equal the CP 1 layout's, padded or packed alike; compute_logprobs returns the full token-aligned logprobs."""
     for rank in range(4):
-        expected, actual = ranks[rank]["cp1", packed], ranks[rank][layout, packed]
-        for path in PATHS:
-            # Logprobs: the same row maths, another GEMM blocking (MODEL_LOGPROB_ATOL's reason).
-            torch.testing.assert_close(actual["logprobs"][path], expected["logprobs"][path], rtol=0,
-                                       atol=MODEL_LOGPROB_ATOL)
-            assert not expected["logprobs"][path][:, 0].any()
-            for loss_name in LOSSES:
-                got, want = actual[path, loss_name], expected[path, loss_name]
-                assert got["metrics"].keys() == want["metrics"].keys()
-                for name, value in want["metrics"].items():
-                    assert got["metrics"][name] == pytest.approx(value, rel=METRIC_RTOL, abs=METRIC_RTOL), \
-                        (path, loss_name, name)
-                torch.testing.assert_close(got["curr"], want["curr"], rtol=0, atol=MODEL_LOGPROB_ATOL)
-                for name, grad in want["grads"].items():
-                    scale = grad.abs().max().item()
-                    assert scale > 0, (path, loss_name, name)
-                    # Relative to the largest element (MODEL_GRAD_RTOL's reason).
-                    torch.testing.assert_close(got["grads"][name], grad, rtol=0, atol=MODEL_GRAD_RTOL * scale,
-                                               msg=lambda m: f"{path} {loss_name} {name}: {m}")
+        _assert_same_results(ranks[rank][layout, packed], ranks[rank]["cp1", packed], LOSSES, PATHS)
+
+
+def _assert_same_results(actual: dict, expected: dict, losses, paths) -> None:
+    for path in paths:
+        # Logprobs: the same row maths, another GEMM blocking (MODEL_LOGPROB_ATOL's reason).
+        torch.testing.assert_close(actual["logprobs"][path], expected["logprobs"][path], rtol=0,
+                                   atol=MODEL_LOGPROB_ATOL)
+        assert not expected["logprobs"][path][:, 0].any()
+        for loss_name in losses:
+            got, want = actual[path, loss_name], expected[path, loss_name]
+            assert got["metrics"].keys() == want["metrics"].keys()
+            for name, value in want["metrics"].items():
+                assert got["metrics"][name] == pytest.approx(value, rel=METRIC_RTOL, abs=METRIC_RTOL), \
+                    (path, loss_name, name)
+            torch.testing.assert_close(got["curr"], want["curr"], rtol=0, atol=MODEL_LOGPROB_ATOL)
+            for name, grad in want["grads"].items():
+                scale = grad.abs().max().item()
+                assert scale > 0, (path, loss_name, name)
+                # Relative to the largest element (MODEL_GRAD_RTOL's reason).
+                torch.testing.assert_close(got["grads"][name], grad, rtol=0, atol=MODEL_GRAD_RTOL * scale,
+                                           msg=lambda m: f"{path} {loss_name} {name}: {m}")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("layout", ["cp2", "cp2_tp2"])
+def test_gpt_model_with_the_torch_attention_under_context_parallelism_equals_cp1(ranks, layout, packed):
+    """The tiny GPTModel (RoPE, grouped-query heads) on `torch_attention_layer_spec()`: its attention all-gathers K
+    and V over CP. Loss, metrics, every gradient and the logprobs from its logits and from its hidden states (the
+    loss-fused path) equal CP 1's, padded and packed."""
+    for rank in range(4):
+        expected, actual = ranks[rank]["cp1", packed]["gpt"], ranks[rank][layout, packed]["gpt"]
+        _assert_same_results(actual, expected, GPT_LOSSES, GPT_PATHS)
 
 
 @pytest.mark.parametrize("layout", ["cp2", "cp2_tp2"])

@@ -417,7 +417,7 @@ def test_padded_vocab_follows_megatron_lm(vocab_size, divisible_by, tp_size):
 
 
 def test_transformer_engine_that_raises_runtime_error_is_not_usable(tmp_path, monkeypatch):
-    from megatron_grpo.megatron import model as model_module
+    from megatron_grpo.megatron import transformer_engine
 
     package = tmp_path / "transformer_engine"
     package.mkdir()
@@ -425,7 +425,7 @@ def test_transformer_engine_that_raises_runtime_error_is_not_usable(tmp_path, mo
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(__import__("sys").modules, "transformer_engine", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert not model_module.transformer_engine_usable()
+    assert not transformer_engine.transformer_engine_usable()
 
 
 def test_init_parallel_passes_the_timeout_to_torch_and_megatron(monkeypatch):

@@ -1,8 +1,8 @@
 """Packed (THD) microbatches through the tiny GPTModel equal padded ones: `train_step` with
-`StepConfig.max_tokens_per_microbatch` (first-fit-decreasing packing, a block-diagonal causal mask and positions
-that restart per sequence on the local attention spec) against the same rollout in padded microbatches, with a
-prev pass (`compute_logprobs` on packed microbatches) and a sequence-level loss, on the materialised, fused linear
-and loss-fused paths, at TP 1, TP 2 and PP 2.
+`StepConfig.max_tokens_per_microbatch` (first-fit-decreasing packing; `TorchDotProductAttention`'s THD path, one
+causal SDPA per sequence on the CPU; positions that restart per sequence) against the same rollout in padded
+microbatches, with a prev pass (`compute_logprobs` on packed microbatches) and a sequence-level loss, on the
+materialised, fused linear and loss-fused paths, at TP 1 (learned absolute positions and RoPE), TP 2 and PP 2.
 
 One spawn per world size: world 1 runs TP 1; world 2 runs TP 2, then PP 2 (Megatron's 1F1B schedule over packed
 microbatches of one length). Tolerances: fp32 models whose GEMMs and attention softmaxes see other shapes (a packed
@@ -67,7 +67,9 @@ def run_layouts(rank: int, world_size: int) -> dict:
     from megatron_grpo.megatron import destroy_parallel, init_parallel
     from megatron_grpo.runner.plugin_params import parallel_params
 
-    layouts = {"tp1": {"policy.tensor_model_parallel_size": 1}} if world_size == 1 else {
+    layouts = {"tp1": {"policy.tensor_model_parallel_size": 1},
+               "tp1_rope": {"policy.tensor_model_parallel_size": 1,
+                            "policy.model.position_embedding_type": "rope"}} if world_size == 1 else {
         "tp2": {"policy.tensor_model_parallel_size": 2},
         "pp2": {"policy.tensor_model_parallel_size": 1, "policy.pipeline_model_parallel_size": 2}}
     outcome = {}
@@ -105,5 +107,5 @@ def test_packed_train_step_equals_padded(ranks, mode):
 
 
 def test_both_world_sizes_ran_every_layout(ranks):
-    assert {layout for rank in ranks for layout in rank} <= {"tp1", "tp2", "pp2"}
-    assert all(set(rank) in ({"tp1"}, {"tp2", "pp2"}) for rank in ranks)
+    assert {layout for rank in ranks for layout in rank} <= {"tp1", "tp1_rope", "tp2", "pp2"}
+    assert all(set(rank) in ({"tp1", "tp1_rope"}, {"tp2", "pp2"}) for rank in ranks)

@@ -1,5 +1,6 @@
-"""The same GRPO run under every layout: TP1, TP2, PP2, TP2 × PP2 and DP2, all started through
-`policy.initial_checkpoint` from one TP1 PP1 checkpoint of the tiny model.
+"""The same GRPO run under every layout: TP1, TP2, PP2, TP2 × PP2, DP2 and CP2, all started through
+`policy.initial_checkpoint` from one TP1 PP1 checkpoint of the tiny model. Under CP2 both ranks sample whole
+sequences (each forward on its zigzag share) and train on their shares, the attention all-gathering K and V.
 
 Random initialisation is not layout-independent (each pipeline stage seeds its layers alike), so the layouts are
 compared from that checkpoint only; the TP1 run saves it first (the seed's weights), then loads it like the others.
@@ -22,20 +23,22 @@ from grpo_workers.launch import write_config
 
 STEPS = 3
 PADDED_VOCAB = 128
-LAYOUTS = {  # name: (TP, PP, world size)
-    "tp1": (1, 1, 1),
-    "tp2": (2, 1, 2),
-    "pp2": (1, 2, 2),
-    "tp2_pp2": (2, 2, 4),
-    "dp2": (1, 1, 2),
+LAYOUTS = {  # name: (TP, PP, CP, world size)
+    "tp1": (1, 1, 1, 1),
+    "tp2": (2, 1, 1, 2),
+    "pp2": (1, 2, 1, 2),
+    "tp2_pp2": (2, 2, 1, 4),
+    "dp2": (1, 1, 1, 2),
+    "cp2": (1, 1, 2, 2),
 }
-pytestmark = pytest.mark.slow  # 11 gloo ranks
+pytestmark = pytest.mark.slow  # 13 gloo ranks
 
 
-def layout_config(directory: Path, tp: int, pp: int, checkpoint: Path) -> Path:
-    return write_config(directory, f"tp{tp}_pp{pp}.yaml", **{
+def layout_config(directory: Path, tp: int, pp: int, cp: int, checkpoint: Path) -> Path:
+    return write_config(directory, f"tp{tp}_pp{pp}_cp{cp}.yaml", **{
         "policy.tensor_model_parallel_size": tp,
         "policy.pipeline_model_parallel_size": pp,
+        "policy.context_parallel_size": cp,
         "policy.model.make_vocab_size_divisible_by": PADDED_VOCAB // tp,
         "policy.initial_checkpoint": str(checkpoint),
         "grpo.max_num_steps": STEPS,
@@ -83,7 +86,7 @@ def three_steps(rank: int, world_size: int, config: Path, save_initial_to: Path 
     try:
         trainer = loop.Trainer.build(cfg, plan_for(cfg), layout)
         records = [trainer.step(step) for step in range(STEPS)]
-        return {"layout": (layout.tp_size, layout.pp_size, layout.dp_size), "dp_rank": layout.dp_rank,
+        return {"layout": (layout.tp_size, layout.pp_size, layout.cp_size, layout.dp_size), "dp_rank": layout.dp_rank,
                 "records": records, "trained": trained}
     finally:
         loop.train_step = train_step
@@ -91,7 +94,7 @@ def three_steps(rank: int, world_size: int, config: Path, save_initial_to: Path 
 
 
 def merged_over_data_parallel(ranks: list[dict], step: int, key: str) -> torch.Tensor:
-    """The step's `key` over the whole batch: the DP ranks' shares in DP order (their TP/PP ranks agree)."""
+    """The step's `key` over the whole batch: the DP ranks' shares in DP order (their TP/PP/CP ranks agree)."""
     shares: dict[int, torch.Tensor] = {}
     for rank in ranks:
         share = rank["trained"][step][key]
@@ -105,22 +108,22 @@ def merged_over_data_parallel(ranks: list[dict], step: int, key: str) -> torch.T
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
     directory = tmp_path_factory.mktemp("layouts")
     checkpoint = directory / "initial"
-    results = {"tp1": run_on_ranks(1, three_steps, layout_config(directory, 1, 1, checkpoint), checkpoint)}
-    for name, (tp, pp, world) in LAYOUTS.items():
+    results = {"tp1": run_on_ranks(1, three_steps, layout_config(directory, 1, 1, 1, checkpoint), checkpoint)}
+    for name, (tp, pp, cp, world) in LAYOUTS.items():
         if name != "tp1":
-            results[name] = run_on_ranks(world, three_steps, layout_config(directory, tp, pp, checkpoint))
+            results[name] = run_on_ranks(world, three_steps, layout_config(directory, tp, pp, cp, checkpoint))
     return results
 
 
 def test_each_run_has_its_layout(runs):
-    for name, (tp, pp, world) in LAYOUTS.items():
-        assert {rank["layout"] for rank in runs[name]} == {(tp, pp, world // (tp * pp))}, name
+    for name, (tp, pp, cp, world) in LAYOUTS.items():
+        assert {rank["layout"] for rank in runs[name]} == {(tp, pp, cp, world // (tp * pp * cp))}, name
 
 
 @pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "tp1"])
 def test_first_step_logprobs_loss_and_grad_norm_match_tp1(runs, name):
     reference, other = runs["tp1"], runs[name]
-    # the same weights, forwarded with TP's, PP's or DP's other summation order: a few ulps of each logprob
+    # the same weights, forwarded with TP's, PP's, DP's or CP's other summation order: a few ulps of each logprob
     torch.testing.assert_close(merged_over_data_parallel(other, 0, "curr_logprobs"),
                                merged_over_data_parallel(reference, 0, "curr_logprobs"),
                                rtol=0, atol=MODEL_LOGPROB_ATOL)
