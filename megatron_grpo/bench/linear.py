@@ -1,17 +1,21 @@
 """Fused linear + logprob benchmark: `megatron-grpo bench linear [--quick] [--tp ..] [--dtypes ..] ...`.
 
-`vocab_parallel_linear_logprobs(hidden, weight, targets)` against its peers, forward + backward w.r.t. the hidden
-states and this rank's shard of the output weight, for each case (TP size, dtype, T x H x V_local per rank, the
-fraction of response rows: the others are prompt rows with target -1). Per case: the median step time, the ratio
-against the materialised path and against Megatron-Core measured in the same run, the peak memory beyond the
-inputs and their gradients, and the fused op's error against a float64 reference.
+`vocab_parallel_linear_logprobs(hidden, weight, targets)` and the loss-fused head against their peers, forward +
+backward w.r.t. the hidden states and this rank's shard of the output weight, for each case (TP size, dtype,
+T x H x V_local per rank, the fraction of response rows: the others are prompt rows with target -1, the sequence
+length, the sampling filter). Per case: the median step time, the candidates' steps interleaved round by round in
+one process (a shared machine's load then weighs on all alike), the ratio against the materialised path and against
+Megatron-Core measured in the same run, the peak memory beyond the inputs and their gradients (the bytes of live
+tensors, deterministic, and the process's or the allocator's peak), and the fused op's error against a float64
+reference.
 
 The candidates: the materialised path (`hidden @ weight.T`, then `vocab_parallel_logprobs`), the fused op with
-and without entropy, Megatron's cross entropy after the same linear, Cut-Cross-Entropy and Liger-Kernel where they
-run, and the GRPO loss step three ways (materialised, the fused op then `ClippedPGLoss`, and the loss-fused
-`ClippedPGLoss.on_hidden_states`). A candidate that cannot run here is reported with the reason, and never fails
-the run. Peers installed outside the venv are found through `--peer-path DIR`. The ranks run in child processes,
-as in `bench logprob`.
+and without entropy and under Megatron's DDP, Megatron's cross entropy after the same linear, Cut-Cross-Entropy and
+Liger-Kernel (its fused linear cross entropy, and its tensor-parallel fused linear with entropy and temperature)
+where they run, and the GRPO loss step four ways (materialised, with its in-place backward, the fused op then
+`ClippedPGLoss`, and the loss-fused `ClippedPGLoss.on_hidden_states`, also under DDP). A candidate that cannot run
+here is reported with the reason, and never fails the run. Peers installed outside the venv are found through
+`--peer-path DIR`. The ranks run in child processes, as in `bench logprob`.
 """
 # In the code: the candidates are a registry (`CANDIDATES`) of named builders, each returning a `Step` (a forward
 # on `(hidden, weight)` and its upstream gradient) or raising with the reason it cannot run; the ranks run through
@@ -23,7 +27,9 @@ import argparse
 import datetime
 import functools
 import math
+import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -34,26 +40,28 @@ import torch.distributed as dist
 from megatron_grpo.bench.measure import (
     DEFAULT_OUT,
     OUT_HELP,
+    LiveTensorBytes,
     PeakMemory,
     grouped_bar_plot,
+    load_average,
     machine_description,
-    median_seconds,
     run_ranks,
+    synchronize,
     write_results,
 )
-from megatron_grpo.ops import VocabShard, vocab_parallel_linear_logprobs, vocab_parallel_logprobs
+from megatron_grpo.ops import SamplingDistribution, VocabShard, vocab_parallel_linear_logprobs, vocab_parallel_logprobs
 from megatron_grpo.ops.core.chunking import chunk_rows_for
 from megatron_grpo.runner.helptext import DefaultsHelpFormatter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-SEQUENCE_ROWS = 1024  # rows per "sequence": its prompt rows come first, then its response rows
+SEQUENCE_ROWS = 1024  # default rows per sequence: its prompt rows come first, then its response rows
 LOGIT_STD = 3.0
 
 # The targets the op was built to, printed next to the results.
 TARGET_SPEED_ALL_ROWS = 0.75      # materialised ms / fused ms at 100% response rows
 TARGET_SPEED_QUARTER_ROWS = 2.5   # ... at 25% response rows
 TARGET_PEAK_FRACTION = 0.10       # fused extra peak / materialised extra peak
-TARGET_LOSS_FUSED = 1.0           # materialised loss step ms / loss-fused ms at 100% response rows
+TARGET_LOSS_FUSED = 1.0           # materialised loss step (in-place backward) ms / loss-fused ms at 100% rows
 
 
 @dataclass(frozen=True)
@@ -65,11 +73,21 @@ class Case:
     v_local: int
     response: float  # fraction of rows that have a target
     chunk_rows: int | None = None  # the fused op's rows per chunk; None: the op's default (`chunk_rows_for`)
+    sequence: int = SEQUENCE_ROWS  # rows per sequence of the loss candidates (prompt rows first)
+    top_k: int | None = None  # the sampling filter of our candidates (the peers have none: skipped)
+    top_p: float | None = None
+
+    @property
+    def distribution(self) -> SamplingDistribution:
+        return SamplingDistribution(top_k=self.top_k, top_p=self.top_p)
 
     def label(self) -> str:
         chunks = "" if self.chunk_rows is None else f", fused chunk_rows={self.chunk_rows}"
+        sequences = "" if self.sequence == SEQUENCE_ROWS else f", sequences of {self.sequence}"
+        filters = "".join(f", {name}={value}" for name, value in (("top-k", self.top_k), ("top-p", self.top_p))
+                          if value is not None)
         return (f"TP={self.tp}, {self.dtype}, T={self.tokens} x H={self.hidden} x V_local={self.v_local}, "
-                f"{100 * self.response:.0f}% response rows{chunks}")
+                f"{100 * self.response:.0f}% response rows{sequences}{filters}{chunks}")
 
 
 @dataclass
@@ -82,6 +100,7 @@ class CaseInputs:
     upstream: torch.Tensor      # [T] float32: 1 on response rows, 0 on prompt rows (the loss mask)
     group: dist.ProcessGroup | None
     seed: int                   # for a candidate that needs more inputs (advantages, old logprobs, ...)
+    distribution: SamplingDistribution = SamplingDistribution()  # the case's filter, for our candidates
 
 
 @dataclass(frozen=True)
@@ -108,7 +127,7 @@ class Candidate:
 def build_materialised(case: Case, inputs: CaseInputs) -> Step:
     def forward(hidden, weight):
         return vocab_parallel_logprobs(hidden @ weight.t(), inputs.targets, shard=VocabShard(group=inputs.group),
-                                       check_inputs=False)
+                                       distribution=inputs.distribution, check_inputs=False)
 
     return Step(forward, inputs.upstream)
 
@@ -116,7 +135,8 @@ def build_materialised(case: Case, inputs: CaseInputs) -> Step:
 def build_fused(case: Case, inputs: CaseInputs) -> Step:
     def forward(hidden, weight):
         return vocab_parallel_linear_logprobs(hidden, weight, inputs.targets, shard=VocabShard(group=inputs.group),
-                                              chunk_rows=case.chunk_rows, check_inputs=False)
+                                              distribution=inputs.distribution, chunk_rows=case.chunk_rows,
+                                              check_inputs=False)
 
     return Step(forward, inputs.upstream)
 
@@ -139,8 +159,8 @@ def build_fused_main_grad(case: Case, inputs: CaseInputs) -> Step:
 
     def forward(hidden, weight):
         return vocab_parallel_linear_logprobs(hidden, attach(weight), inputs.targets,
-                                              shard=VocabShard(group=inputs.group), chunk_rows=case.chunk_rows,
-                                              check_inputs=False)
+                                              shard=VocabShard(group=inputs.group), distribution=inputs.distribution,
+                                              chunk_rows=case.chunk_rows, check_inputs=False)
 
     return Step(forward, inputs.upstream)
 
@@ -149,6 +169,7 @@ def build_fused_entropy(case: Case, inputs: CaseInputs) -> Step:
     def forward(hidden, weight):
         logprob, entropy = vocab_parallel_linear_logprobs(hidden, weight, inputs.targets,
                                                           shard=VocabShard(group=inputs.group), with_entropy=True,
+                                                          distribution=inputs.distribution,
                                                           chunk_rows=case.chunk_rows, check_inputs=False)
         return logprob + entropy  # both outputs take the upstream gradient
 
@@ -162,6 +183,7 @@ def build_megatron(case: Case, inputs: CaseInputs) -> Step:
     lse, and the upstream mask gives it no gradient, as a masked loss would."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+    _unfiltered_only(case, "Megatron's vocab_parallel_cross_entropy")
     targets = inputs.targets.view(case.tokens, 1)
 
     def forward(hidden, weight):
@@ -174,6 +196,12 @@ def build_megatron(case: Case, inputs: CaseInputs) -> Step:
 def _one_rank_only(case: Case, name: str) -> None:
     if case.tp != 1:
         raise RuntimeError(f"{name} has no vocab-parallel mode: it needs the whole vocab on one rank")
+    _unfiltered_only(case, name)
+
+
+def _unfiltered_only(case: Case, name: str) -> None:
+    if case.distribution.filtered:
+        raise RuntimeError(f"{name} has no top-k / top-p")
 
 
 _PROBED: dict[str, Exception | None] = {}
@@ -223,6 +251,27 @@ def build_cce_torch_compile(case: Case, inputs: CaseInputs) -> Step:
     return _build_cce(case, inputs, "torch_compile")
 
 
+def build_liger_tp(case: Case, inputs: CaseInputs) -> Step:
+    """Liger-Kernel's tensor-parallel fused linear cross entropy with entropy and temperature (1 here), its vocab
+    sharded over the TP group as ours (NCCL and CUDA only), both outputs trained as `fused+entropy`'s."""
+    _unfiltered_only(case, "Liger-Kernel's tensor-parallel fused linear cross entropy")
+    from liger_kernel.ops import LigerFusedLinearScaledCrossEntropyTPFunction
+
+    group = inputs.group if inputs.group is not None else dist.group.WORLD
+
+    def forward(hidden, weight, targets=inputs.targets):
+        nll, entropy = LigerFusedLinearScaledCrossEntropyTPFunction.apply(hidden, weight, targets, group, 1.0, -1, 1,
+                                                                          True)
+        return entropy - nll
+
+    def probe():
+        h, w, t = _tiny(inputs.hidden)
+        forward(h, w, t).sum().backward()
+
+    _probe(f"liger-tp-{inputs.hidden.dtype}-{inputs.hidden.device}", probe)
+    return Step(lambda hidden, weight: forward(hidden, weight), inputs.upstream)
+
+
 def build_liger(case: Case, inputs: CaseInputs) -> Step:
     _one_rank_only(case, "Liger-Kernel's fused linear cross entropy")
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
@@ -261,11 +310,11 @@ class LossInputs:
 
 
 def _loss_inputs(case: Case, inputs: CaseInputs) -> LossInputs:
-    """A GRPO batch over the case's rows as sequences of SEQUENCE_ROWS tokens (prompt first), with prev logprobs
+    """A GRPO batch over the case's rows as sequences of `case.sequence` tokens (prompt first), with prev logprobs
     near a uniform policy's, so that ratios spread around 1."""
     from megatron_grpo.loss import ClippedPGLoss, ClippedPGLossConfig, count_valid
 
-    sequence = min(case.tokens, SEQUENCE_ROWS)
+    sequence = min(case.tokens, case.sequence)
     if case.tokens % sequence:
         raise ValueError(f"the loss candidates need T ({case.tokens}) to be a multiple of {sequence}")
     batch_size, vocab = case.tokens // sequence, case.v_local * case.tp
@@ -292,7 +341,8 @@ def build_materialised_loss(case: Case, inputs: CaseInputs) -> Step:
 
     def forward(hidden, weight):
         value, _ = loss.loss_fn(hidden.view(shape) @ weight.t(), loss.batch, global_valid_tokens=loss.tokens,
-                                global_valid_seqs=loss.seqs, shard=VocabShard(group=inputs.group))
+                                global_valid_seqs=loss.seqs, shard=VocabShard(group=inputs.group),
+                                distribution=inputs.distribution)
         return value
 
     return Step(forward, None)
@@ -305,7 +355,7 @@ def build_materialised_loss_inplace(case: Case, inputs: CaseInputs) -> Step:
     def forward(hidden, weight):
         value, _ = loss.loss_fn(hidden.view(shape) @ weight.t(), loss.batch, global_valid_tokens=loss.tokens,
                                 global_valid_seqs=loss.seqs, shard=VocabShard(group=inputs.group),
-                                inplace_backward=True)
+                                distribution=inputs.distribution, inplace_backward=True)
         return value
 
     return Step(forward, None)
@@ -321,9 +371,9 @@ def build_recompute_loss(case: Case, inputs: CaseInputs) -> Step:
     def forward(hidden, weight):
         logprobs, entropy = vocab_parallel_linear_logprobs(
             hidden.view(shape), weight, targets, shard=VocabShard(group=inputs.group), shift=True, with_entropy=True,
-            chunk_rows=case.chunk_rows, check_inputs=False)
+            distribution=inputs.distribution, chunk_rows=case.chunk_rows, check_inputs=False)
         value, _ = loss.loss_fn(None, loss.batch, global_valid_tokens=loss.tokens, global_valid_seqs=loss.seqs,
-                                curr_logprobs=logprobs, curr_entropy=entropy)
+                                curr_logprobs=logprobs, curr_entropy=entropy, distribution=inputs.distribution)
         return value
 
     return Step(forward, None)
@@ -336,7 +386,8 @@ def build_loss_fused(case: Case, inputs: CaseInputs) -> Step:
     def forward(hidden, weight):
         value, _ = loss.loss_fn.on_hidden_states(hidden.view(shape), weight, loss.batch,
                                                  global_valid_tokens=loss.tokens, global_valid_seqs=loss.seqs,
-                                                 shard=VocabShard(group=inputs.group), chunk_rows=case.chunk_rows)
+                                                 shard=VocabShard(group=inputs.group), distribution=inputs.distribution,
+                                                 chunk_rows=case.chunk_rows)
         return value
 
     return Step(forward, None)
@@ -350,8 +401,9 @@ def build_loss_fused_main_grad(case: Case, inputs: CaseInputs) -> Step:
     def forward(hidden, weight):
         value, _ = loss.loss_fn.on_hidden_states(hidden.view(shape), attach(weight), loss.batch,
                                                  global_valid_tokens=loss.tokens, global_valid_seqs=loss.seqs,
-                                                 shard=VocabShard(group=inputs.group), chunk_rows=case.chunk_rows)
-        return value
+                                                 shard=VocabShard(group=inputs.group), distribution=inputs.distribution,
+                                                 chunk_rows=case.chunk_rows, upstream_gradient=1.0)
+        return value  # differentiated with no upstream gradient: 1, bound up front, so dW goes to main_grad
 
     return Step(forward, None)
 
@@ -359,6 +411,7 @@ def build_loss_fused_main_grad(case: Case, inputs: CaseInputs) -> Step:
 MATERIALISED, FUSED, MEGATRON = "materialised", "fused", "megatron"
 FUSED_MAIN_GRAD = "fused-main-grad"
 MATERIALISED_LOSS, MATERIALISED_LOSS_INPLACE = "materialised-loss", "materialised-loss-inplace"
+LOSS_FUSED, LOSS_FUSED_MAIN_GRAD = "loss-fused", "loss-fused-main-grad"
 
 # The benchmark's entries, in report order. A new one is a builder and one line here; a scalar loss returns
 # `Step(forward, None)` (no upstream gradient) and names its own baseline.
@@ -377,20 +430,25 @@ CANDIDATES: dict[str, Candidate] = {
                                                             "plain torch: the logits are materialised)"),
     "liger": Candidate(build_liger, "Liger-Kernel `liger_fused_linear_cross_entropy(..., reduction='none')` "
                                     "(Triton kernels: GPUs only)"),
+    "liger-tp": Candidate(build_liger_tp, "Liger-Kernel's tensor-parallel `LigerFusedLinearScaledCrossEntropyTP"
+                                          "Function` (vocab sharded as ours, entropy and temperature; NCCL, CUDA): "
+                                          "both outputs trained, as `fused+entropy`"),
     MATERIALISED_LOSS: Candidate(build_materialised_loss, "the GRPO loss step: `logits = hidden @ weight.T`, then "
                                                           "`ClippedPGLoss` (with entropy, as the train step)",
-                                 baseline=MATERIALISED_LOSS),
+                                 baseline=MATERIALISED_LOSS_INPLACE),
     MATERIALISED_LOSS_INPLACE: Candidate(build_materialised_loss_inplace,
                                          "the same with `inplace_backward=True`, as the train step runs it: the "
-                                         "logits' gradient overwrites the logits", baseline=MATERIALISED_LOSS),
+                                         "logits' gradient overwrites the logits (the loss candidates' baseline)",
+                                         baseline=MATERIALISED_LOSS_INPLACE),
     "recompute-loss": Candidate(build_recompute_loss, "`vocab_parallel_linear_logprobs(..., with_entropy=True)`, "
                                                       "then `ClippedPGLoss(None, curr_logprobs=...)` (4 GEMMs)",
-                                baseline=MATERIALISED_LOSS),
-    "loss-fused": Candidate(build_loss_fused, "`ClippedPGLoss.on_hidden_states`: the loss gradient in forward, "
-                                              "chunks of whole sequences (3 GEMMs)", baseline=MATERIALISED_LOSS),
-    "loss-fused-main-grad": Candidate(build_loss_fused_main_grad, "the same under Megatron's DDP (an fp32 "
-                                                                  "`main_grad`, as for `fused-main-grad`)",
-                                      baseline=MATERIALISED_LOSS),
+                                baseline=MATERIALISED_LOSS_INPLACE),
+    LOSS_FUSED: Candidate(build_loss_fused, "`ClippedPGLoss.on_hidden_states`: the loss-fused head, its gradient "
+                                            "in forward (3 GEMMs)", baseline=MATERIALISED_LOSS_INPLACE),
+    LOSS_FUSED_MAIN_GRAD: Candidate(build_loss_fused_main_grad,
+                                    "the same under Megatron's DDP (an fp32 `main_grad`, as for `fused-main-grad`), "
+                                    "its upstream gradient bound, so dW goes into `main_grad` during forward",
+                                    baseline=MATERIALISED_LOSS_INPLACE),
 }
 
 
@@ -406,11 +464,12 @@ def make_inputs(case: Case, device: torch.device, group) -> CaseInputs:
     weight *= LOGIT_STD / math.sqrt(case.hidden)
     full_vocab = case.v_local * case.tp
     targets = torch.randint(0, full_vocab, (case.tokens,), generator=torch.Generator().manual_seed(7))
-    sequence = min(case.tokens, SEQUENCE_ROWS)
+    sequence = min(case.tokens, case.sequence)
     response = torch.arange(case.tokens) % sequence >= round((1 - case.response) * sequence)
     targets[~response] = -1
     return CaseInputs(hidden=hidden.to(device, dtype), weight=weight.to(device, dtype), targets=targets.to(device),
-                      upstream=response.to(device, torch.float32), group=group, seed=13)
+                      upstream=response.to(device, torch.float32), group=group, seed=13,
+                      distribution=case.distribution)
 
 
 def _fresh_leaves(inputs: CaseInputs):
@@ -422,16 +481,44 @@ def _forward_backward(step: Step, leaves) -> None:
     torch.autograd.grad(step.forward(hidden, weight), (hidden, weight), step.grad_out)
 
 
-def time_candidate(step: Step, inputs: CaseInputs, device: torch.device, repeats: int,
-                   warmup: int) -> tuple[float, float]:
-    """(median forward+backward ms, peak MiB beyond the inputs and their gradients) of one step."""
-    run = functools.partial(_forward_backward, step)
-    seconds = median_seconds(run, lambda: _fresh_leaves(inputs), device, repeats, warmup)
+def interleaved_times(steps: dict[str, Step], inputs: CaseInputs, device: torch.device, repeats: int,
+                      warmup: int) -> tuple[dict[str, float], dict[str, str]]:
+    """The median forward+backward ms of each candidate: in each round every candidate runs once, in turn (after
+    `warmup` untimed rounds), so that a shared machine's changing load weighs on all of them alike. A candidate that
+    fails is dropped from the rounds, with why. Each step gets fresh leaves, made outside the timed region."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    failed: dict[str, str] = {}
+    for round_number in range(warmup + repeats):
+        for name, step in steps.items():
+            if name in failed:
+                continue
+            leaves = _fresh_leaves(inputs)
+            synchronize(device)
+            start = time.perf_counter()
+            try:
+                _forward_backward(step, leaves)
+                synchronize(device)
+            except Exception as exc:  # noqa: BLE001 - any failure means "cannot run here", reported, never fatal
+                failed[name] = _reason(exc)
+                continue
+            if round_number >= warmup:
+                times[name].append(time.perf_counter() - start)
+            del leaves
+    return {name: 1e3 * statistics.median(ts) for name, ts in times.items() if name not in failed and ts}, failed
+
+
+def extra_peaks(step: Step, inputs: CaseInputs, device: torch.device) -> tuple[float, float]:
+    """(live tensors' peak MiB, the process's resident or the allocator's peak MiB) of one step beyond what was live
+    before it (the inputs), less the hidden and weight gradients the step returns. Untimed runs of their own."""
+    gradients = inputs.hidden.nbytes + inputs.weight.nbytes
     leaves = _fresh_leaves(inputs)
     with PeakMemory(device) as peak:
-        run(leaves)
-    gradients = inputs.hidden.nbytes + inputs.weight.nbytes
-    return 1e3 * seconds, (peak.extra_bytes - gradients) / 2**20
+        _forward_backward(step, leaves)
+    del leaves
+    leaves = _fresh_leaves(inputs)
+    with LiveTensorBytes() as live:
+        _forward_backward(step, leaves)
+    return (live.peak_bytes - gradients) / 2**20, (peak.extra_bytes - gradients) / 2**20
 
 
 def fused_accuracy(case: Case, inputs: CaseInputs, rows: int) -> dict[str, float]:
@@ -494,20 +581,27 @@ def _reason(exc: BaseException) -> str:
 
 def benchmark_case(case: Case, device: torch.device, group, names: list[str], repeats: int, warmup: int,
                    accuracy_rows: int) -> dict:
-    """Times every selected candidate on one case; a candidate that cannot build or run is skipped, with why."""
+    """Times the selected candidates on one case, interleaved, then measures each one's memory; a candidate that
+    cannot build or run is skipped, with why."""
     inputs = make_inputs(case, device, group if case.tp > 1 else None)
-    rows, skipped = [], {}
+    steps, skipped = {}, {}
     for name in names:
         try:
-            step = CANDIDATES[name].build(case, inputs)
-            ms, extra_mib = time_candidate(step, inputs, device, repeats, warmup)
+            steps[name] = CANDIDATES[name].build(case, inputs)
         except Exception as exc:  # noqa: BLE001 - any failure means "cannot run here", reported, never fatal
             skipped[name] = _reason(exc)
-            continue
-        rows.append({"candidate": name, "forward_backward_ms": ms, "extra_peak_mib": extra_mib})
-    accuracy = fused_accuracy(case, inputs, accuracy_rows) if accuracy_rows > 0 else None
+    times, failed = interleaved_times(steps, inputs, device, repeats, warmup)
+    skipped.update(failed)
+    rows = []
+    for name in steps:
+        if name in times:
+            live_mib, peak_mib = extra_peaks(steps[name], inputs, device)
+            rows.append({"candidate": name, "forward_backward_ms": times[name], "extra_live_mib": live_mib,
+                         "extra_peak_mib": peak_mib})
+    accuracy = fused_accuracy(case, inputs, accuracy_rows) if accuracy_rows > 0 and not case.distribution.filtered \
+        else None
     return {"case": asdict(case), "trained_rows": int((inputs.targets >= 0).sum()), "rows": rows,
-            "skipped": skipped, "accuracy": accuracy}
+            "skipped": {name: skipped[name] for name in names if name in skipped}, "accuracy": accuracy}
 
 
 def _run_cases(device: torch.device, group, cases: list[Case], names: list[str], repeats: int, warmup: int,
@@ -531,120 +625,136 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
-def peak_fraction(row: dict | None, baseline: dict | None) -> float | None:
-    """`row`'s extra peak as a fraction of `baseline`'s; None when either is missing or the baseline's is below
-    1 MiB (noise: page granularity, allocator caches)."""
-    if row is None or baseline is None or baseline["extra_peak_mib"] < 1.0:
+def peak_fraction(row: dict | None, baseline: dict | None, key: str = "extra_live_mib") -> float | None:
+    """`row`'s extra peak (`key`: live tensors, or the process's / allocator's peak) as a fraction of `baseline`'s;
+    None when either is missing or the baseline's is below 1 MiB (too small to compare)."""
+    if row is None or baseline is None or baseline.get(key, 0.0) < 1.0:
         return None
-    return max(row["extra_peak_mib"], 0.0) / baseline["extra_peak_mib"]
+    return max(row[key], 0.0) / baseline[key]
 
 
 def case_summary(result: dict) -> dict:
-    """The targets' figures for one case: fused speed and extra peak memory relative to the materialised path
-    (plain, and under Megatron's DDP), and the loss step's: loss-fused and in-place against the materialised one."""
+    """The targets' figures for one case: the fused op's speed and extra peak (live tensors) relative to the
+    materialised path, plain and under Megatron's DDP; the loss-fused step's, plain and under DDP, relative to the
+    materialised loss step with its in-place backward (the train step's)."""
     by_name = {r["candidate"]: r for r in result["rows"]}
     fused, materialised = by_name.get(FUSED), by_name.get(MATERIALISED)
-    if fused is None or materialised is None:
-        return {}
-    speed = materialised["forward_backward_ms"] / fused["forward_backward_ms"]
-    target = TARGET_SPEED_ALL_ROWS if result["case"]["response"] >= 1.0 else TARGET_SPEED_QUARTER_ROWS
-    materialised_loss = by_name.get(MATERIALISED_LOSS)
+    loss_baseline = by_name.get(MATERIALISED_LOSS_INPLACE)
 
-    def loss_speed(name: str) -> float | None:
+    def speed(name: str, baseline: dict | None) -> float | None:
         row = by_name.get(name)
-        return None if row is None or materialised_loss is None \
-            else materialised_loss["forward_backward_ms"] / row["forward_backward_ms"]
+        return None if row is None or baseline is None else baseline["forward_backward_ms"] / row["forward_backward_ms"]
 
-    return {"speed": speed, "speed_target": target, "peak_fraction": peak_fraction(fused, materialised),
+    all_rows = result["case"]["response"] >= 1.0
+    return {"speed": speed(FUSED, materialised),
+            "speed_target": TARGET_SPEED_ALL_ROWS if all_rows else TARGET_SPEED_QUARTER_ROWS,
+            "peak_fraction": peak_fraction(fused, materialised),
             "main_grad_peak_fraction": peak_fraction(by_name.get(FUSED_MAIN_GRAD), materialised),
-            "loss_speed": loss_speed("loss-fused"), "inplace_loss_speed": loss_speed(MATERIALISED_LOSS_INPLACE),
-            "inplace_loss_peak_fraction": peak_fraction(by_name.get(MATERIALISED_LOSS_INPLACE), materialised_loss)}
+            "loss_speed": speed(LOSS_FUSED, loss_baseline),
+            "loss_peak_fraction": peak_fraction(by_name.get(LOSS_FUSED), loss_baseline),
+            "loss_main_grad_speed": speed(LOSS_FUSED_MAIN_GRAD, loss_baseline),
+            "loss_main_grad_peak_fraction": peak_fraction(by_name.get(LOSS_FUSED_MAIN_GRAD), loss_baseline),
+            "measured": {name for name in by_name}}
 
 
-def report(results: list[dict], device: torch.device, repeats: int, warmup: int, command: str) -> str:
+def _speed_cell(value: float | None, target: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}x" + ("" if target is None else f" (>= {target}x {_verdict(value >= target)})")
+
+
+def _peak_cell(fraction: float | None, measured: bool) -> str:
+    if not measured:
+        return "-"
+    if fraction is None:
+        return "- (below 1 MiB: not measurable)"
+    return f"{100 * fraction:.1f}% (<= {100 * TARGET_PEAK_FRACTION:.0f}% {_verdict(fraction <= TARGET_PEAK_FRACTION)})"
+
+
+def report(results: list[dict], device: torch.device, repeats: int, warmup: int, command: str,
+           load: tuple[str, str] | None = None) -> str:
     """The Markdown report: machine and method, the targets per case, then one table per case."""
+    resident = "the allocator's peak" if device.type == "cuda" else "the process's resident high-water mark"
     lines = [
         f"# Fused linear + logprob benchmark ({device.type})",
         "",
         f"- date: {datetime.date.today().isoformat()}",
         f"- machine: {machine_description(device)}",
         f"- command: `{command}`",
-        f"- median of {repeats} forward+backward steps after {warmup} warm-up(s); each step gets fresh leaf "
-        "copies of the same hidden states and weight shard (made outside the timed region) and takes both "
-        "gradients with torch.autograd.grad, the upstream gradient being 1 on response rows and 0 on prompt "
-        "rows (target -1).",
-        "- ratios: the materialised path's (or Megatron's) time divided by the candidate's, both measured in "
-        "this run (> 1: the candidate is faster).",
-        "- extra peak: the process's resident high-water mark during the step (rank 0) above what was live "
-        "before it (the inputs), less the size of the hidden and weight gradients the step must return.",
+        *([f"- load average at the start: {load[0]}; at the end: {load[1]}"] if load else []),
+        f"- median of {repeats} forward+backward steps per candidate after {warmup} warm-up round(s), the candidates "
+        "interleaved: each round runs every candidate once, in turn, in one process, so that the machine's load "
+        "weighs on all alike. Each step gets fresh leaf copies of the same hidden states and weight shard (made "
+        "outside the timed region) and takes both gradients with torch.autograd.grad, the upstream gradient being 1 "
+        "on response rows and 0 on prompt rows (target -1), or 1 for a loss step's scalar loss.",
+        "- ratios: the baseline's time (the materialised path's; for a loss step, the materialised loss step's with "
+        "its in-place backward, the train step's) or Megatron's, divided by the candidate's, both measured in this "
+        "run (> 1: the candidate is faster).",
+        "- extra peak, live tensors: the largest sum of the bytes of tensor storages alive at once during one step "
+        "(rank 0), beyond those alive before it (the inputs), less the hidden and weight gradients the step returns; "
+        "counted at the dispatcher, so deterministic (`measure.LiveTensorBytes`). The targets use it. Extra peak, "
+        f"{'allocator' if device.type == 'cuda' else 'resident'}: {resident} during another run of the step, less "
+        "the same gradients.",
         "- TP > 1: every candidate's hidden gradient is this rank's partial sum over its vocab shard (Megatron's "
         "output layer all-reduces it afterwards, for all of them alike, so no candidate's time includes it).",
-        f"- targets: fused extra peak <= {100 * TARGET_PEAK_FRACTION:.0f}% of the materialised "
-        f"path's (under Megatron's DDP: `{FUSED_MAIN_GRAD}`); materialised/fused time >= "
-        f"{TARGET_SPEED_ALL_ROWS}x at 100% response rows, >= "
-        f"{TARGET_SPEED_QUARTER_ROWS}x at 25%; materialised loss step / loss-fused >= {TARGET_LOSS_FUSED}x at "
-        "100% response rows.",
+        f"- targets: fused extra peak <= {100 * TARGET_PEAK_FRACTION:.0f}% of the materialised path's "
+        f"(also under Megatron's DDP: `{FUSED_MAIN_GRAD}`); materialised/fused time >= {TARGET_SPEED_ALL_ROWS}x at "
+        f"100% response rows, >= {TARGET_SPEED_QUARTER_ROWS}x at 25%; the loss-fused step (plain and under DDP) at "
+        f">= {TARGET_LOSS_FUSED}x the materialised loss step's speed (in-place backward) at 100% response rows, "
+        f"with <= {100 * TARGET_PEAK_FRACTION:.0f}% of its extra peak.",
         "",
         "Candidates:",
         "",
     ]
     lines += [f"- `{name}`: {c.description}" for name, c in CANDIDATES.items()]
     lines += ["", "## Targets", "",
-              "| case | materialised/fused | speed target | fused extra peak / materialised | under DDP "
-              "(`main_grad`) | materialised loss / loss-fused | loss step in place: time ratio, extra peak |",
-              "|---|---:|---|---:|---:|---:|---:|"]
-
-    def peak(fraction: float | None) -> str:
-        return ("- (below 1 MiB: not measurable)" if fraction is None else
-                f"{100 * fraction:.1f}% (<= {100 * TARGET_PEAK_FRACTION:.0f}% "
-                f"{_verdict(fraction <= TARGET_PEAK_FRACTION)})")
-
+              "| case | fused op: materialised/fused | extra peak vs materialised | under DDP (`main_grad`) | "
+              "loss-fused: speed vs the materialised loss step (in place) | extra peak vs it | loss-fused under DDP: "
+              "speed | extra peak |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for result in results:
         summary = case_summary(result)
-        if summary:
-            loss_speed = summary["loss_speed"]
-            loss = "-" if loss_speed is None else f"{loss_speed:.2f}x" + (
-                f" (>= {TARGET_LOSS_FUSED}x {_verdict(loss_speed >= TARGET_LOSS_FUSED)})"
-                if result["case"]["response"] >= 1.0 else "")
-            inplace_speed, inplace_peak = summary["inplace_loss_speed"], summary["inplace_loss_peak_fraction"]
-            inplace = "-" if inplace_speed is None else (
-                f"{inplace_speed:.2f}x, " + ("-" if inplace_peak is None else f"{100 * inplace_peak:.0f}%"))
-            main_grad = "-" if summary["main_grad_peak_fraction"] is None and FUSED_MAIN_GRAD not in {
-                r["candidate"] for r in result["rows"]} else peak(summary["main_grad_peak_fraction"])
-            lines.append(
-                f"| {Case(**result['case']).label()} | {summary['speed']:.2f}x | >= {summary['speed_target']}x "
-                f"{_verdict(summary['speed'] >= summary['speed_target'])} | {peak(summary['peak_fraction'])} | "
-                f"{main_grad} | {loss} | {inplace} |")
-        else:
-            lines.append(f"| {Case(**result['case']).label()} | - | fused or materialised not measured | - | - | - "
-                         "| - |")
+        measured = summary["measured"]
+        loss_target = TARGET_LOSS_FUSED if result["case"]["response"] >= 1.0 else None
+        lines.append(
+            f"| {Case(**result['case']).label()} | {_speed_cell(summary['speed'], summary['speed_target'])} | "
+            f"{_peak_cell(summary['peak_fraction'], FUSED in measured and MATERIALISED in measured)} | "
+            f"{_peak_cell(summary['main_grad_peak_fraction'], FUSED_MAIN_GRAD in measured)} | "
+            f"{_speed_cell(summary['loss_speed'], loss_target)} | "
+            f"{_peak_cell(summary['loss_peak_fraction'], LOSS_FUSED in measured)} | "
+            f"{_speed_cell(summary['loss_main_grad_speed'], loss_target)} | "
+            f"{_peak_cell(summary['loss_main_grad_peak_fraction'], LOSS_FUSED_MAIN_GRAD in measured)} |")
     lines.append("")
     for result in results:
-        lines += case_section(result)
+        lines += case_section(result, device)
     return "\n".join(lines)
 
 
-def case_section(result: dict) -> list[str]:
+def case_section(result: dict, device: torch.device) -> list[str]:
     case = Case(**result["case"])
     by_name = {r["candidate"]: r for r in result["rows"]}
     megatron = by_name.get(MEGATRON, {}).get("forward_backward_ms")
     logits_mib = case.tokens * case.v_local * (4 if case.dtype == "fp32" else 2) / 2**20
+    resident = "allocator" if device.type == "cuda" else "resident"
     lines = [f"## {case.label()}", "",
              f"{result['trained_rows']} of {case.tokens} rows have a target; the logits would take "
              f"{logits_mib:.0f} MiB per rank.", "",
-             "| candidate | fwd+bwd ms | vs materialised | vs megatron | extra peak MiB | extra peak vs materialised |",
-             "|---|---:|---:|---:|---:|---:|"]
+             f"| candidate | fwd+bwd ms | vs baseline | vs megatron | extra peak MiB, live tensors | vs baseline | "
+             f"extra peak MiB, {resident} | vs baseline |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in result["rows"]:
         baseline = by_name.get(CANDIDATES[row["candidate"]].baseline)
         base_ms = None if baseline is None else baseline["forward_backward_ms"]
-        # Below 1 MiB the resident high-water mark is noise (page granularity, allocator caches): no percentage.
-        base_peak = None if baseline is None or baseline["extra_peak_mib"] < 1.0 else baseline["extra_peak_mib"]
-        peak = max(row["extra_peak_mib"], 0.0)
+
+        def peak(key: str) -> str:
+            fraction = peak_fraction(row, baseline, key)  # below 1 MiB: too small to compare
+            return f"{max(row[key], 0.0):.1f} | {'-' if fraction is None else f'{100 * fraction:.1f}%'}"
+
         lines.append(
             f"| {row['candidate']} | {row['forward_backward_ms']:.1f} | "
             f"{_x(ratio(base_ms, row['forward_backward_ms']))} | {_x(ratio(megatron, row['forward_backward_ms']))} | "
-            f"{peak:.0f} | {'-' if base_peak is None else f'{100 * peak / base_peak:.0f}%'} |")
-    lines += [f"| {name} | skipped: {why} | | | | |" for name, why in result["skipped"].items()]
+            f"{peak('extra_live_mib')} | {peak('extra_peak_mib')} |")
+    lines += [f"| {name} | skipped: {why} | | | | | | |" for name, why in result["skipped"].items()]
     accuracy = result.get("accuracy")
     if accuracy:
         lines += ["", f"Fused op against float64 on {accuracy['rows']} evenly spaced rows, in "
@@ -687,6 +797,13 @@ def main(argv: list[str]) -> int:
                         help="vocab columns per rank (default: 32768; 1024 with --quick)")
     parser.add_argument("--chunk-rows", type=int, default=None,
                         help="rows per chunk of the fused candidates (default: the op's own choice)")
+    parser.add_argument("--sequence-length", type=int, default=SEQUENCE_ROWS,
+                        help="rows per sequence (prompt rows first), for the response rows and the loss candidates")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="the top-k filter of our candidates' distribution (the peers have none and are skipped; "
+                             "default: none)")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="likewise, a top-p in (0, 1] (default: none)")
     parser.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), default=list(CANDIDATES),
                         help="the candidates to run")
     parser.add_argument("--repeats", type=int, default=None,
@@ -707,6 +824,11 @@ def main(argv: list[str]) -> int:
             parser.error(f"--response fractions must be in (0, 1], got {fraction}")
     if args.chunk_rows is not None and args.chunk_rows < 1:
         parser.error(f"--chunk-rows must be >= 1, got {args.chunk_rows}")
+    if args.sequence_length < 1:
+        parser.error(f"--sequence-length must be >= 1, got {args.sequence_length}")
+    problems = SamplingDistribution.problems(top_k=args.top_k, top_p=args.top_p)
+    if problems:
+        parser.error("; ".join(f"--{name.replace('_', '-')} {problem}" for name, problem in problems.items()))
     shape = (256, 64, 1024) if args.quick else (4096, 512, 32768)
     tokens, hidden, v_local = (given if given is not None else default
                                for given, default in zip((args.tokens, args.hidden, args.v_local), shape))
@@ -714,10 +836,10 @@ def main(argv: list[str]) -> int:
     accuracy_rows = args.accuracy_rows if args.accuracy_rows is not None else (32 if args.quick else 256)
     sys.path.extend(str(path) for path in args.peer_path)  # spawned ranks inherit sys.path
     tp_sizes = args.tp or ([1, 2] if args.device == "cpu" or torch.cuda.device_count() >= 2 else [1])
-    results = []
+    results, load_at_start = [], load_average()
     for tp in tp_sizes:
         cases = [Case(tp=tp, dtype=d, tokens=tokens, hidden=hidden, v_local=v_local, response=f,
-                      chunk_rows=args.chunk_rows)
+                      chunk_rows=args.chunk_rows, sequence=args.sequence_length, top_k=args.top_k, top_p=args.top_p)
                  for d in args.dtypes for f in args.response]
         work = functools.partial(_run_cases, cases=cases, names=args.candidates, repeats=repeats,
                                  warmup=args.warmup, accuracy_rows=accuracy_rows)
@@ -727,7 +849,7 @@ def main(argv: list[str]) -> int:
     for name, why in sorted(skipped):
         print(f"bench linear: {name} skipped in some cases: {why}", file=sys.stderr)
     command = "megatron-grpo bench linear" + ("" if not argv else " " + " ".join(argv))
-    text = report(results, torch.device(args.device), repeats, args.warmup, command)
+    text = report(results, torch.device(args.device), repeats, args.warmup, command, (load_at_start, load_average()))
     stem = f"linear_{args.device}{'_quick' if args.quick else ''}"
     path = write_results(args.out, stem, text, {"results": results}, lambda png: plot(results, png),
                          alt="forward+backward time")

@@ -5,6 +5,8 @@ Peak memory on the CPU is the process's resident high-water mark (VmHWM), reset 
 /proc/self/clear_refs, after glibc's `malloc_trim(0)` has handed its free heap memory back: glibc serves tensors
 below its mmap threshold (which it raises up to 32 MiB as it frees larger blocks) from a heap it keeps, and a call
 that reuses memory an earlier one freed would otherwise not raise RSS at all. On CUDA it is torch's allocator peak.
+`LiveTensorBytes` counts the bytes of tensor storages alive at once instead, at the dispatcher: deterministic on any
+device and independent of the allocator (what the memory tests hold).
 """
 
 from __future__ import annotations
@@ -18,11 +20,15 @@ import statistics
 import sys
 import time
 import traceback
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch._library.custom_ops import OPDEFS
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from megatron_grpo.megatron.notices import quiet_megatron_notices
 
@@ -93,6 +99,51 @@ class PeakMemory:
         self.extra_bytes = peak - self._base
 
 
+class LiveTensorBytes(TorchDispatchMode):
+    """The peak bytes of tensor storages alive at once during a region, beyond those alive when it began:
+    `with LiveTensorBytes() as live: ...`, then `live.peak_bytes`.
+
+    Every op's outputs are seen at the dispatcher, autograd's backward included, and so are the ops run inside the
+    project's `torch.library` ops (their Python bodies run under the mode; a mode otherwise sees a custom op as one
+    call). A storage counts from the op that first returns it until it is freed (a weakref finalizer on the storage),
+    once however many views it has; a storage an op only reads or writes in place, and one that lived before the
+    region (the inputs), never counts. Temporaries inside a C++ kernel that never leave it are not seen.
+    Deterministic: independent of the allocator, its caches and page residency, so a test can hold a bound with it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._counted: dict[int, int] = {}
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        key, size = storage.data_ptr(), storage.nbytes()
+        if size == 0 or key in self._counted:
+            return
+        self._counted[key] = size
+        self.live_bytes += size
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(storage, self._freed, key)
+
+    def _freed(self, key: int) -> None:
+        self.live_bytes -= self._counted.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = f"{func.namespace}::{func._opname}"
+        if name.startswith("megatron_grpo::") and name in OPDEFS:
+            with self:  # the op's Python body, op by op
+                out = OPDEFS[name]._init_fn(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        read = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in read:
+                self._count(t.untyped_storage())
+        return out
+
+
 def peak_extra_bytes(run: Callable[[object], None], prepare: Callable[[], object], device: torch.device) -> int:
     """Peak memory during `run(prepare())` above what was live when it started (inputs included in the base)."""
     inputs = prepare()
@@ -130,6 +181,16 @@ def machine_description(device: torch.device) -> str:
             break
     return (f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}, "
             f"CPU ISA {cpu_kernel_isa()}")
+
+
+def load_average() -> str:
+    """The machine's 1, 5 and 15-minute load averages (`uptime`'s), with its core count: what a shared machine's
+    figures are read against."""
+    try:
+        one, five, fifteen = Path("/proc/loadavg").read_text().split()[:3]
+    except OSError:
+        return "unknown"
+    return f"{one}, {five}, {fifteen} (1, 5, 15 min) on {os.cpu_count()} cores"
 
 
 # Where a benchmark writes when `--out` names no place: ignored by git, so a run never changes the committed

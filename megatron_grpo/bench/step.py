@@ -12,7 +12,8 @@ on the same rollout from the same weights:
 2. `plan`: the logprob plan (`plan_logprob_passes`) decides the passes: on-policy with one optimizer step per
    rollout and no dropout, the prev pass is redundant (prev = curr.detach()); the reference pass stays while the
    KL is on (`--kl-penalty 0` drops the KL from every configuration, and the plan then skips it too);
-3. `fused`: the fused linear path (`fused_linear_logprobs`, and `fused_linear_loss` unless `--no-fused-loss`);
+3. `fused`: the fused linear path (`fused_linear_logprobs`, and the loss-fused head, `fused_linear_loss`, for
+   every loss setting and sampling distribution, unless `--no-fused-loss`);
 4. `packed`: packed microbatches (`max_tokens_per_microbatch` = micro_batch_size × the rollout's width).
 
 The rollout is synthetic: short prompts and ragged responses of random tokens, uniform random rewards turned into
@@ -73,6 +74,9 @@ class Setup:
     micro_batch_size: int = 2
     dtype: str = "fp32"
     kl_penalty: float = 0.01
+    temperature: float = 1.0  # the distribution the rollouts sampled from, which every configuration trains
+    top_k: int | None = None
+    top_p: float | None = None
     fused_loss: bool = True
     lr: float = 1e-4
     seed: int = 1234
@@ -84,6 +88,12 @@ class Setup:
     @property
     def max_length(self) -> int:
         return self.prompt_tokens[1] + self.response_tokens[1]
+
+    @property
+    def distribution(self):
+        from megatron_grpo.ops import SamplingDistribution
+
+        return SamplingDistribution.of_sampling(self.temperature, self.top_k, self.top_p)
 
 
 def check_setup(setup: Setup, device: str) -> list[str]:
@@ -105,6 +115,10 @@ def check_setup(setup: Setup, device: str) -> list[str]:
                         f"--generations = {setup.rows} sequences")
     if setup.kl_penalty < 0:
         problems.append(f"--kl-penalty must be >= 0, got {setup.kl_penalty}")
+    from megatron_grpo.ops import SamplingDistribution
+
+    problems += [f"--{name.replace('_', '-')} {problem}" for name, problem in SamplingDistribution.problems(
+        temperature=setup.temperature, top_k=setup.top_k, top_p=setup.top_p).items()]
     if setup.lr <= 0:
         problems.append(f"--lr must be > 0, got {setup.lr}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -167,7 +181,8 @@ def plans_and_steps(setup: Setup) -> tuple[dict[str, tuple], object]:
         return plan_logprob_passes(PlanInputs.for_loss(loss, rollout_batch=setup.rows, global_batch=setup.rows,
                                                        dropout=False, reference_mode=mode, prev_mode=mode))
 
-    padded = StepConfig(global_batch_size=setup.rows, micro_batch_size=setup.micro_batch_size)
+    padded = StepConfig(global_batch_size=setup.rows, micro_batch_size=setup.micro_batch_size,
+                        distribution=setup.distribution)
     fused = replace(padded, fused_linear_logprobs=True, fused_linear_loss=setup.fused_loss)
     packed = replace(fused, max_tokens_per_microbatch=setup.micro_batch_size * setup.max_length)
     return {"everything": (plan("compute"), padded), "plan": (plan("auto"), padded), "fused": (plan("auto"), fused),
@@ -225,7 +240,8 @@ def one_step(run: Run, rollout: dict[str, torch.Tensor], loss_fn, reference_mode
     batch = {key: value.to(device) for key, value in rollout.items()}
     batch["generation_logprobs"] = compute_logprobs(
         run.model, batch, micro_batch_size=run.step.micro_batch_size, vocab=run.vocab,
-        fused_linear=run.step.fused_linear_logprobs, max_tokens_per_microbatch=run.step.max_tokens_per_microbatch)
+        distribution=run.step.distribution, fused_linear=run.step.fused_linear_logprobs,
+        max_tokens_per_microbatch=run.step.max_tokens_per_microbatch)
     timer = StepTimer(PHASES, sync=(lambda: synchronize(device)) if device.type == "cuda" else None)
     synchronize(device)
     with PeakMemory(device) as peak:
@@ -382,6 +398,9 @@ def write_report(summary: dict, out: Path, argv: list[str]) -> Path:
         f"responses of {setup['response_tokens'][0]}-{setup['response_tokens'][1]}; one optimizer step per rollout "
         f"(on-policy), microbatches of {setup['micro_batch_size']} rows (packed: of at most "
         f"{setup['micro_batch_size']} × the rollout's width tokens), Adam lr {setup['lr']}, no dropout. {kl}. "
+        f"Sampling distribution, trained by every configuration: temperature {setup['temperature']}, top-k "
+        f"{setup['top_k']}, top-p {setup['top_p']}; configuration 3 "
+        f"{'runs the loss-fused head' if setup['fused_loss'] else 'recomputes the chunks in backward (the fused op)'}. "
         f"{summary['steps']} steps per configuration ({setup['order']}); times are medians of the last "
         f"{summary['steps_timed']}.",
         "",
@@ -456,7 +475,8 @@ def setup_of(args: argparse.Namespace) -> Setup:
     return Setup(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, prompts=args.prompts,
                  generations=args.generations, prompt_tokens=tuple(args.prompt_tokens),
                  response_tokens=tuple(args.response_tokens), micro_batch_size=args.micro_batch_size,
-                 dtype=args.dtype, kl_penalty=args.kl_penalty, fused_loss=args.fused_loss, lr=args.lr)
+                 dtype=args.dtype, kl_penalty=args.kl_penalty, temperature=args.temperature, top_k=args.top_k,
+                 top_p=args.top_p, fused_loss=args.fused_loss, lr=args.lr)
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
@@ -482,6 +502,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--kl-penalty", type=float, default=defaults.kl_penalty,
                         help="the loss's reference_policy_kl_penalty, in every configuration (0: no KL, and the plan "
                              "skips the reference pass)")
+    parser.add_argument("--temperature", type=float, default=defaults.temperature,
+                        help="the sampling temperature of the rollouts, which every configuration trains under")
+    parser.add_argument("--top-k", type=int, default=defaults.top_k,
+                        help="the rollouts' top-k filter, which every configuration trains (default: none)")
+    parser.add_argument("--top-p", type=float, default=defaults.top_p,
+                        help="the rollouts' top-p filter, likewise (default: none)")
     parser.add_argument("--no-fused-loss", dest="fused_loss", action="store_false",
                         help="configuration 3 recomputes the logits' chunks in backward instead of the loss-fused path")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam's learning rate")

@@ -64,6 +64,10 @@ class LossCall:
     loss_fused: bool = True  # from hidden states: the loss-fused head (its gradient in forward, 3 GEMMs, not 4)
     chunk_rows: int | None = None  # from hidden states: trained rows per chunk; None: the ops' default
     implementation: Implementation = "auto"  # the kernels: "auto", "fused" or "torch"
+    upstream_gradient: float | torch.Tensor | None = None  # the loss-fused head: d(objective)/d(loss), the gradient
+    #   backward will bring to this loss, known up front (the Megatron step binds it: its loss scale times what
+    #   Megatron's schedule multiplies the loss by): dH and dW are written final in forward, dW straight into Megatron
+    #   DDP's main_grad; backward checks it. None: 1, read back in backward (one host sync), else a pass over dH, dW
     kept_set_metrics: bool = True  # with kept sets in the batch: kept_set_mass and kept_set_differs (forward-only op
     #   calls: two when the loss trains on one of the sets, three on the loss-fused head)
 

@@ -32,7 +32,7 @@ import torch
 from megatron_grpo.loss.batch import BatchRequirements, LossBatch, validate_batch
 from megatron_grpo.loss.call import LossCall, PrevSource
 from megatron_grpo.loss.config import ClippedPGLossConfig
-from megatron_grpo.loss.fused_head import loss_fused_linear
+from megatron_grpo.loss.fused_head import RowGradient, SequenceAutograd, Upstream, loss_fused_linear
 from megatron_grpo.loss.importance import ImportanceWeights, finite_or_zero, importance_weights
 from megatron_grpo.loss.kept_set_batch import KEPT_SET_OFFSETS, kept_set_of, without_kept_set
 from megatron_grpo.loss.kl import kl_estimate
@@ -57,9 +57,10 @@ from megatron_grpo.loss.reductions import (
     token_mean_per_sequence,
     token_min,
 )
+from megatron_grpo.loss.token_gradient import ClosedFormGradient, obstacle
 from megatron_grpo.ops.context_shard import ContextShard
 from megatron_grpo.ops.core.backends import Implementation
-from megatron_grpo.ops.core.dtypes import in_compute_dtype
+from megatron_grpo.ops.core.dtypes import compute_dtype, in_compute_dtype
 from megatron_grpo.ops.current import (
     CurrentLogprobs,
     HiddenStates,
@@ -248,6 +249,7 @@ class ClippedPGLoss:
         implementation: Implementation | None = None,
         check_inputs: bool | None = None,
         context: ContextShard | None = None,
+        upstream_gradient: float | torch.Tensor | None = None,
         kept_set_metrics: bool | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The same loss and metrics from final hidden states `[B, S, H]` and this rank's `[V_local, H]` output
@@ -255,18 +257,20 @@ class ClippedPGLoss:
         gradient is this rank's partial sum over its vocab shard (the caller reduces it over TP).
 
         `loss_fused` (default True): the loss-fused head (`megatron_grpo.loss.fused_head`), the loss's gradient
-        computed chunk by chunk in forward, 3 GEMMs instead of 4, exact for every setting of this loss because it is
-        sequence-additive; no recomputed top-k / top-p (the engine's kept sets replay). `loss_fused=False`: the
-        current logprobs from `vocab_parallel_linear_logprobs` (backward recomputes each chunk's logits; any
-        distribution). The other
-        keywords as for `__call__` (the fields of `LossCall`); the batch's values are checked once here, never per
-        chunk."""
+        computed chunk by chunk in forward, 3 GEMMs instead of 4, exact for every setting of this loss and any
+        distribution (top-k / top-p, or the rollout engine's kept sets replayed): chunks of trained rows with the
+        gradient in closed form (`loss.token_gradient`), or chunks of whole sequences where a setting couples a
+        sequence's tokens. `upstream_gradient`: d(objective)/d(loss), bound up front (`LossCall.upstream_gradient`):
+        dH and dW are final after forward, dW in Megatron DDP's `main_grad` where the weight has one.
+        `loss_fused=False`: the current logprobs from `vocab_parallel_linear_logprobs` (backward recomputes each
+        chunk's logits). The other keywords as for `__call__` (the fields of `LossCall`); the batch's values are
+        checked once here, never per chunk."""
         call = LossCall.of(global_valid_tokens, global_valid_seqs, shard=shard, distribution=distribution,
                            prev=PrevSource(prev_logprobs_from_current, prev_approximation, compare_approximations),
                            seq_logprob_error_threshold=seq_logprob_error_threshold,
                            defer_normalisation=defer_normalisation, loss_fused=loss_fused, chunk_rows=chunk_rows,
                            implementation=implementation, check_inputs=check_inputs, context=context,
-                           kept_set_metrics=kept_set_metrics)
+                           upstream_gradient=upstream_gradient, kept_set_metrics=kept_set_metrics)
         return self.step_loss(HiddenStates(hidden, weight), batch, call)
 
     def step_loss(self, output: ModelOutput, batch: Mapping[str, torch.Tensor],
@@ -279,26 +283,24 @@ class ClippedPGLoss:
 
     def _loss_fused(self, output: HiddenStates, batch: Mapping[str, torch.Tensor],
                     call: LossCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss-fused head: the batch checked once, then each chunk of sequences' loss on its current tensors."""
-        inputs = validate_batch(batch, output, self._requirements(self._prev_from_current(call.prev), call),
+        """The loss-fused head: the batch checked once, then its chunks' gradients (`_HeadOfClippedPG`)."""
+        prev_from_current = self._prev_from_current(call.prev)
+        self._check_deferral(call)
+        inputs = validate_batch(batch, output, self._requirements(prev_from_current, call),
                                 check_values=call.check_inputs, row_aligned=call.context is not None)
         self._check_counts(call, inputs)
-        per_chunk = dataclasses.replace(call, check_inputs=False)
+        unchecked = dataclasses.replace(call, check_inputs=False)
         kept = self._kept_set(batch, call)
-        if call.distribution.filtered and self.config.kl_in_loss:
-            raise ValueError("loss_fused: the loss-fused head computes the replayed kept sets' logprobs only, and the "
-                             "KL to the reference reads unfiltered ones (loss_fn.reference_policy_kl_penalty > 0); "
-                             "use loss_fused=False")
-
-        def sequence_loss(sequences: Mapping[str, torch.Tensor], curr: torch.Tensor, entropy: torch.Tensor):
-            return self._evaluate(None, sequences, per_chunk,
-                                  precomputed=CurrentLogprobs(logprobs=curr, entropy=entropy))
-
+        alpha = self._interpolation_weights(batch, inputs, call.prev.approximation, None)
+        true_vocab_size = call.shard.resolve(output.weight.shape[0]).true_vocab_size
+        head = _HeadOfClippedPG(self, without_kept_set(batch), inputs, unchecked, prev_from_current, alpha,
+                                dtype=compute_dtype(output.hidden.dtype),
+                                filter_active=call.distribution.restricts(true_vocab_size))
         loss, metrics = loss_fused_linear(
-            sequence_loss, output.hidden, output.weight, inputs.targets, without_kept_set(batch), shard=call.shard,
+            head, output.hidden, output.weight, inputs.targets, inputs.layout, shard=call.shard,
             distribution=call.distribution, chunk_rows=call.chunk_rows, check_inputs=call.check_inputs,
             implementation=call.implementation, shift=call.context is None, context=call.context,
-            kept_set=kept if call.distribution.replay_kept_set else None)
+            upstream_gradient=call.upstream_gradient, kept_set=kept if call.distribution.replay_kept_set else None)
         if kept is not None and call.kept_set_metrics:
             metrics.update(_kept_set_metric_means(kept_set_metrics(
                 output, inputs.targets, kept, shard=call.shard, distribution=call.distribution,
@@ -696,6 +698,49 @@ def _optional_rewards(batch: Mapping[str, torch.Tensor], inputs: LossBatch) -> t
         return None
     inputs.layout.check_per_sequence("rewards", rewards)
     return rewards
+
+
+class _HeadOfClippedPG:
+    """`ClippedPGLoss` as the loss-fused head takes a loss (`fused_head.HeadLoss`) for one microbatch: its rows'
+    gradients in closed form (`token_gradient`), or by autograd over whole sequences where its gradient couples a
+    sequence's tokens, and its value and metrics from the same per-token code as every other entry."""
+
+    def __init__(self, loss: ClippedPGLoss, batch: Mapping[str, torch.Tensor], inputs: LossBatch, call: LossCall,
+                 prev_from_current: bool, alpha: torch.Tensor | None, *, dtype: torch.dtype,
+                 filter_active: bool) -> None:
+        self.loss, self.batch, self.inputs, self.call = loss, batch, inputs, call
+        self.prev_from_current, self.alpha, self.dtype = prev_from_current, alpha, dtype
+        self.coupling = obstacle(loss.config, call, prev_from_current=prev_from_current, filter_active=filter_active,
+                                 prev_in_batch=inputs.prev_logprobs is not None)
+
+    @property
+    def whole_sequences(self) -> bool:
+        return self.coupling is not None
+
+    @property
+    def reads_unfiltered(self) -> bool:
+        return self.loss.config.kl_in_loss and self.call.distribution.filtered
+
+    def row_gradients(self, positions: torch.Tensor, upstream: Upstream) -> RowGradient:
+        if self.whole_sequences:
+            return SequenceAutograd(self._sequence_loss, self.batch, self.inputs.layout, positions, upstream,
+                                    self.reads_unfiltered)
+        return ClosedFormGradient(self.loss.config, self.inputs, self.call, prev_from_current=self.prev_from_current,
+                                  alpha=self.alpha, positions=positions, upstream=upstream, dtype=self.dtype)
+
+    def value(self, logprobs: torch.Tensor, entropy: torch.Tensor, unfiltered: torch.Tensor | None
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self._value_of(self.batch, logprobs, entropy, unfiltered)
+
+    def _sequence_loss(self, sequences: Mapping[str, torch.Tensor], logprobs: torch.Tensor, entropy: torch.Tensor,
+                       unfiltered: torch.Tensor | None) -> torch.Tensor:
+        return self._value_of(sequences, logprobs, entropy, unfiltered)[0]
+
+    def _value_of(self, batch: Mapping[str, torch.Tensor], logprobs: torch.Tensor, entropy: torch.Tensor,
+                  unfiltered: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss and metrics of `batch` (the microbatch, or some of its sequences) on given per-token values."""
+        return self.loss._evaluate(None, batch, self.call, precomputed=CurrentLogprobs(
+            logprobs=logprobs, entropy=entropy, unfiltered_logprobs=unfiltered))
 
 
 def _outside_band(ratio: torch.Tensor) -> torch.Tensor:

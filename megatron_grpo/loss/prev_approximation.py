@@ -126,21 +126,28 @@ def approximate_prev(method: ApproximationMethod, curr: torch.Tensor, generation
     if alpha is None:
         raise ValueError(f"approximate_prev: {method!r} needs alpha")
     layout = SequenceLayout.padded(*curr.shape, device=curr.device) if layout is None else layout
-    a = layout.broadcast(alpha.to(torch.float64))
-    current, behave = curr.to(torch.float64), generation.to(torch.float64)
+    prev = torch.where(trained, interpolated_prev(method, curr, generation, layout.broadcast(alpha)), zero)
+    failed = trained & (torch.isnan(prev) | torch.isposinf(prev) | (torch.isneginf(prev) & torch.isfinite(curr)))
+    if bool(failed.any()):
+        raise ValueError(f"prev_approximation={method!r}: the interpolation gave NaN or infinite logprobs at "
+                         f"{int(failed.sum())} trained token(s)")
+    return prev
+
+
+def interpolated_prev(method: ApproximationMethod, curr: torch.Tensor, generation: torch.Tensor,
+                      alpha: torch.Tensor) -> torch.Tensor:
+    """AReaL's interpolation of each token's prev logprob, in `curr`'s dtype, from its detached current and its
+    generation logprob and its sample's `alpha` (per token, broadcast from `interpolation_weights`); alpha 1 gives
+    `curr` bit for bit. Elementwise, so the loss-fused head evaluates it on a chunk's rows."""
+    a = alpha.to(torch.float64)
+    current, behave = curr.detach().to(torch.float64), generation.to(torch.float64)
     if method == "loglinear":
         value = torch.where(a == 0, behave, behave + a * (current - behave))
     elif method == "linear":  # log((1 - a) p_behave + a p_curr), in log space
         value = torch.logaddexp(torch.log1p(-a) + behave, torch.log(a) + current)
     else:
         raise ValueError(f"approximate_prev: unknown method {method!r}")
-    prev = torch.where(a == 1, curr, value.to(curr.dtype))
-    prev = torch.where(trained, prev, zero)
-    failed = trained & (torch.isnan(prev) | torch.isposinf(prev) | (torch.isneginf(prev) & torch.isfinite(curr)))
-    if bool(failed.any()):
-        raise ValueError(f"prev_approximation={method!r}: the interpolation gave NaN or infinite logprobs at "
-                         f"{int(failed.sum())} trained token(s)")
-    return prev
+    return torch.where(a == 1, curr.detach(), value.to(curr.dtype))
 
 
 def approximation_errors(prev: torch.Tensor, curr: torch.Tensor, generation: torch.Tensor, mask: torch.Tensor,

@@ -103,6 +103,39 @@ def aggregate_loss(
     return per_sequence.sum() / _at_least_one(global_valid_seqs, per_token_loss)
 
 
+def aggregation_weights(
+    mask: torch.Tensor,
+    mode: LossAggMode,
+    *,
+    global_valid_tokens: Count,
+    global_valid_seqs: Count,
+    max_response_length: int | None,
+    layout: SequenceLayout | None = None,
+    context: ContextShard | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Per-token weights `w` (`mask`'s shape, in `dtype`) such that `aggregate_loss(x, mask, mode, ...)` equals
+    `(x * w).sum()` for every per-token `x`: each mode is linear in the per-token losses. The loss-fused head's
+    closed-form gradient of an aggregated term is these weights times the term's derivative. The sequences' token
+    counts (`seq-mean-token-mean`) are read from `mask` (over the CP group, with `context`: one all-reduce)."""
+    dtype = mask.dtype if dtype is None else dtype
+    like = torch.empty((), dtype=dtype, device=mask.device)
+    weights = mask.detach().to(dtype)
+    if mode == "token-mean":
+        return weights / _at_least_one(global_valid_tokens, like)
+    layout = _layout(layout, mask)
+    if mode == "seq-mean-token-mean":
+        weights = weights / layout.broadcast(token_count_per_sequence(mask, layout, context=context).to(dtype)
+                                             .clamp(min=1))
+    elif mode == "seq-mean-token-sum-norm":
+        if max_response_length is None:
+            raise ValueError("loss_fn.max_response_length: seq-mean-token-sum-norm needs it, got None")
+        weights = weights / max_response_length
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"loss_fn.loss_agg_mode: unknown mode {mode!r}")
+    return weights / _at_least_one(global_valid_seqs, like)
+
+
 def _layout(layout: SequenceLayout | None, mask: torch.Tensor) -> SequenceLayout:
     return SequenceLayout.padded(*mask.shape, device=mask.device) if layout is None else layout
 

@@ -33,13 +33,14 @@ length a multiple of 2·CP: packing pads each sequence to one under CP).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.utils import get_model_config
 
 from megatron_grpo.loss import (
     aggregate_metrics,
@@ -200,7 +201,9 @@ def make_forward_step(
     (`hidden_states.without_output_layer`), and the loss reads the final hidden states and the output weight shard
     (`ops.HiddenStates`, in the model's compute dtype: bf16 under bf16 autocast): no logits are materialised.
     `fused_loss` (`StepConfig.fused_linear_loss`, with `fused_linear`): the loss-fused head, which computes the loss's
-    gradient chunk by chunk in forward; no top-k / top-p then. Otherwise `vocab_parallel_linear_logprobs`
+    gradient chunk by chunk in forward, for every loss setting and distribution (top-k / top-p included); the
+    gradient the schedule will bring to the loss is bound up front (`schedule_upstream_gradient`), so the weight's
+    gradient goes straight into Megatron DDP's `main_grad` during forward. Otherwise `vocab_parallel_linear_logprobs`
     recomputes each chunk in backward.
 
     The loss handed to the schedule is scaled by `num_microbatches` × the DP size, undoing the schedule's division by
@@ -240,9 +243,6 @@ def make_forward_step(
                        prev=prev_source(plan, versions), seq_logprob_error_threshold=threshold,
                        defer_normalisation=defer_normalisation, context=context_shard(), inplace_backward=True,
                        check_inputs=check_inputs, loss_fused=fused_loss)
-    if fused_loss and call.distribution.recomputes_filter:
-        raise ValueError("fused_loss: no recomputed top-k / top-p on the loss-fused path (use fused_linear alone, or "
-                         "replay the rollout engine's kept sets: replay_kept_set)")
     # Megatron divides the returned loss in place by num_microbatches, and DDP averages over the DP ranks: hand
     # it a scaled copy (a new tensor, so `metrics["loss"]`, the loss's own detached value, stays unscaled).
     loss_scale = num_microbatches * parallel_state.get_data_parallel_world_size()
@@ -250,7 +250,11 @@ def make_forward_step(
     def loss_func(batch: Batch, model: torch.nn.Module,
                   output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         output = HiddenStates(*_in_compute_dtype(model, output_tensor)) if fused_linear else output_tensor
-        loss, metrics = loss_fn.step_loss(output, batch, call)
+        bound = call
+        if fused_loss:  # the loss-fused head writes dW (into main_grad) and dH final in forward
+            bound = replace(call, upstream_gradient=schedule_upstream_gradient(model, loss_scale, num_microbatches,
+                                                                               output_tensor.device))
+        loss, metrics = loss_fn.step_loss(output, batch, bound)
         return loss * loss_scale, metrics
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
@@ -270,6 +274,21 @@ def make_forward_step(
         return output, partial(loss_func, batch, model)
 
     return forward_step
+
+
+def schedule_upstream_gradient(model: torch.nn.Module, loss_scale: float, num_microbatches: int,
+                               device: torch.device) -> float | torch.Tensor:
+    """d(what Megatron's schedule differentiates)/d(the loss `step_loss` returns): `make_forward_step` multiplies the
+    loss by `loss_scale`; the schedule (`forward_step_calc_loss`, Megatron-Core 0.16 and 0.19, for a `loss_func`
+    returning two values) multiplies it in place by the CP size and divides it by `num_microbatches`, and its
+    `backward_step` differentiates `config.grad_scale_func(loss)` where the model config has one (the optimizer's loss
+    scale: Megatron's own reads it the same way, `grad_scale_func(torch.ones(1))`, a device tensor, no host sync).
+    So `loss_scale * CP / num_microbatches * scale` = DP × CP × the optimizer's loss scale."""
+    upstream = loss_scale * context_parallel_size() / num_microbatches
+    grad_scale_func = getattr(get_model_config(model), "grad_scale_func", None)
+    if grad_scale_func is None:
+        return float(upstream)
+    return grad_scale_func(torch.ones(1, device=device)).detach().reshape(()) * upstream
 
 
 def apply_deferred_normalisation(model: torch.nn.Module, loss_fn: StepLoss,

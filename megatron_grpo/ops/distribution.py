@@ -92,6 +92,11 @@ class SamplingDistribution:
         """The same distribution over the engine's kept sets (`replay_kept_set`)."""
         return replace(self, replay_kept_set=True)
 
+    def restricts(self, true_vocab_size: int) -> bool:
+        """Whether the trained distribution can keep fewer tokens than the unfiltered one of a row of
+        `true_vocab_size` tokens: a replayed kept set, or an active recomputed filter (`active`)."""
+        return self.replay_kept_set or self.active(true_vocab_size)
+
     def active(self, true_vocab_size: int) -> bool:
         """Whether the recomputed filter (top-k / top-p) can drop a token of a row of `true_vocab_size` tokens."""
         return self.uses_top_k(true_vocab_size) or self.uses_top_p()

@@ -10,8 +10,9 @@ Forward: the trained rows (target >= 0) are gathered out first; per chunk, `logi
 (the real, non-padding columns only), then the existing kernels' partials, and the chunk buffer is reused. One
 all-gather of the partials of the whole call (`gather_partials`) and the kernels' combine give logprob, lse and
 entropy. Backward: per chunk, recompute the logits, run the existing backward kernel in place in the chunk
-buffer, then `dH = scale * dlogits @ W` and `dW += scale * dlogits.T @ h` (`chunks.WeightGradient`: into
-Megatron DDP's `main_grad` where the weight has one, with no fp32 accumulator of its own). No collective runs in
+buffer, then `dH = scale * dlogits @ W` and `dW += scale * dlogits.T @ h` (`gemm.WeightGradient`: into
+Megatron DDP's `main_grad` where the weight has one, else into the returned dW, with no fp32 accumulator of its own
+unless that is small next to the logits). No collective runs in
 backward: `dH` is a partial sum over the vocab shards, which the caller reduces across TP where Megatron's output
 layer does (see `vocab_parallel_linear_logprobs`).
 
@@ -39,7 +40,7 @@ from megatron_grpo.ops.core.checks import (
     check_linear_inputs,
     check_target_ids,
 )
-from megatron_grpo.ops.core.chunking import chunk_rows_for
+from megatron_grpo.ops.core.chunking import chunk_rows_for, threshold_piece_rows
 from megatron_grpo.ops.core.dtypes import compute_dtype
 from megatron_grpo.ops.core.filtering import kept_threshold
 from megatron_grpo.ops.core.gemm import (
@@ -85,7 +86,7 @@ class LinearCall:
 
     @property
     def filter_active(self) -> bool:
-        return self.distribution.replay_kept_set or self.distribution.active(self.shard.true_vocab_size)
+        return self.distribution.restricts(self.shard.true_vocab_size)
 
 
 def linear_partials(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, call: LinearCall,
@@ -105,7 +106,8 @@ def linear_partials(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
                                                  valid, call.with_entropy)
         else:
             threshold = kept_threshold(logits, call.distribution, true_vocab_size=shard.true_vocab_size,
-                                       group=shard.group, scaled=True, kernels=call.kernels)
+                                       group=shard.group, scaled=True, kernels=call.kernels,
+                                       rows_per_piece=threshold_piece_rows(call.chunk_rows))
             partial = call.kernels.logprob_partials(logits, targets[sl], shard.start_index, valid, call.with_entropy,
                                                     threshold)
         if filtered:
@@ -266,8 +268,8 @@ def _linear_backward_op(hidden: torch.Tensor, hidden_rows: torch.Tensor, weight:
         rows_at(logprob, index) if call.filter_active else None)
     weight = weight.contiguous()
     grad_hidden_rows = hidden_rows.new_empty(hidden_rows.shape) if need_hidden else None
-    weight_gradient = WeightGradient(weight, call.valid_cols, len(call.chunks(index.numel())), main_grad) \
-        if need_weight else None
+    weight_gradient = WeightGradient(weight, call.valid_cols, index.numel(), len(call.chunks(index.numel())),
+                                     main_grad) if need_weight else None
     linear_backward(hidden_rows, weight, target_rows, lse, mean_x_rows, grad_logprob, grad_entropy,
                     threshold if call.filter_active else None, call, grad_hidden_rows, weight_gradient,
                     _chunk_sets(kept_offsets, kept_ids, kept_next_token, index, call))
@@ -394,7 +396,7 @@ def vocab_parallel_linear_logprobs(
             `vocab_parallel_logprobs`; the scale enters the chunk GEMMs. None: softmax(hidden @ weight.T).
         shift: next-token mode, as in `vocab_parallel_logprobs` (`megatron_grpo.ops.core.rows`).
         with_entropy: also return the exact entropy of each row's distribution.
-        chunk_rows: trained rows per chunk; None picks one (`chunk_rows_for`): at least 8 chunks of at least 256
+        chunk_rows: trained rows per chunk; None picks one (`chunk_rows_for`): at least 16 chunks of at least 64
             rows, each at most 256 MiB of logits.
         check_inputs: check target ids against the vocab (a host sync); pass False in hot loops. Gathering
             the trained rows is a host sync of its own whenever some rows are ignored (always with `shift`, whose

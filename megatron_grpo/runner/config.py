@@ -387,20 +387,10 @@ class Config(StrictSection):
     logging: LoggingConfig
 
     def conflicts(self) -> list[str]:
-        policy, model, generation = self.policy, self.policy.model, self.generation
+        policy, model = self.policy, self.policy.model
         problems = []
         if not 0 <= self.seed <= MAX_SEED:
             problems.append(f"seed: must be in [0, 2**63 - 1], got {self.seed!r}")
-        if policy.fused_linear_loss and (generation.top_k is not None or generation.top_p is not None) \
-                and not generation.replay_kept_set:
-            problems.append(f"policy.fused_linear_loss: true does not support generation.top_k / generation.top_p "
-                            f"(got top_k {generation.top_k!r}, top_p {generation.top_p!r}): set "
-                            f"policy.fused_linear_loss: false (the fused op then applies the filter), or "
-                            f"generation.replay_kept_set: true (the loss-fused head replays the sampler's kept sets)")
-        if policy.fused_linear_loss and generation.replay_kept_set and self.loss_fn.kl_in_loss:
-            problems.append("policy.fused_linear_loss: true with generation.replay_kept_set and "
-                            "loss_fn.reference_policy_kl_penalty > 0: the KL to the reference reads unfiltered "
-                            "logprobs, which the loss-fused head does not compute; set policy.fused_linear_loss: false")
         loss = self.loss_fn
         auxiliary = model.num_moe_experts is not None and (model.moe_z_loss_coeff or (
             model.moe_aux_loss_coeff > 0 and model.moe_router_load_balancing_type != "none"))

@@ -13,7 +13,9 @@ import torch
 import megatron_grpo.bench.linear as linear
 from megatron_grpo.bench.linear import (
     CANDIDATES,
+    LOSS_FUSED,
     MATERIALISED,
+    MATERIALISED_LOSS_INPLACE,
     MEGATRON,
     Candidate,
     Case,
@@ -24,6 +26,8 @@ from megatron_grpo.bench.linear import (
     make_inputs,
     report,
 )
+from megatron_grpo.bench.measure import LiveTensorBytes
+from megatron_grpo.ops import vocab_parallel_linear_logprobs
 
 CASES = [(tp, dtype, response) for tp in (1, 2) for dtype in ("fp32", "bf16") for response in (100, 25)]
 ROW = re.compile(r"^\| (?P<name>[\w+-]+) \| (?P<rest>.*)\|$")
@@ -57,10 +61,12 @@ def test_tiny_benchmark_reports_every_candidate_for_every_case(tmp_path):
             if rows[name][0].startswith("skipped: "):
                 assert len(rows[name][0]) > len("skipped: ") + 5
             else:
-                ms, vs_materialised, vs_megatron = float(rows[name][0]), *map(_ratio, rows[name][1:3])
-                assert ms > 0 and all(math.isfinite(r) and r > 0 for r in (vs_materialised, vs_megatron))
+                ms, vs_baseline, vs_megatron = float(rows[name][0]), *map(_ratio, rows[name][1:3])
+                assert ms > 0 and all(math.isfinite(r) and r > 0 for r in (vs_baseline, vs_megatron))
+                assert float(rows[name][3]) >= 0 and float(rows[name][5]) >= 0  # the extra peaks, live and resident
         assert not rows[MATERIALISED][0].startswith("skipped") and not rows[MEGATRON][0].startswith("skipped")
         assert _ratio(rows[MATERIALISED][1]) == 1.0 and _ratio(rows[MEGATRON][2]) == 1.0
+        assert _ratio(rows[MATERIALISED_LOSS_INPLACE][1]) == 1.0 and not rows[LOSS_FUSED][0].startswith("skipped")
         if tp > 1:
             assert "no vocab-parallel mode" in rows["cce"][0]
     trained = {(r["case"]["tp"], r["case"]["dtype"], r["case"]["response"]): r["trained_rows"]
@@ -72,6 +78,7 @@ def test_tiny_benchmark_reports_every_candidate_for_every_case(tmp_path):
         assert accuracy["rows"] == 9 and accuracy["chunks"] == (8 if result["case"]["response"] == 1.0 else 2)
         assert accuracy["logprob_max_abs"] < tolerance and accuracy["grad_hidden_max_rel"] < tolerance
         assert accuracy["grad_weight_max_rel"] < tolerance
+    assert "load average at the start" in text and "interleaved" in text
 
 
 # fp32: the float64 anchor's tolerances, a logprob within 1e-5 (the exp's 20 ulps and the sums) and a gradient within
@@ -111,12 +118,14 @@ def test_a_candidate_that_cannot_build_or_run_is_skipped_with_its_error(monkeypa
     assert [r["candidate"] for r in result["rows"]] == [MATERIALISED]
     assert result["skipped"] == {"broken": "ValueError: this kernel is not built here",
                                  "failing": "RuntimeError: 0 active drivers"}
+    assert result["rows"][0]["extra_live_mib"] > 0  # the logits (10 x 7 fp32) and their gradient
     assert result["accuracy"] is None and result["trained_rows"] == 5
 
 
 def _result(response: float, times: dict[str, float], peaks: dict[str, float]) -> dict:
     case = {"tp": 1, "dtype": "fp32", "tokens": 8, "hidden": 4, "v_local": 16, "response": response}
-    rows = [{"candidate": n, "forward_backward_ms": t, "extra_peak_mib": peaks[n]} for n, t in times.items()]
+    rows = [{"candidate": n, "forward_backward_ms": t, "extra_live_mib": peaks[n], "extra_peak_mib": 2 * peaks[n]}
+            for n, t in times.items()]
     return {"case": case, "trained_rows": 8, "rows": rows, "skipped": {"liger": "RuntimeError: no GPU"},
             "accuracy": None}
 
@@ -124,28 +133,55 @@ def _result(response: float, times: dict[str, float], peaks: dict[str, float]) -
 def test_report_ratios_and_target_verdicts():
     results = [
         _result(1.0, {"materialised": 100.0, "fused": 125.0, "fused-main-grad": 120.0, "megatron": 200.0,
-                      "materialised-loss": 100.0, "materialised-loss-inplace": 80.0},
+                      "materialised-loss": 100.0, "materialised-loss-inplace": 80.0, "loss-fused": 64.0,
+                      "loss-fused-main-grad": 100.0},
                 {"materialised": 1000.0, "fused": 50.0, "fused-main-grad": 40.0, "megatron": 1500.0,
-                 "materialised-loss": 1000.0, "materialised-loss-inplace": 500.0}),
+                 "materialised-loss": 1000.0, "materialised-loss-inplace": 500.0, "loss-fused": 40.0,
+                 "loss-fused-main-grad": 60.0}),
         _result(0.25, {"materialised": 100.0, "fused": 50.0}, {"materialised": 1000.0, "fused": 200.0}),
         _result(0.25, {"materialised": 100.0, "fused": 10.0}, {"materialised": 0.5, "fused": 0.0}),
     ]
-    text = report(results, torch.device("cpu"), 3, 1, "python -m megatron_grpo bench linear")
-    assert "| fused | 125.0 | 0.80x | 1.60x | 50 | 5% |" in text
-    assert "| megatron | 200.0 | 0.50x | 1.00x | 1500 | 150% |" in text
-    assert "| materialised-loss-inplace | 80.0 | 1.25x | 2.50x | 500 | 50% |" in text  # against materialised-loss
-    assert "| fused | 50.0 | 2.00x | - | 200 | 20% |" in text  # no Megatron in this case
+    text = report(results, torch.device("cpu"), 3, 1, "python -m megatron_grpo bench linear", ("1.0", "2.0"))
+    assert "| fused | 125.0 | 0.80x | 1.60x | 50.0 | 5.0% | 100.0 | 5.0% |" in text
+    assert "| megatron | 200.0 | 0.50x | 1.00x | 1500.0 | 150.0% | 3000.0 | 150.0% |" in text
+    # the loss candidates against the materialised loss step with its in-place backward
+    assert "| materialised-loss | 100.0 | 0.80x | 2.00x | 1000.0 | 200.0% | 2000.0 | 200.0% |" in text
+    assert "| loss-fused | 64.0 | 1.25x | 3.12x | 40.0 | 8.0% | 80.0 | 8.0% |" in text
+    assert "| fused | 50.0 | 2.00x | - | 200.0 | 20.0% | 400.0 | 20.0% |" in text  # no Megatron in this case
     assert "| liger | skipped: RuntimeError: no GPU |" in text
+    assert "load average at the start: 1.0; at the end: 2.0" in text
     targets = text.split("## Targets")[1].split("\n## ")[0]
-    assert "| 0.80x | >= 0.75x met | 5.0% (<= 10% met) | 4.0% (<= 10% met) | - | 1.25x, 50% |" in targets
-    assert "| 2.00x | >= 2.5x NOT met | 20.0% (<= 10% NOT met) | - | - | - |" in targets
-    assert "| 10.00x | >= 2.5x met | - (below 1 MiB: not measurable) | - | - | - |" in targets
+    assert ("| 0.80x (>= 0.75x met) | 5.0% (<= 10% met) | 4.0% (<= 10% met) | 1.25x (>= 1.0x met) | 8.0% (<= 10% met) "
+            "| 0.80x (>= 1.0x NOT met) | 12.0% (<= 10% NOT met) |") in targets
+    assert "| 2.00x (>= 2.5x NOT met) | 20.0% (<= 10% NOT met) | - | - | - | - | - |" in targets
+    assert "| 10.00x (>= 2.5x met) | - (below 1 MiB: not measurable) | - | - | - | - | - |" in targets
+
+
+def test_live_tensor_bytes_count_storages_alive_at_once_views_once_and_inside_the_projects_ops():
+    base = torch.ones(1000)  # alive before: never counted
+    with LiveTensorBytes() as live:
+        a = torch.empty(1000)  # 4000 bytes
+        view = a[10:]  # the same storage
+        a.add_(1.0)  # in place: nothing new
+        b = base * 2  # 4000 more: the peak
+        del a, view
+        c = torch.empty(250)  # 1000 bytes, after 4000 were freed
+    assert live.peak_bytes == 8000 and live.live_bytes == 5000
+    del b, c
+    hidden, weight = torch.randn(64, 8), torch.randn(32, 8)
+    targets = torch.randint(0, 32, (64,))
+    with LiveTensorBytes() as live:
+        vocab_parallel_linear_logprobs(hidden, weight, targets, chunk_rows=16, check_inputs=False)
+    assert live.peak_bytes >= 16 * 32 * 4  # the op's chunk buffer, inside its torch.library body
+    assert live.peak_bytes < 64 * 32 * 4  # never the whole logits
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--response", "0"], "--response fractions must be in (0, 1], got 0.0"),
     (["--candidates", "nonexistent"], "invalid choice: 'nonexistent'"),
     (["--chunk-rows", "0"], "--chunk-rows must be >= 1, got 0"),
+    (["--sequence-length", "0"], "--sequence-length must be >= 1, got 0"),
+    (["--top-p", "1.5"], "--top-p must be None or a number in (0, 1], got 1.5"),
 ])
 def test_bad_options_exit_2_with_a_named_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -96,6 +96,7 @@ def test_summary_takes_medians_after_warmup_and_ratios_against_configuration_1()
     (["--response-tokens", "9", "3"], "--response-tokens"),
     (["--prompts", "3", "--generations", "2", "--micro-batch-size", "4"], "--micro-batch-size (4) must divide"),
     (["--kl-penalty", "-1"], "--kl-penalty"),
+    (["--top-p", "0"], "--top-p must be None or a number in (0, 1], got 0.0"),
     (["--dtype", "bf16"], "--dtype bf16 needs --device cuda"),
 ])
 def test_bad_options_exit_2_naming_the_option(options, named, capsys):
@@ -130,3 +131,12 @@ def test_the_cli_runs_the_four_configurations_and_they_train_the_same_objective(
     assert configurations["packed"]["tokens_through_model"] < configurations["fused"]["tokens_through_model"]
     report = (out / "step_cpu.md").read_text()
     assert "| 4. + packing |" in report and "megatron-grpo --nproc-per-node 1 bench step" in report
+
+
+def test_every_configuration_trains_the_rollouts_distribution_and_configuration_3_is_loss_fused_under_a_filter():
+    configurations, _ = plans_and_steps(Setup(temperature=0.7, top_k=20, top_p=0.9))
+    for name in CONFIGURATIONS:
+        step = configurations[name][1]
+        assert (step.distribution.top_k, step.distribution.top_p) == (20, 0.9)
+        assert step.distribution.logit_scale == pytest.approx(1 / 0.7)
+    assert configurations["fused"][1].fused_linear_loss

@@ -1,7 +1,8 @@
 """`policy.fused_linear_logprobs` (and `policy.fused_linear_loss`) on the real tiny GPTModel: the train step from
 hidden states, by the fused op or by the loss-fused path, equals the train step from materialised logits
 (logprobs, entropy, loss, gradients) at TP = 1 and TP = 2 over gloo, with a separate output layer, with the output
-layer tied to the input embedding (`share_embeddings_and_output_weights`), and with a top-k sampling filter.
+layer tied to the input embedding (`share_embeddings_and_output_weights`), and with top-k and top-p sampling filters
+(the loss-fused path too: the filter's threshold is per row, and its chunks hold whole rows).
 
 The vocab is Megatron-padded in every case: 13 real tokens padded to 16 (`VOCAB` of test_megatron_hooks), so at
 TP = 2 rank 1's shard holds 3 real and 5 padding columns.
@@ -35,8 +36,9 @@ CASES = {
 # Output layer tied to the input embedding: temperature != 1 and an entropy bonus, so that both gradient terms of
 # the fused op reach the embedding (no reference model or prev pass: those are forward-only, checked above).
 CASES["tied_embeddings"] = {"generation.temperature": 0.7, "loss_fn.entropy_coef": 0.01}
-# A sampling filter with a KL in the loss: the fused op filters, and the KL reads unfiltered current logprobs.
+# A sampling filter with a KL in the loss: the fused paths filter, and the KL reads unfiltered current logprobs.
 CASES["top_k_kl"] = {"generation.top_k": 5, "loss_fn.reference_policy_kl_penalty": 0.1}
+CASES["top_p"] = {"generation.top_p": 0.9, "generation.temperature": 0.7, "loss_fn.entropy_coef": 0.01}
 # Under Megatron's DDP (as the runner trains): the fused paths add dW into the output weight's fp32 `main_grad`
 # (Megatron's protocol: `grad_added_to_main_grad`, and a zero dummy gradient for a weight tied to the embedding,
 # whose own gradient arrives through the same hook), untied and tied.
@@ -44,13 +46,10 @@ CASES["ddp"] = {"generation.temperature": 0.7, "loss_fn.entropy_coef": 0.01}
 CASES["ddp_tied"] = {"generation.temperature": 0.7, "loss_fn.entropy_coef": 0.01}
 TIED = {"tied_embeddings", "ddp_tied"}
 DDP = {"ddp", "ddp_tied"}
-FILTERED = {"top_k_kl"}
-# (fused_linear_logprobs, fused_linear_loss): the fused op, and the loss-fused path (no sampling filter there).
+# (fused_linear_logprobs, fused_linear_loss): the fused op, and the loss-fused path.
 MODES = {"fused": (True, False), "loss_fused": (True, True)}
 
 
-def modes_of(case: str) -> list[str]:
-    return [mode for mode in MODES if not (case in FILTERED and MODES[mode][1])]
 EMBEDDING = "embedding.word_embeddings.weight"
 
 
@@ -178,7 +177,7 @@ def run_cases(rank: int, world_size: int) -> dict:
             outcome[name] = {mode: _compare(plain, _run_train_step(
                 config_with({**base, **overrides, "policy.fused_linear_logprobs": MODES[mode][0],
                              "policy.fused_linear_loss": MODES[mode][1]}), make_batch(seed=21), tied, ddp))
-                for mode in modes_of(name)}
+                for mode in MODES}
             outcome[name]["per_token"] = _per_token(config_with({**base, **overrides}), make_batch(seed=22), tied)
         return outcome
     finally:
@@ -190,7 +189,7 @@ def ranks(request) -> list[dict]:
     return run_on_ranks(request.param, run_cases)
 
 
-CASE_MODES = [(case, mode) for case in CASES for mode in modes_of(case)]
+CASE_MODES = [(case, mode) for case in CASES for mode in MODES]
 
 
 @pytest.mark.parametrize("case, mode", CASE_MODES, ids=[f"{c}-{m}" for c, m in CASE_MODES])
@@ -210,7 +209,7 @@ def test_fused_train_step_equals_materialised(ranks, case, mode):
 @pytest.mark.parametrize("case", ["tempered_kl_entropy", "top_k_kl"])
 def test_all_three_passes_run_fused_and_agree(ranks, case):
     for rank in ranks:
-        for mode in modes_of(case):
+        for mode in MODES:
             result = rank[case][mode]
             passes = {"reference": 1, "prev": 1} if case == "tempered_kl_entropy" else {"reference": 1}
             assert result["passes_run"] == (passes, passes)
@@ -221,7 +220,7 @@ def test_tied_embeddings_fused_weight_is_the_embedding_and_its_gradient_matches(
     """Tied: the fused op reads the embedding shard, and the embedding's gradient (input lookup + output layer)
     equals the materialised path's, where Megatron's output layer is handed the embedding weight."""
     for rank in ranks:
-        for mode in modes_of("tied_embeddings"):
+        for mode in MODES:
             result = rank["tied_embeddings"][mode]
             tying = result["tying"]
             assert tying["weight_is_embedding"] and "output_layer.weight" not in tying["parameter_names"]
@@ -237,9 +236,9 @@ def test_under_ddp_the_fused_paths_add_the_weight_gradient_into_main_grad(ranks)
     without DDP the fused paths return a dense dW."""
     for rank in ranks:
         for case in DDP:
-            for mode in modes_of(case):
+            for mode in MODES:
                 assert rank[case][mode]["added_to_main_grad"] == (False, True), (case, mode)
-        for mode in modes_of("plain"):
+        for mode in MODES:
             assert rank["plain"][mode]["added_to_main_grad"] == (None, None)
             assert rank["plain"][mode]["dense_grad"] == (True, True)
 
@@ -281,19 +280,12 @@ def test_fused_never_runs_the_output_layer_and_restores_it(ranks):
 
 
 @pytest.mark.parametrize("key, value", [("generation.top_k", 5), ("generation.top_p", 0.9)])
-def test_loss_fused_with_a_sampling_filter_is_a_config_error(key, value):
-    with pytest.raises(ConfigError) as err:
-        config_with({"policy.fused_linear_logprobs": True, "policy.fused_linear_loss": True, key: value})
-    message = str(err.value)
-    assert "policy.fused_linear_loss" in message and "generation.top_k" in message \
-        and "generation.top_p" in message
-    assert config_with({"policy.fused_linear_logprobs": True, key: value}).generation is not None
+def test_loss_fused_takes_a_sampling_filter(key, value):
+    cfg = config_with({"policy.fused_linear_logprobs": True, "policy.fused_linear_loss": True, key: value})
+    assert cfg.policy.fused_linear_loss and getattr(cfg.generation, key.split(".")[1]) == value
     replayed = config_with({"policy.fused_linear_logprobs": True, "policy.fused_linear_loss": True, key: value,
-                            "generation.replay_kept_set": True})  # the loss-fused head replays the sampler's sets
-    assert replayed.generation.replay_kept_set
-    with pytest.raises(ConfigError, match="the KL to the reference reads unfiltered logprobs"):
-        config_with({"policy.fused_linear_logprobs": True, "policy.fused_linear_loss": True, key: value,
-                     "generation.replay_kept_set": True, "loss_fn.reference_policy_kl_penalty": 0.1})
+                            "generation.replay_kept_set": True, "loss_fn.reference_policy_kl_penalty": 0.1})
+    assert replayed.generation.replay_kept_set  # the head replays the sampler's sets, the KL's unfiltered term too
 
 
 def test_loss_fused_needs_the_fused_linear_path():

@@ -3,7 +3,8 @@
 
 - `vocab_parallel_linear_logprobs` gathers the trained rows (`nonzero`) only where some row is ignored: with
   `check_inputs=True` and every row trained, the target check's one sync says so and no `nonzero` runs.
-- The loss-fused path syncs a fixed number of times per call, however many chunks it cuts.
+- The loss-fused path syncs a fixed number of times per call, however many chunks it cuts: its chunk loop reads
+  nothing back (top-p's threshold search aside, which reads its candidates back once per piece of 1/16 of a chunk).
 - `check_inputs=False` removes the checks of values: the loss then reads nothing back per call;
   `check_batch_values` does those checks once, naming a bad key.
 """
@@ -19,7 +20,7 @@ from torch._library.custom_ops import OPDEFS
 from torch.overrides import TorchFunctionMode
 
 from megatron_grpo.loss import ClippedPGLoss, check_batch_values, count_valid
-from megatron_grpo.ops import VocabShard, vocab_parallel_linear_logprobs, vocab_parallel_logprobs
+from megatron_grpo.ops import SamplingDistribution, VocabShard, vocab_parallel_linear_logprobs, vocab_parallel_logprobs
 from megatron_grpo.ops.core.custom_op import IMPLEMENTATIONS
 
 SYNCS = {torch.Tensor.nonzero: "nonzero", torch.nonzero: "nonzero", torch.Tensor.tolist: "tolist",
@@ -78,23 +79,28 @@ def test_trained_rows_are_gathered_only_where_some_row_is_ignored():
 
 
 @pytest.mark.parametrize("chunk_rows", [None, 3, 1])
-def test_the_loss_fused_path_syncs_per_call_not_per_chunk(chunk_rows):
+@pytest.mark.parametrize("setting", ["closed form", "top-k", "whole sequences"])
+def test_the_loss_fused_path_syncs_per_call_not_per_chunk(chunk_rows, setting):
+    """The chunk loop reads nothing back: the call's syncs are the same however many chunks it cuts."""
     gen = torch.Generator().manual_seed(1)
     hidden, weight = torch.randn(6, 9, 8, generator=gen), torch.randn(32, 8, generator=gen)
     batch = batch_for_logits(hidden @ weight.t(), 29, seed=2)
     tokens, seqs = count_valid(batch)
-    loss_fn = ClippedPGLoss(loss_config())
+    gspo = {"sequence_level_importance_ratio": True, "loss_agg_mode": "seq-mean-token-mean"}
+    loss_fn = ClippedPGLoss(loss_config(**(gspo if setting == "whole sequences" else {})))
+    distribution = SamplingDistribution(top_k=5) if setting == "top-k" else None
+    call = {"global_valid_tokens": tokens, "global_valid_seqs": seqs, "shard": VocabShard(true_vocab_size=29),
+            "chunk_rows": chunk_rows, "distribution": distribution}
     with CountSyncs() as checked:
-        loss_fn.on_hidden_states(hidden, weight, batch, global_valid_tokens=tokens, global_valid_seqs=seqs,
-                                 shard=VocabShard(true_vocab_size=29), chunk_rows=chunk_rows)
+        loss_fn.on_hidden_states(hidden, weight, batch, **call)
     with CountSyncs() as unchecked:
-        loss_fn.on_hidden_states(hidden, weight, batch, global_valid_tokens=tokens, global_valid_seqs=seqs,
-                                 shard=VocabShard(true_vocab_size=29), chunk_rows=chunk_rows, check_inputs=False)
-    # The rows per sequence (tolist) and the trained rows (nonzero); checked, once: finite advantages (bool; the
-    # rewards are not read by this config), the global counts against the microbatch (tolist) and the target ids
-    # (tolist).
-    assert unchecked.counts == Counter(tolist=1, nonzero=1)
-    assert checked.counts == Counter(tolist=3, nonzero=1, bool=1)
+        loss_fn.on_hidden_states(hidden, weight, batch, check_inputs=False, **call)
+    # The trained rows (nonzero) and whether each chunk's rows are consecutive (tolist); for whole-sequence chunks
+    # also the rows per sequence (tolist). Checked, once: finite advantages (bool; the rewards are not read by this
+    # config), the global counts against the microbatch (tolist) and the target ids (tolist).
+    per_call = Counter(tolist=2 if setting == "whole sequences" else 1, nonzero=1)
+    assert unchecked.counts == per_call
+    assert checked.counts == per_call + Counter(tolist=2, bool=1)
 
 
 def test_the_loss_without_value_checks_reads_nothing_back():

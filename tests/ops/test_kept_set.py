@@ -260,11 +260,11 @@ def packed(hidden, batch):
 
 @pytest.mark.parametrize("replay, kl", [(True, 0.0), (True, 0.1), (False, 0.0)])
 def test_three_paths_and_the_packed_layout_agree(replay, kl):
-    """Recomputing the filter, or with a KL (which reads unfiltered logprobs), the loss-fused head is refused."""
+    """Replayed (with a KL, which reads unfiltered logprobs, too) or recomputed, every path agrees."""
     true_vocab = 33
     hidden, weight, batch, _ = loss_case(seed=1)
     distribution = REPLAY if replay else REPLAY.recomputed()
-    paths = ("logits", "linear", "loss_fused") if replay and not kl else ("logits", "linear")
+    paths = ("logits", "linear", "loss_fused")
     reference = run_loss("logits", hidden, weight, batch, true_vocab, distribution, kl=kl)
     packed_hidden, packed_batch = packed(hidden, batch)
     for path in paths:
@@ -279,10 +279,6 @@ def test_three_paths_and_the_packed_layout_agree(replay, kl):
                          "kept_set_replayed_ratio_outside_band", "kept_set_recomputed_ratio_outside_band"):
                 torch.testing.assert_close(metrics[name].double(), reference[1][name].double(), atol=1e-6, rtol=0,
                                            msg=f"{label}: {name}")  # (float32 metrics of float64 values)
-    if kl or not replay:
-        with pytest.raises(ValueError, match="loss_fused: the loss-fused head computes the replayed" if replay
-                           else "distribution: the loss-fused path has no top-k / top-p"):
-            run_loss("loss_fused", hidden, weight, batch, true_vocab, distribution, kl=kl)
 
 
 def test_the_kept_set_metrics_say_what_they_name():

@@ -1,14 +1,14 @@
 """The fused paths at a real vocabulary over TP = 2 (gloo): Qwen2.5's 151,936 tokens, which Megatron pads to 152,064,
 so rank 1's shard holds 128 fewer valid columns than rank 0's.
 
-16 sequences of 442 trained tokens (7,072 rows) at the default chunk budget: the budget decides the chunk size, and
-sizing it from each rank's valid columns would cut the ranks' calls differently (882 rows on rank 0, 884 on rank 1:
-one sequence per chunk on one rank, two on the other), so that their per-chunk collectives mismatch. The test
-asserts these conditions before it runs, then runs all four fused paths on both ranks:
+16 sequences of 442 trained tokens (7,072 rows) at a chunk budget of 128 MiB (`BUDGET`, set in the ranks): the budget
+decides the chunk size, and sizing it from each rank's valid columns would cut the ranks' calls differently (441 rows
+on rank 0, 442 on rank 1: 17 chunks on one rank, 16 on the other), so that their per-chunk collectives mismatch. The
+test asserts these conditions before it runs, then runs all four fused paths on both ranks:
 
 1. the fused op with its gradient (`vocab_parallel_linear_logprobs`, then `ClippedPGLoss` on its logprobs);
 2. the same with a top-k filter (a collective per chunk);
-3. the loss-fused step (`ClippedPGLoss.on_hidden_states`, an all-gather per chunk);
+3. the loss-fused step (`ClippedPGLoss.on_hidden_states`, an all-gather per chunk of trained rows);
 4. a logprob pass (no gradient, top-p: a radix select with collectives per chunk).
 
 The ranks must agree bit for bit on every loss and logprob; the logprobs of rows at the chunk boundaries match a
@@ -27,7 +27,8 @@ from logprob_reference import filtered_keep_mask
 
 from megatron_grpo.loss import ClippedPGLoss, count_valid
 from megatron_grpo.ops import SamplingDistribution, VocabShard, vocab_parallel_linear_logprobs
-from megatron_grpo.ops.core.chunking import chunk_rows_for, sequence_chunks
+from megatron_grpo.ops.core import chunking
+from megatron_grpo.ops.core.chunking import chunk_rows_for
 
 TRUE_VOCAB, PADDED, TP = 151_936, 152_064, 2
 SEQUENCES, TRAINED, HIDDEN = 16, 442, 16
@@ -36,6 +37,7 @@ ROWS = SEQUENCES * TRAINED
 V_LOCAL = PADDED // TP
 VALID = [min(max(TRUE_VOCAB - rank * V_LOCAL, 0), V_LOCAL) for rank in range(TP)]
 TOP_K, TOP_P = 40, 0.9
+BUDGET = 128 * 2**20  # bytes of logits per chunk: below the default, so that it decides at this test's row count
 PATHS = ("fused op", "fused op, top-k", "loss-fused", "logprob pass, top-p")
 
 pytestmark = pytest.mark.slow
@@ -67,6 +69,14 @@ def _loss_on(cfg, batch, logprobs, entropy):
 
 
 def worker(rank: int, world: int) -> dict:
+    default_budget, chunking.CHUNK_BYTES = chunking.CHUNK_BYTES, BUDGET
+    try:
+        return _run_paths(rank)
+    finally:
+        chunking.CHUNK_BYTES = default_budget
+
+
+def _run_paths(rank: int) -> dict:
     hidden, weight, batch = problem()
     shard_weight = weight[rank * V_LOCAL:(rank + 1) * V_LOCAL].contiguous()
     shard = VocabShard(true_vocab_size=TRUE_VOCAB, group=dist.group.WORLD)
@@ -109,13 +119,11 @@ def worker(rank: int, world: int) -> dict:
 
 def test_the_conditions_of_the_mismatch_hold():
     """The budget decides the chunk, and rank-local sizing would cut the ranks' calls differently."""
-    rows_per_sequence = [TRAINED] * SEQUENCES
-    by_valid = [chunk_rows_for(ROWS, valid, torch.float32) for valid in VALID]
+    by_valid = [chunk_rows_for(ROWS, valid, torch.float32, BUDGET) for valid in VALID]
     assert VALID == [V_LOCAL, V_LOCAL - (PADDED - TRUE_VOCAB)]
-    assert by_valid[0] != by_valid[1] and max(by_valid) < ROWS  # the budget, not the row share, decides
-    assert sequence_chunks(rows_per_sequence, by_valid[0]) != sequence_chunks(rows_per_sequence, by_valid[1])
-    assert -(-ROWS // by_valid[0]) != -(-ROWS // by_valid[1])  # and the op's row chunks differ in number
-    assert chunk_rows_for(ROWS, V_LOCAL, torch.float32) == by_valid[0]  # what every rank now uses: the shard width
+    assert by_valid == [441, 442] and max(by_valid) < ROWS  # the budget, not the row share, decides
+    assert -(-ROWS // by_valid[0]) != -(-ROWS // by_valid[1])  # and row chunks differ in number
+    assert chunk_rows_for(ROWS, V_LOCAL, torch.float32, BUDGET) == by_valid[0]  # what every rank uses: the shard width
 
 
 def test_all_four_fused_paths_agree_across_ranks_at_a_real_vocab(monkeypatch):
@@ -125,10 +133,10 @@ def test_all_four_fused_paths_agree_across_ranks_at_a_real_vocab(monkeypatch):
         assert per_rank[0]["collectives"][path] == per_rank[1]["collectives"][path], path
         assert torch.equal(per_rank[0]["losses"][path], per_rank[1]["losses"][path]), path
         assert torch.equal(per_rank[0]["logprobs"][path], per_rank[1]["logprobs"][path]), path
-    assert per_rank[0]["collectives"][PATHS[2]] == SEQUENCES  # one all-gather per chunk of one sequence
+    assert per_rank[0]["collectives"][PATHS[2]] == -(-ROWS // 441)  # one all-gather per chunk of trained rows
 
     hidden, weight, batch = problem()
-    # Rows at the chunk boundaries (882 rows per chunk: 442 + 440 of the next sequence's), the first and the last.
+    # Rows at the chunk boundaries (441 rows per chunk: the second chunk starts at row 441), the first and the last.
     positions = [(0, 1), (1, 441), (1, 442), (2, 1), (15, 442)]
     filters = {PATHS[0]: (None, None), PATHS[1]: (TOP_K, None), PATHS[2]: (None, None), PATHS[3]: (None, TOP_P)}
     for b, t in positions:

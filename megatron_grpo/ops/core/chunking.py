@@ -7,9 +7,14 @@ cutting differently run different numbers and shapes of them, and gloo aborts, N
 - *Pieces* (`piece_rows`): the plain-torch kernels and top-p's threshold search work on about `PIECE_LOGITS` logits
   per rank at a time (their fp32 / fp64 temporaries are some 20 bytes per logit).
 - *GEMM chunks* (`chunk_rows_for`): the fused linear paths cut their trained rows into chunks whose logits are one
-  reused buffer (`gemm.chunk_buffer`), at most `CHUNK_BYTES`, at least `MIN_CHUNKS` per call.
-- *Sequence chunks* (`sequence_chunks`): the loss-fused head groups whole sequences into chunks of at most that
-  many trained rows, so a loss term that couples a sequence's tokens stays exact.
+  reused buffer (`gemm.chunk_buffer`), at most `CHUNK_BYTES`, at least `MIN_CHUNKS` per call, so that one chunk's
+  logits are at most 1/16 of the call's: 6.25% of what the materialised path holds with its gradient written in
+  place, which leaves room for the per-row vectors under the fused paths' 10% budget (docs/ops.md, "Memory").
+- *Sequence chunks* (`sequence_chunks`): where a loss term couples a sequence's tokens, the loss-fused head groups
+  whole sequences into chunks of at most that many trained rows, so the term stays exact.
+- *Threshold pieces within a chunk* (`threshold_piece_rows`): top-p's search over a fused path's chunk works on
+  1/16 of the chunk's rows at a time, so its temporaries (some 20 bytes per logit) stay near a bf16 chunk buffer's
+  size, whatever the vocab.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ PIECE_LOGITS = 2**23
 # small enough to be negligible next to the `[T, V_local]` logits the fused op avoids. Read at each call, so a test
 # may lower it.
 CHUNK_BYTES = 256 * 2**20
-MIN_CHUNKS = 8
-MIN_CHUNK_ROWS = 256
+MIN_CHUNKS = 16
+MIN_CHUNK_ROWS = 64
 # A chunk buffer's row stride is a multiple of this many elements (128 bytes of bf16), so every GEMM row starts
 # aligned whatever the shard's valid width; the kernels take any row stride.
 ROW_ALIGN = 64
@@ -45,25 +50,41 @@ def aligned_width(cols: int) -> int:
     return -(-cols // ROW_ALIGN) * ROW_ALIGN
 
 
-def chunk_rows_for(rows: int, shard_cols: int, dtype: torch.dtype, budget_bytes: int | None = None) -> int:
+def chunk_rows_for(rows: int, shard_cols: int, dtype: torch.dtype, budget_bytes: int | None = None,
+                   buffers: int = 1) -> int:
     """Rows per GEMM chunk when the caller gives none: a call of `rows` trained rows is cut into at least
-    `MIN_CHUNKS` chunks (so one chunk's logits are at most 1/8 of the whole call's, the op's extra memory),
-    each of at least `MIN_CHUNK_ROWS` rows (so each GEMM stays large) and at most `budget_bytes` (default
+    `MIN_CHUNKS` chunks (so the chunk buffers' logits are at most 1/16 of the whole call's, the fused paths' extra
+    memory), each of at least `MIN_CHUNK_ROWS` rows (so each GEMM stays large) and at most `budget_bytes` (default
     `CHUNK_BYTES`) of logits rows of `shard_cols` columns (256 MiB: 2048 rows of a 65536-column bf16 shard, 441 of
-    a 152064-column fp32 one).
+    a 152064-column fp32 one). `buffers` chunk buffers alive at once share that budget and that 1/16 (the loss-fused
+    head keeps two where chunks overlap on CUDA streams, or where a KL under a filter needs a second gradient).
 
     `shard_cols` must be the same on every rank of the TP group: the shard's whole width (`weight.shape[0]`,
     padding included), never its valid columns, which are fewer on the rank holding the padding."""
     budget = CHUNK_BYTES if budget_bytes is None else budget_bytes
-    row_bytes = max(aligned_width(shard_cols), 1) * torch.empty((), dtype=dtype).element_size()
+    row_bytes = max(aligned_width(shard_cols), 1) * torch.empty((), dtype=dtype).element_size() * buffers
     by_budget = max(1, budget // row_bytes)
-    by_share = max(MIN_CHUNK_ROWS, -(-rows // MIN_CHUNKS))
+    by_share = max(MIN_CHUNK_ROWS, -(-rows // (MIN_CHUNKS * buffers)))
     return max(1, min(by_budget, by_share))
+
+
+def threshold_piece_rows(chunk_rows: int) -> int:
+    """Rows per piece of top-p's threshold search over a chunk of `chunk_rows` rows: 1/16 of them (at least 1), so
+    that its some 20 bytes per logit come to about 1.25 bytes per logit of the chunk. The chunk's rows are the same
+    on every TP rank, so the pieces and their collectives are too."""
+    return max(1, -(-chunk_rows // MIN_CHUNKS))
+
+
+def row_chunks(rows: int, chunk_rows: int) -> list[slice]:
+    """`range(rows)` cut into consecutive chunks of `chunk_rows` rows (the last one shorter), each slice within it."""
+    step = max(1, chunk_rows)
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
 def sequence_chunks(trained_rows_per_sequence: list[int], chunk_rows: int) -> list[slice]:
     """Consecutive sequences grouped so each group has at most `chunk_rows` trained rows (a longer sequence is a
-    group of its own); sequences without a trained row join their neighbours."""
+    group of its own: a chunk of whole sequences may exceed the budget); sequences without a trained row join their
+    neighbours."""
     chunks, start, rows = [], 0, 0
     for index, count in enumerate(trained_rows_per_sequence):
         if rows and rows + count > chunk_rows:

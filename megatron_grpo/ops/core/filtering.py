@@ -43,6 +43,7 @@ def kept_threshold(
     true_vocab_size: int,
     group: dist.ProcessGroup | None = None,
     scaled: bool = False,
+    rows_per_piece: int | None = None,
     kernels: Kernels | None = None,
 ) -> torch.Tensor | None:
     """Per-row threshold `[rows]` such that the kept tokens are exactly `z >= threshold`; None = keep all.
@@ -52,6 +53,8 @@ def kept_threshold(
     dtype as the kernels round it; `scaled=True` says the logits are z already (the fused linear path forms them
     scaled). Every rank of `group` must call this with the same rows and distribution. The threshold has the
     logits' compute dtype (float64 for float64 logits, else float32); comparing it with z in that dtype is exact.
+    `rows_per_piece`: top-p's pieces of rows (the same on every rank), for a caller that bounds the search's
+    temporaries by its own chunk (`chunking.threshold_piece_rows`); None: `chunking.piece_rows` of the vocab share.
     `kernels` are the op's (top-p runs fused with `FusedKernels`, in plain torch with the torch kernels); None: fused
     wherever the fused kernels serve these logits.
     """
@@ -66,7 +69,7 @@ def kept_threshold(
                  else fused_supports(x.device))
         fused = fused and x.dtype in FUSED_DTYPES and x.shape[1] > 0 and x.stride(-1) == 1
         return _top_p_threshold(x, distribution.top_p, floor, group, logit_scale, true_vocab_size,
-                                fused).contiguous()
+                                fused, rows_per_piece).contiguous()
     return floor.contiguous()
 
 
@@ -150,7 +153,8 @@ def _histogram(index: torch.Tensor, mass: torch.Tensor, rows: int, bins: int,
 
 
 def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None, group: dist.ProcessGroup | None,
-                     logit_scale: float, true_vocab_size: int, fused: bool) -> torch.Tensor:
+                     logit_scale: float, true_vocab_size: int, fused: bool,
+                     rows_per_piece: int | None = None) -> torch.Tensor:
     """The smallest logit v of each row whose strictly larger kept logits hold a mass `< p` of the kept mass.
 
     mass(v) = the kept mass of the logits `> v` is non-increasing in v. After one all-reduce of the row max, each
@@ -176,7 +180,10 @@ def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None, grou
     threshold = torch.empty(rows, dtype=dtype, device=x.device)
     select = _select_top_p_fused if fused else _select_top_p
     # every rank cuts the same pieces: by its share of the true vocab, never its own (padded) width
-    for sl in pieces(rows, piece_rows(-(-true_vocab_size // _world(group)))):
+    per_piece = piece_rows(-(-true_vocab_size // _world(group)))
+    if rows_per_piece is not None:
+        per_piece = min(per_piece, rows_per_piece)
+    for sl in pieces(rows, per_piece):
         threshold[sl] = select(x[sl], p, shift[sl], None if floor is None else floor[sl], group, logit_scale)
     threshold = torch.where(torch.isfinite(row_max), threshold, torch.full_like(threshold, float("-inf")))
     return threshold if floor is None else torch.maximum(threshold, floor)

@@ -37,8 +37,9 @@ def chunk_buffer(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
-    """`out = scale * a @ b` in one GEMM (fp32 accumulation), the scale applied before the single rounding."""
-    return torch.addmm(out.new_zeros(()), a, b, beta=0, alpha=scale, out=out)
+    """`out = scale * a @ b` in one GEMM (fp32 accumulation), the scale applied before the single rounding; with
+    beta=0 the GEMM ignores `out`'s old contents (NaN and inf included), so `out` is also its (unread) input."""
+    return torch.addmm(out, a, b, beta=0, alpha=scale, out=out)
 
 
 def chunk_logits(hidden_chunk: torch.Tensor, weight_valid: torch.Tensor, scale: float,
@@ -53,41 +54,67 @@ def hidden_gradient(grad_logits: torch.Tensor, weight_valid: torch.Tensor, scale
     return scaled_mm(grad_logits, weight_valid, scale, out)
 
 
+# An fp32 sum of dW (`[V_local, H]`, 4 bytes an element) for bf16 / fp16 weights is kept only where it is at most this
+# fraction of the `[rows, V_local]` logits the fused paths do not materialise: 4 H / (rows * 2) = 2H/T for bf16 and
+# fp16, so T >= 64 H. Elsewhere each chunk's product is added straight into the returned dW in the weight's dtype (the
+# GEMM accumulates in fp32 and rounds the running sum once per chunk, as Liger-Kernel's fused linear cross entropy
+# does by default), and the fused paths' extra memory stays within their 10% of the materialised path's.
+FP32_SUM_SHARE = 1 / 32
+
+
+def fp32_sum_is_small(rows: int, hidden_size: int, dtype: torch.dtype) -> bool:
+    """Whether an fp32 `[V_local, H]` sum is at most `FP32_SUM_SHARE` of `rows` rows of logits in `dtype`."""
+    return 4 * hidden_size <= FP32_SUM_SHARE * rows * torch.empty((), dtype=dtype).element_size()
+
+
 class WeightGradient:
     """dW of the shard's real rows, `sum over chunks of scale * dlogits^T h`; padding rows never enter it.
 
-    It is summed where no second buffer is needed: into `main_grad` when the weight has Megatron DDP's (see
-    `main_grad`); else, for bf16 / fp16 weights cut into several chunks, into an fp32 accumulator, so that the
-    rounding does not grow with the chunk count; else straight into a gradient in the weight's dtype.
+    It is written once, into its final home: into `main_grad` when the weight has Megatron DDP's (see `main_grad_of`;
+    added to what the buffer holds); else into the returned gradient in the weight's dtype, the first chunk's
+    product written over it (no zero fill) and each later one added with beta=1; for bf16 / fp16 weights cut into
+    several chunks where `fp32_sum_is_small`, into an fp32 sum first, so that the rounding does not grow with the
+    chunk count, rounded into the gradient once by `gradient()`.
     """
 
-    def __init__(self, weight: torch.Tensor, valid_cols: int, chunks: int,
+    def __init__(self, weight: torch.Tensor, valid_cols: int, rows: int, chunks: int,
                  main_grad: torch.Tensor | None = None) -> None:
         self.weight, self.valid_cols = weight, valid_cols
         self.in_main_grad = main_grad is not None
         self._grad = None
+        self._written = self.in_main_grad  # main_grad is added to; a fresh buffer is written by the first chunk
         if main_grad is not None:
             self.total = main_grad[:valid_cols]
-        elif weight.dtype in LOW_PRECISION and chunks > 1:
-            self.total = torch.zeros((valid_cols, weight.shape[1]), dtype=torch.float32, device=weight.device)
+        elif weight.dtype in LOW_PRECISION and chunks > 1 and fp32_sum_is_small(rows, weight.shape[1], weight.dtype):
+            self.total = torch.empty((valid_cols, weight.shape[1]), dtype=torch.float32, device=weight.device)
         else:
-            self._grad = torch.zeros_like(weight)
+            self._grad = torch.empty_like(weight, memory_format=torch.contiguous_format)
+            self._grad[valid_cols:].zero_()
             self.total = self._grad[:valid_cols]
 
     def add(self, grad_logits: torch.Tensor, hidden_chunk: torch.Tensor, scale: float) -> None:
-        """Adds one chunk's `scale * grad_logits^T @ hidden_chunk`."""
+        """Adds one chunk's `scale * grad_logits^T @ hidden_chunk` (the first one written over the fresh buffer)."""
+        first, self._written = not self._written, True
         if self.total.dtype == grad_logits.dtype:
-            self.total.addmm_(grad_logits.t(), hidden_chunk, alpha=scale)
+            torch.addmm(self.total, grad_logits.t(), hidden_chunk, beta=0 if first else 1, alpha=scale,
+                        out=self.total)
         else:
+            if first:
+                self.total.zero_()
             add_product_in_fp32(self.total, grad_logits.t(), hidden_chunk, scale)
 
     def gradient(self) -> torch.Tensor | None:
         """The weight's gradient, `[V_local, H]` in its dtype (padding rows 0); None when it went into `main_grad`."""
         if self.in_main_grad:
             return None
+        if not self._written:  # no chunk: no trained row
+            self.total.zero_()
+            self._written = True
         if self._grad is None:  # the fp32 sum, rounded once
-            self._grad = self.weight.new_zeros(self.weight.shape)
+            self._grad = self.weight.new_empty(self.weight.shape)
+            self._grad[self.valid_cols:].zero_()
             self._grad[:self.valid_cols] = self.total
+            self.total = self._grad[:self.valid_cols]
         return self._grad
 
 
