@@ -19,8 +19,8 @@ as soon as the chunk's logprobs are known. So forward, per chunk of trained rows
    `dW += scale * dlogits.T @ h` (`gemm.WeightGradient`), two GEMMs.
 
 3 GEMMs instead of 4, one small all-gather per chunk, no host sync inside the loop (top-p's threshold search runs
-on 1/16 of a chunk's rows at a time; only its plain-torch twin, for float64 logits or the torch kernels, reads its
-candidates back, once per piece), and backward only hands `dH`, `dW` on.
+on pieces of a chunk's rows, `chunking.threshold_piece_rows`; only its plain-torch twin, for float64 logits or the
+torch kernels, reads its candidates back, once per piece), and backward only hands `dH`, `dW` on.
 
 **The upstream gradient.** The objective's gradient with respect to the loss, d(objective)/d(loss), scales every
 row's gradient. Bound up front (`upstream_gradient`: the Megatron step knows it, the loss scale it applies times
@@ -62,7 +62,7 @@ from megatron_grpo.ops.core.checks import (
     check_linear_inputs,
     check_target_ids,
 )
-from megatron_grpo.ops.core.chunking import chunk_rows_for, row_chunks, sequence_chunks, threshold_piece_rows
+from megatron_grpo.ops.core.chunking import chunk_rows_for, row_chunks, sequence_chunks
 from megatron_grpo.ops.core.dtypes import compute_dtype
 from megatron_grpo.ops.core.filtering import kept_threshold
 from megatron_grpo.ops.core.gemm import (
@@ -313,7 +313,7 @@ def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, linear: LinearCall
     else:
         threshold = kept_threshold(logits, linear.distribution, true_vocab_size=shard.true_vocab_size,
                                    group=shard.group, scaled=True, kernels=kernels,
-                                   rows_per_piece=threshold_piece_rows(chunk_rows))
+                                   chunk_rows=chunk_rows)
         partials = kernels.logprob_partials(logits, targets, shard.start_index, valid, True, threshold)
     stats = RowStats.of(kernels.combine(gather_partials(partials, shard.group), targets, True), True)
     unfiltered = None

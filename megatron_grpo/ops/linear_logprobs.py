@@ -40,7 +40,7 @@ from megatron_grpo.ops.core.checks import (
     check_linear_inputs,
     check_target_ids,
 )
-from megatron_grpo.ops.core.chunking import chunk_rows_for, threshold_piece_rows
+from megatron_grpo.ops.core.chunking import chunk_rows_for
 from megatron_grpo.ops.core.dtypes import compute_dtype
 from megatron_grpo.ops.core.filtering import kept_threshold
 from megatron_grpo.ops.core.gemm import (
@@ -107,7 +107,7 @@ def linear_partials(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         else:
             threshold = kept_threshold(logits, call.distribution, true_vocab_size=shard.true_vocab_size,
                                        group=shard.group, scaled=True, kernels=call.kernels,
-                                       rows_per_piece=threshold_piece_rows(call.chunk_rows))
+                                       chunk_rows=call.chunk_rows)
             partial = call.kernels.logprob_partials(logits, targets[sl], shard.start_index, valid, call.with_entropy,
                                                     threshold)
         if filtered:

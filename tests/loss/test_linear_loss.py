@@ -431,18 +431,37 @@ def test_overlapped_chunks_two_buffers_and_the_deferred_gemms_give_the_same_resu
     assert float(in_order[0]) == float(overlapped[0])
 
 
-def test_top_p_searches_a_sixteenth_of_a_chunk_at_a_time(monkeypatch):
-    """Top-p's threshold search (some 20 bytes of temporaries per logit) runs on 1/16 of a chunk's rows at a time, so
-    that its temporaries stay near the size of a bf16 chunk buffer, whatever the vocab (`threshold_piece_rows`)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fused search", "plain-torch search"])
+def test_top_p_searches_a_chunk_a_piece_of_rows_at_a_time(monkeypatch, dtype):
+    """Top-p's threshold search over a chunk keeps its temporaries a fraction of the chunk buffer: the plain-torch
+    twin (float64 logits; 20-32 bytes per logit) on 1/16 of the chunk's rows at a time, the fused kernels (per row
+    two histograms and at most 1024 candidates) on as many rows as keep them within a quarter of the chunk's bf16
+    buffer."""
     from megatron_grpo.ops.core import filtering
 
+    name = "_select_top_p" if dtype == torch.float64 else "_select_top_p_fused"
     seen = []
-    for name in ("_select_top_p", "_select_top_p_fused"):  # (plain torch, or the fused kernels where they serve)
-        select = getattr(filtering, name)
-        monkeypatch.setattr(filtering, name,
-                            lambda x, *args, select=select: seen.append(x.shape[0]) or select(x, *args))
-    hidden, weight, batch = make_problem(seed=6, dtype=torch.float32)
+    select = getattr(filtering, name)
+    monkeypatch.setattr(filtering, name, lambda x, *args: seen.append(x.shape[0]) or select(x, *args))
+    hidden, weight, batch = make_problem(seed=6, dtype=dtype)
     ClippedPGLoss(loss_config()).on_hidden_states(hidden, weight, batch, distribution=FILTERS["top-p"], chunk_rows=32,
                                                   shard=VocabShard(true_vocab_size=VOCAB), **_counts(batch))
     trained = int(count_valid(batch)[0])  # one chunk of them all
-    assert seen and max(seen) == -(-trained // 16) < trained
+    assert seen and sum(seen) == trained
+    if dtype == torch.float64:
+        assert max(seen) == -(-trained // 16) < trained
+    else:  # a tiny vocab: the rows' fixed temporaries fill the budget quickly
+        assert max(seen) * filtering._fused_search_row_bytes(VOCAB) <= max(trained * VOCAB // 2,
+                                                                           filtering._fused_search_row_bytes(VOCAB))
+
+
+def test_the_fused_top_p_search_takes_a_whole_chunk_of_a_wide_vocab():
+    """At 32K columns per rank and more, the fused search's per-row temporaries (16 KiB at most) fit in a quarter of
+    the bf16 row they search: one search per chunk; at 16K, three."""
+    from megatron_grpo.ops.core.chunking import threshold_piece_rows
+    from megatron_grpo.ops.core.filtering import _fused_search_row_bytes
+
+    for cols in (32800, 65536, 152064):
+        assert threshold_piece_rows(256, cols, _fused_search_row_bytes(cols)) == 256
+    assert threshold_piece_rows(256, 16384, _fused_search_row_bytes(16384)) == 127  # pieces of 127, 127 and 2 rows
+    assert threshold_piece_rows(256, 16384) == 16  # the plain-torch search

@@ -12,9 +12,11 @@ cutting differently run different numbers and shapes of them, and gloo aborts, N
   place, which leaves room for the per-row vectors under the fused paths' 10% budget (docs/ops.md, "Memory").
 - *Sequence chunks* (`sequence_chunks`): where a loss term couples a sequence's tokens, the loss-fused head groups
   whole sequences into chunks of at most that many trained rows, so the term stays exact.
-- *Threshold pieces within a chunk* (`threshold_piece_rows`): top-p's search over a fused path's chunk works on
-  1/16 of the chunk's rows at a time, so its temporaries (some 20 bytes per logit) stay near a bf16 chunk buffer's
-  size, whatever the vocab.
+- *Threshold pieces within a chunk* (`threshold_piece_rows`): top-p's search over a fused path's chunk works on a
+  piece of the chunk's rows at a time, so that its temporaries stay a fraction of the chunk buffer whatever the
+  vocab: 1/16 of the rows in plain torch (20-32 bytes per logit: at most 2 bytes per chunk logit); with the fused
+  kernels, whose temporaries are per row (a histogram and at most 1024 candidates), as many rows as keep them
+  within a quarter of the chunk's bf16 buffer (the whole chunk from a vocab share of 32K columns).
 """
 
 from __future__ import annotations
@@ -68,11 +70,15 @@ def chunk_rows_for(rows: int, shard_cols: int, dtype: torch.dtype, budget_bytes:
     return max(1, min(by_budget, by_share))
 
 
-def threshold_piece_rows(chunk_rows: int) -> int:
-    """Rows per piece of top-p's threshold search over a chunk of `chunk_rows` rows: 1/16 of them (at least 1), so
-    that its some 20 bytes per logit come to about 1.25 bytes per logit of the chunk. The chunk's rows are the same
-    on every TP rank, so the pieces and their collectives are too."""
-    return max(1, -(-chunk_rows // MIN_CHUNKS))
+def threshold_piece_rows(chunk_rows: int, cols: int, fused_row_bytes: int | None = None) -> int:
+    """Rows per piece of top-p's threshold search over a chunk of `chunk_rows` rows of `cols` columns: in plain torch
+    (`fused_row_bytes` None) 1/16 of them; with the fused kernels, whose temporaries are `fused_row_bytes` per row,
+    as many rows as keep them within a quarter of the chunk's bf16 buffer (`cols / 2` bytes per row). At least 1, at
+    most the chunk. Pass a `cols` that is the same on every TP rank (each rank's share of the true vocab), so that
+    the pieces and their collectives are too."""
+    if fused_row_bytes is None:
+        return max(1, -(-chunk_rows // MIN_CHUNKS))
+    return max(1, min(chunk_rows, chunk_rows * cols // 2 // max(1, fused_row_bytes)))
 
 
 def row_chunks(rows: int, chunk_rows: int) -> list[slice]:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.ops.core.backends import FUSED_DTYPES, FusedKernels, Kernels, fused_supports
-from megatron_grpo.ops.core.chunking import piece_rows, pieces
+from megatron_grpo.ops.core.chunking import piece_rows, pieces, threshold_piece_rows
 from megatron_grpo.ops.core.dtypes import compute_dtype
 from megatron_grpo.ops.distribution import SamplingDistribution
 
@@ -43,7 +43,7 @@ def kept_threshold(
     true_vocab_size: int,
     group: dist.ProcessGroup | None = None,
     scaled: bool = False,
-    rows_per_piece: int | None = None,
+    chunk_rows: int | None = None,
     kernels: Kernels | None = None,
 ) -> torch.Tensor | None:
     """Per-row threshold `[rows]` such that the kept tokens are exactly `z >= threshold`; None = keep all.
@@ -53,8 +53,8 @@ def kept_threshold(
     dtype as the kernels round it; `scaled=True` says the logits are z already (the fused linear path forms them
     scaled). Every rank of `group` must call this with the same rows and distribution. The threshold has the
     logits' compute dtype (float64 for float64 logits, else float32); comparing it with z in that dtype is exact.
-    `rows_per_piece`: top-p's pieces of rows (the same on every rank), for a caller that bounds the search's
-    temporaries by its own chunk (`chunking.threshold_piece_rows`); None: `chunking.piece_rows` of the vocab share.
+    `chunk_rows`: a fused path's chunk, whose bf16 buffer bounds top-p's temporaries
+    (`chunking.threshold_piece_rows`); None: pieces of `chunking.piece_rows` of the vocab share.
     `kernels` are the op's (top-p runs fused with `FusedKernels`, in plain torch with the torch kernels); None: fused
     wherever the fused kernels serve these logits.
     """
@@ -69,7 +69,7 @@ def kept_threshold(
                  else fused_supports(x.device))
         fused = fused and x.dtype in FUSED_DTYPES and x.shape[1] > 0 and x.stride(-1) == 1
         return _top_p_threshold(x, distribution.top_p, floor, group, logit_scale, true_vocab_size,
-                                fused, rows_per_piece).contiguous()
+                                fused, chunk_rows).contiguous()
     return floor.contiguous()
 
 
@@ -143,6 +143,12 @@ def _value_of_unsigned_key(keys: torch.Tensor, width: int) -> torch.Tensor:
 CANDIDATE_CAPACITY = 1024
 
 
+def _fused_search_row_bytes(cols: int) -> int:
+    """The fused search's temporaries per row of `cols` columns: the value histogram and the bucket masses (float64),
+    the counts, and the candidates (int32 keys, float64 masses), at most `CANDIDATE_CAPACITY` of them."""
+    return (VALUE_BINS + BUCKETS + 2) * 8 + 12 * min(cols, CANDIDATE_CAPACITY)
+
+
 def _histogram(index: torch.Tensor, mass: torch.Tensor, rows: int, bins: int,
                group: dist.ProcessGroup | None) -> torch.Tensor:
     """float64 `[rows, bins]`, summed over the ranks of `group`: the `mass` of each element added at its flat
@@ -154,7 +160,7 @@ def _histogram(index: torch.Tensor, mass: torch.Tensor, rows: int, bins: int,
 
 def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None, group: dist.ProcessGroup | None,
                      logit_scale: float, true_vocab_size: int, fused: bool,
-                     rows_per_piece: int | None = None) -> torch.Tensor:
+                     chunk_rows: int | None = None) -> torch.Tensor:
     """The smallest logit v of each row whose strictly larger kept logits hold a mass `< p` of the kept mass.
 
     mass(v) = the kept mass of the logits `> v` is non-increasing in v. After one all-reduce of the row max, each
@@ -180,9 +186,11 @@ def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None, grou
     threshold = torch.empty(rows, dtype=dtype, device=x.device)
     select = _select_top_p_fused if fused else _select_top_p
     # every rank cuts the same pieces: by its share of the true vocab, never its own (padded) width
-    per_piece = piece_rows(-(-true_vocab_size // _world(group)))
-    if rows_per_piece is not None:
-        per_piece = min(per_piece, rows_per_piece)
+    share = -(-true_vocab_size // _world(group))
+    per_piece = piece_rows(share)
+    if chunk_rows is not None:
+        per_piece = min(per_piece, threshold_piece_rows(chunk_rows, share,
+                                                        _fused_search_row_bytes(share) if fused else None))
     for sl in pieces(rows, per_piece):
         threshold[sl] = select(x[sl], p, shift[sl], None if floor is None else floor[sl], group, logit_scale)
     threshold = torch.where(torch.isfinite(row_max), threshold, torch.full_like(threshold, float("-inf")))
