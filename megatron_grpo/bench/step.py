@@ -23,14 +23,16 @@ the mean over trained tokens of advantage × logprob, rises as the model learns 
 configurations are interleaved step by step (`--sequential`: one after the other, one model in memory at a time).
 
 Reported per configuration: the median step time and time per phase (train_step's `StepTimer` sections), the
-peak memory of the step above its start (CPU: resident high-water mark; CUDA: torch's allocator peak), tokens
-through the model, the ratios against configuration 1, and the first step's loss and gradient norm (the same
-objective from the same weights: equal to rounding).
+peak memory of the step above its start (CPU: resident high-water mark; CUDA: torch's allocator peak), the peak
+of its live tensors (`measure.LiveTensorBytes`, deterministic: counted on one more, untimed step after the timed
+ones, where the optimizer's state exists already), tokens through the model, the ratios against configuration 1,
+and the first step's loss and gradient norm (the same objective from the same weights: equal to rounding).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import os
@@ -45,6 +47,7 @@ import torch
 from megatron_grpo.bench.measure import (
     DEFAULT_OUT,
     OUT_HELP,
+    LiveTensorBytes,
     PeakMemory,
     machine_description,
     synchronize,
@@ -231,9 +234,11 @@ def build_run(name: str, plan, step, setup: Setup) -> Run:
     return Run(name, plan, step, model, optimizer, vocab_shard_of(model, setup.vocab))
 
 
-def one_step(run: Run, rollout: dict[str, torch.Tensor], loss_fn, reference_model, device: torch.device) -> dict:
+def one_step(run: Run, rollout: dict[str, torch.Tensor], loss_fn, reference_model, device: torch.device,
+             count_live: bool = False) -> dict:
     """One on-policy GRPO step of `run` on `rollout`: generation logprobs from the current weights (untimed), then
-    `train_step` timed, with its phases and peak memory."""
+    `train_step` timed, with its phases and peak memory; `count_live`: under `LiveTensorBytes` instead (its time
+    then means nothing), its peak of live tensors as `live_peak_mib`."""
     from megatron_grpo.megatron import compute_logprobs, train_step
     from megatron_grpo.timing import StepTimer
 
@@ -244,12 +249,15 @@ def one_step(run: Run, rollout: dict[str, torch.Tensor], loss_fn, reference_mode
         max_tokens_per_microbatch=run.step.max_tokens_per_microbatch)
     timer = StepTimer(PHASES, sync=(lambda: synchronize(device)) if device.type == "cuda" else None)
     synchronize(device)
-    with PeakMemory(device) as peak:
+    live = LiveTensorBytes() if count_live else contextlib.nullcontext()
+    with PeakMemory(device) as peak, live:
         start = time.perf_counter()
         result = train_step(run.step, run.model, run.optimizer, loss_fn, run.plan, batch, vocab=run.vocab,
                             reference_model=reference_model, timer=timer)
         synchronize(device)
         seconds = time.perf_counter() - start
+    if count_live:
+        return {"live_peak_mib": live.peak_bytes / 2**20}
     metrics = result.step_metrics[0]
     passes = 1 + len(result.passes_run)
     record = {"step_s": seconds, **timer.times(), "peak_extra_mib": peak.extra_bytes / 2**20,
@@ -293,15 +301,20 @@ def main(argv: list[str]) -> int:
             reference_model = build_model(setup)  # the initial policy, frozen
             reference_model.requires_grad_(False)
         records: dict[str, list[dict]] = {name: [] for name in CONFIGURATIONS}
+        live_peaks: dict[str, float] = {}
 
         def steps_of(run: Run, step: int) -> None:
             reference = reference_model if run.plan.compute_reference_logprobs else None
-            records[run.name].append(one_step(run, rollout, loss_fn, reference, layout.device))
+            if step < args.warmup + args.steps:
+                records[run.name].append(one_step(run, rollout, loss_fn, reference, layout.device))
+            else:  # the last, counted step: outside the timings and the learning curve
+                live_peaks[run.name] = one_step(run, rollout, loss_fn, reference, layout.device,
+                                                count_live=True)["live_peak_mib"]
 
         if args.sequential:
             for name in CONFIGURATIONS:
                 run = build_run(name, *configurations[name], setup)
-                for step in range(args.warmup + args.steps):
+                for step in range(args.warmup + args.steps + 1):
                     steps_of(run, step)
                 del run
                 gc.collect()
@@ -309,13 +322,13 @@ def main(argv: list[str]) -> int:
                     torch.cuda.empty_cache()
         else:
             runs = [build_run(name, *configurations[name], setup) for name in CONFIGURATIONS]
-            for step in range(args.warmup + args.steps):
+            for step in range(args.warmup + args.steps + 1):
                 for run in runs:  # interleaved: machine noise hits every configuration alike
                     steps_of(run, step)
         if layout.rank == 0:
             plans = {name: list(plan.reasons) for name, (plan, _) in configurations.items()}
-            summary = summarise(records, args.warmup, setup, plans, device=layout.device, tp=layout.tp_size,
-                                sequential=args.sequential)
+            summary = summarise(records, live_peaks, args.warmup, setup, plans, device=layout.device,
+                                tp=layout.tp_size, sequential=args.sequential)
             path = write_report(summary, args.out, argv)
             print(path.read_text() + f"wrote {path}")
     finally:
@@ -323,9 +336,10 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def summarise(records: dict[str, list[dict]], warmup: int, setup: Setup, plans: dict[str, list[str]], *,
-              device: torch.device, tp: int, sequential: bool) -> dict:
-    """Per configuration: medians of the timed steps (after `warmup`), the largest peak, the learning curve; ratios
+def summarise(records: dict[str, list[dict]], live_peaks: dict[str, float], warmup: int, setup: Setup,
+              plans: dict[str, list[str]], *, device: torch.device, tp: int, sequential: bool) -> dict:
+    """Per configuration: medians of the timed steps (after `warmup`), the largest peak, the counted step's peak of
+    live tensors (`live_peaks`), the learning curve; ratios
     against configuration 1 (its value / this one's: > 1 is faster or smaller); the first step's loss and gradient
     norm against configuration 1's."""
     configurations = {}
@@ -336,6 +350,7 @@ def summarise(records: dict[str, list[dict]], warmup: int, setup: Setup, plans: 
             "step_s": statistics.median(r["step_s"] for r in timed),
             "phases_s": {phase: statistics.median(r[f"{phase}_time_s"] for r in timed) for phase in PHASES},
             "peak_extra_mib": max(r["peak_extra_mib"] for r in timed),
+            "live_peak_mib": live_peaks[name],
             "tokens_through_model": statistics.median(r["tokens_through_model"] for r in timed),
             "passes_run": first["passes_run"],
             "first_loss": first["loss"],
@@ -356,6 +371,7 @@ def summarise(records: dict[str, list[dict]], warmup: int, setup: Setup, plans: 
     for c in configurations.values():
         c["vs_everything"] = {"step_time": ratio(base["step_s"], c["step_s"]),
                               "peak_memory": ratio(base["peak_extra_mib"], c["peak_extra_mib"]),
+                              "live_peak": ratio(base["live_peak_mib"], c["live_peak_mib"]),
                               "tokens": ratio(base["tokens_through_model"], c["tokens_through_model"])}
         c["first_loss_rel_diff"] = relative(c["first_loss"], base["first_loss"])
         c["first_grad_norm_rel_diff"] = relative(c["first_grad_norm"], base["first_grad_norm"])
@@ -405,16 +421,21 @@ def write_report(summary: dict, out: Path, argv: list[str]) -> Path:
         f"{summary['steps_timed']}.",
         "",
         "| configuration | passes | tokens through the model | step (s) | " + " | ".join(
-            f"{p} (s)" for p in PHASES) + " | peak extra memory (MiB) | step time vs 1 | peak memory vs 1 |",
-        "|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|",
+            f"{p} (s)" for p in PHASES) + " | peak extra memory (MiB) | live tensors' peak (MiB) | step time vs 1 | "
+        "peak memory vs 1 | live tensors' peak vs 1 |",
+        "|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|---|",
         *(f"| {LABELS[name]} | {', '.join(c['passes_run']) or 'none'} | {c['tokens_through_model']:.0f} | "
           f"{c['step_s']:.3f} | " + " | ".join(f"{c['phases_s'][p]:.3f}" for p in PHASES)
-          + f" | {c['peak_extra_mib']:.1f} | {times(c['vs_everything']['step_time'])} | "
-          f"{times(c['vs_everything']['peak_memory'])} |" for name, c in configurations.items()),
+          + f" | {c['peak_extra_mib']:.1f} | {c['live_peak_mib']:.1f} | {times(c['vs_everything']['step_time'])} | "
+          f"{times(c['vs_everything']['peak_memory'])} | {times(c['vs_everything']['live_peak'])} |"
+          for name, c in configurations.items()),
         "",
         "\"vs 1\": configuration 1's value divided by this one's (> 1: faster, smaller). Peak memory: above the "
         "level when the step began" + (", the resident high-water mark (allocator noise included)"
-                                       if setup["device"] == "cpu" else ", torch's allocator peak") + ".",
+                                       if setup["device"] == "cpu" else ", torch's allocator peak") + ". Live "
+        "tensors' peak: the most bytes of tensor storages alive at once during one more step after the timed ones "
+        "(counted at the dispatcher, beyond those alive when it began: deterministic; a C++ kernel's own temporaries "
+        "are not seen).",
         "",
         "Learning check: the same objective from the same weights, so the first step's loss and gradient norm agree "
         "to rounding; then each configuration trains on the same rollout, and the mean advantage × logprob over the "
@@ -452,8 +473,8 @@ def write_report(summary: dict, out: Path, argv: list[str]) -> Path:
         times_ax.bar(labels, other, bottom=bottom, label="other", color="lightgrey")
         times_ax.set_ylabel("median step time (s)")
         times_ax.legend(fontsize=7)
-        memory_ax.bar(labels, [configurations[name]["peak_extra_mib"] for name in names], color="tab:purple")
-        memory_ax.set_ylabel("peak extra memory of the step (MiB)")
+        memory_ax.bar(labels, [configurations[name]["live_peak_mib"] for name in names], color="tab:purple")
+        memory_ax.set_ylabel("live tensors' peak during the step (MiB)")
         for name, label in zip(names, labels):
             learn_ax.plot(configurations[name]["objective"], label=label)
         learn_ax.set_xlabel("step")
