@@ -222,3 +222,29 @@ def test_clipped_pg_loss_trains_the_filtered_policy_and_takes_the_kl_unfiltered(
     _, filtered = loss_fn(logits, batch, **counts, distribution=SamplingDistribution(top_k=3))
     assert float(filtered["kl_penalty"]) == pytest.approx(float(plain["kl_penalty"]), rel=1e-6)
     assert float(filtered["probs_ratio"]) > float(plain["probs_ratio"])  # filtered logprobs are larger
+
+
+def chunk_threshold_worker(rank, world, rows, true_vocab, v_local, chunk_rows):
+    """Top-p's threshold over a fused path's chunk (`chunk_rows` given: the search cut into pieces) on this rank's
+    valid columns; the last rank holds padding only."""
+    from megatron_grpo.ops.core.filtering import kept_threshold
+
+    full = torch.randn(rows, true_vocab, generator=torch.Generator().manual_seed(3))
+    valid = full[:, rank * v_local:min((rank + 1) * v_local, true_vocab)]
+    return kept_threshold(valid, SamplingDistribution(top_k=5, top_p=0.8), true_vocab_size=true_vocab,
+                          group=dist.group.WORLD, chunk_rows=chunk_rows)
+
+
+def test_a_rank_holding_only_padding_searches_top_p_in_the_others_pieces():
+    """The fused kernels search no empty shard: that rank runs the plain-torch search, cut into the same pieces as
+    the others' (different pieces would mean different collectives: gloo aborts, NCCL hangs). The threshold is the
+    one-rank threshold, exactly (a logit of the row)."""
+    from megatron_grpo.ops.core.filtering import kept_threshold
+
+    rows, true_vocab, v_local, chunk_rows = 64, 6, 6, 64
+    per_rank = run_on_ranks(2, chunk_threshold_worker, rows, true_vocab, v_local, chunk_rows)
+    full = torch.randn(rows, true_vocab, generator=torch.Generator().manual_seed(3))
+    one_rank = kept_threshold(full, SamplingDistribution(top_k=5, top_p=0.8), true_vocab_size=true_vocab,
+                              chunk_rows=chunk_rows)
+    for threshold in per_rank:
+        assert torch.equal(threshold, one_rank)

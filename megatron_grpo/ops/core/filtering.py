@@ -67,7 +67,7 @@ def kept_threshold(
     if distribution.uses_top_p():
         fused = (isinstance(kernels, FusedKernels) if kernels is not None
                  else fused_supports(x.device))
-        fused = fused and x.dtype in FUSED_DTYPES and x.shape[1] > 0 and x.stride(-1) == 1
+        fused = fused and x.dtype in FUSED_DTYPES and x.stride(-1) == 1
         return _top_p_threshold(x, distribution.top_p, floor, group, logit_scale, true_vocab_size,
                                 fused, chunk_rows).contiguous()
     return floor.contiguous()
@@ -176,7 +176,8 @@ def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None, grou
 
     Masses are `exp(z - row max)`, z in the compute dtype, the exponential and the sums in float64. A row with a NaN
     or infinite max keeps everything (the kernels then make it NaN). `fused`: the stages run as the fused kernels
-    (`_select_top_p_fused`), else in plain torch (`_select_top_p`).
+    (`_select_top_p_fused`), else in plain torch (`_select_top_p`); the same on every rank, since it sets the pieces
+    within a chunk (a rank holding only padding searches in plain torch, in the same pieces).
     """
     rows, dtype = x.shape[0], compute_dtype(x.dtype)
     local_max = (_scaled(x.amax(dim=-1), logit_scale) if x.shape[1]
@@ -184,7 +185,8 @@ def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None, grou
     row_max = _all_reduce(local_max, dist.ReduceOp.MAX, group)
     shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     threshold = torch.empty(rows, dtype=dtype, device=x.device)
-    select = _select_top_p_fused if fused else _select_top_p
+    # a rank that holds only padding (no valid column) searches in plain torch, with the pieces of the others
+    select = _select_top_p_fused if fused and x.shape[1] > 0 else _select_top_p
     # every rank cuts the same pieces: by its share of the true vocab, never its own (padded) width
     share = -(-true_vocab_size // _world(group))
     per_piece = piece_rows(share)
