@@ -75,8 +75,11 @@ def _env(clone: Path) -> dict[str, str]:
 
 def _megatron_grpo(command: str) -> list[str] | None:
     """The arguments after `megatron-grpo`, `python -m megatron_grpo` or `torchrun ... -m megatron_grpo` (torchrun's
-    options first); None for any other program."""
+    options first), after any leading environment assignments (`OMP_NUM_THREADS=1 megatron-grpo ...`); None for any
+    other program."""
     words = shlex.split(command)
+    while words and "=" in words[0] and words[0].split("=", 1)[0].isidentifier():
+        words = words[1:]
     if words[0] == "megatron-grpo":
         return words[1:]
     if words[:3] == ["python", "-m", "megatron_grpo"]:

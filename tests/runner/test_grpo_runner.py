@@ -237,7 +237,9 @@ def test_a_hung_rank_fails_the_survivor_within_the_configured_timeout(tmp_path):
         stop_job(job)
     output = (tmp_path / "log.txt").read_text()
     assert survivor_code != 0 and job.returncode != 0, output
-    assert elapsed < timeout_s + 10, f"survivor exited {elapsed:.1f} s after the hang\n{output}"
+    # the survivor finishes the computation it is in before it waits (its clock starts at that collective), then
+    # reports and tears down: a few seconds on a quiet machine, up to some 10 more under a loaded test run
+    assert elapsed < timeout_s + 15, f"survivor exited {elapsed:.1f} s after the hang\n{output}"
     assert "rank 0: lost contact with rank 1" in output, output
 
 
