@@ -26,6 +26,7 @@ where attention matters (hundreds of tokens per sequence); there is no learning 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import statistics
@@ -36,7 +37,14 @@ from typing import Iterator
 
 import torch
 
-from megatron_grpo.bench.measure import DEFAULT_OUT, OUT_HELP, PeakMemory, machine_description, write_results
+from megatron_grpo.bench.measure import (
+    DEFAULT_OUT,
+    OUT_HELP,
+    LiveTensorBytes,
+    PeakMemory,
+    machine_description,
+    write_results,
+)
 from megatron_grpo.bench.scheduler import LEARNED, WINDOW, first_learned_step
 from megatron_grpo.runner.config import Config, ConfigError, load_config
 from megatron_grpo.runner.helptext import DefaultsHelpFormatter
@@ -67,10 +75,11 @@ def tokens_per_pass(batch: dict[str, torch.Tensor], packed: bool) -> int:
 
 
 @contextmanager
-def measured_training(device: torch.device, packed: bool) -> Iterator[dict]:
+def measured_training(device: torch.device, packed: bool, count_live: bool = False) -> Iterator[dict]:
     """While open, the runner's train step (the logprob passes and the optimizer steps, `runner.loop.train_step`)
     reports into the yielded dict: `peak_extra_mib` (memory above the level when it began) and
-    `tokens_through_model` (tokens per pass × the passes run)."""
+    `tokens_through_model` (tokens per pass × the passes run); `count_live`: `live_peak_mib` too, the peak of live
+    tensors (`LiveTensorBytes`: deterministic, but the step's time then means nothing)."""
     from megatron_grpo.runner import loop
 
     seen: dict = {}
@@ -78,9 +87,12 @@ def measured_training(device: torch.device, packed: bool) -> Iterator[dict]:
 
     def measured(*args, **kwargs):
         batch = args[5]
-        with PeakMemory(device) as peak:
+        live = LiveTensorBytes() if count_live else contextlib.nullcontext()
+        with PeakMemory(device) as peak, live:
             result = train_step(*args, **kwargs)
         seen["peak_extra_mib"] = peak.extra_bytes / 2**20
+        if count_live:
+            seen["live_peak_mib"] = live.peak_bytes / 2**20
         seen["tokens_through_model"] = tokens_per_pass(batch, packed) * (1 + len(result.passes_run))
         return result
 
@@ -195,9 +207,15 @@ def main(argv: list[str]) -> int:
                 rewards[name].append(record["reward_mean"])
                 if step >= args.warmup:
                     records[name].append({**record, **seen})
+        live_peaks = {}
+        for name in VARIANTS:  # one more step each, its live tensors counted: outside the timings and the curves
+            dist.barrier()
+            with measured_training(layout.device, packed=name == "packed", count_live=True) as seen:
+                trainers[name].step(args.warmup + args.steps)
+            live_peaks[name] = seen["live_peak_mib"]
         if layout.rank == 0:
             summary = summarise(records, rewards, cfg, world_size=layout.world_size, tp_size=layout.tp_size,
-                                response_tokens=response_tokens)
+                                response_tokens=response_tokens, live_peaks=live_peaks)
             path = write_report(summary, args.out, args.config, argv)
             print(path.read_text() + f"wrote {path}")
     finally:
@@ -206,10 +224,12 @@ def main(argv: list[str]) -> int:
 
 
 def summarise(records: dict[str, list[dict]], rewards: dict[str, list[float]], cfg: Config, *, world_size: int,
-              tp_size: int, response_tokens: tuple[int, int] | None = None) -> dict:
+              tp_size: int, response_tokens: tuple[int, int] | None = None,
+              live_peaks: dict[str, float] | None = None) -> dict:
     """Per variant: tokens through the model (per step, median), median step and training-phase times, the largest
-    training-phase peak, the reward curve and where it learned; and the padded / packed ratios. `response_tokens`:
-    the long setting's (synthetic rollouts: its rewards are random, no learning curve)."""
+    training-phase peak, the counted step's peak of live tensors (`live_peaks`, rank 0's), the reward curve and
+    where it learned; and the padded / packed ratios. `response_tokens`: the long setting's (synthetic rollouts: its
+    rewards are random, no learning curve)."""
     variants = {}
     for name in VARIANTS:
         rows = records[name]
@@ -218,6 +238,7 @@ def summarise(records: dict[str, list[dict]], rewards: dict[str, list[float]], c
             "step_s": statistics.median(r["step_time_s"] for r in rows),
             "train_phase_s": statistics.median(r["train_time_s"] for r in rows),
             "peak_extra_mib": max(r["peak_extra_mib"] for r in rows),
+            "live_peak_mib": (live_peaks or {}).get(name),
             "train_phase_s_per_step": [r["train_time_s"] for r in rows],
             "peak_extra_mib_per_step": [r["peak_extra_mib"] for r in rows],
             "rewards": rewards[name],
@@ -227,7 +248,7 @@ def summarise(records: dict[str, list[dict]], rewards: dict[str, list[float]], c
     padded, packed = variants["padded"], variants["packed"]
 
     def ratio(key: str) -> float | None:
-        return padded[key] / packed[key] if packed[key] else None
+        return padded[key] / packed[key] if packed[key] and padded[key] is not None else None
 
     packing = cfg.policy.sequence_packing
     return {
@@ -242,7 +263,7 @@ def summarise(records: dict[str, list[dict]], rewards: dict[str, list[float]], c
         "steps_timed": len(records["padded"]),
         "variants": variants,
         "padded_over_packed": {key: ratio(key) for key in ("tokens_through_model", "step_s", "train_phase_s",
-                                                           "peak_extra_mib")},
+                                                           "peak_extra_mib", "live_peak_mib")},
         "first_rollout_identical": bool(rewards["padded"][:1] == rewards["packed"][:1]),
         "machine": machine_description(torch.device("cpu")),
         "date": datetime.date.today().isoformat(),
@@ -260,6 +281,9 @@ def write_report(summary: dict, out: Path, config: Path, argv: list[str]) -> Pat
 
     def times(value: float | None) -> str:
         return f"{value:.2f}x" if value is not None else "-"
+
+    def mib(value: float | None) -> str:
+        return f"{value:.1f}" if value is not None else "-"
 
     rollouts = (f"synthetic rollouts (the long setting): the task's prompts ({setup['digits'][0]} to "
                 f"{setup['digits'][1]} digits), each followed by {setup['response_tokens'][0]} to "
@@ -281,14 +305,16 @@ def write_report(summary: dict, out: Path, config: Path, argv: list[str]) -> Pat
         f" {summary['steps']} steps per variant; times and tokens are medians of the last {summary['steps_timed']}.",
         "",
         "| variant | tokens through the model per step | step (s) | training phase (s) | "
-        "peak extra memory, training phase, rank 0 (MiB) |" + reward_header,
-        "|---|---|---|---|---|" + ("" if long else "---|---|"),
+        "peak extra memory, training phase, rank 0 (MiB) | live tensors' peak, training phase, rank 0 (MiB) |"
+        + reward_header,
+        "|---|---|---|---|---|---|" + ("" if long else "---|---|"),
         *(f"| {name} | {v['tokens_through_model']:.0f} | {v['step_s']:.3f} | {v['train_phase_s']:.3f} | "
-          f"{v['peak_extra_mib']:.1f} |" + ("" if long else f" {v['last_window_reward']:.3f} | "
-                                                             f"{learned(v['first_learned_step'])} |")
+          f"{v['peak_extra_mib']:.1f} | {mib(v['live_peak_mib'])} |"
+          + ("" if long else f" {v['last_window_reward']:.3f} | {learned(v['first_learned_step'])} |")
           for name, v in variants.items()),
         f"| padded / packed | {times(ratios['tokens_through_model'])} | {times(ratios['step_s'])} | "
-        f"{times(ratios['train_phase_s'])} | {times(ratios['peak_extra_mib'])} |" + ("" if long else " | |"),
+        f"{times(ratios['train_phase_s'])} | {times(ratios['peak_extra_mib'])} | {times(ratios['live_peak_mib'])} |"
+        + ("" if long else " | |"),
         "",
         ("The rollouts are the same in both variants (synthetic, from the same seeds), and so is the objective: "
          "the variants differ in how the model sees the sequences only." if long else
@@ -297,7 +323,9 @@ def write_report(summary: dict, out: Path, config: Path, argv: list[str]) -> Pat
         + " Without Transformer Engine the attention is `TorchDotProductAttention`: on the CPU, padded rows take one "
         "causal SDPA per microbatch (each row its own S × S) and a packed microbatch one causal SDPA per sequence "
         "(each its own L × L), never the microbatch's T × T. Peak memory is the resident high-water mark of rank 0, "
-        "allocator noise included.",
+        "allocator noise included; the live tensors' peak counts the bytes of tensor storages alive at once during "
+        "one more step after the timed ones (at the dispatcher: deterministic; a C++ kernel's own temporaries are "
+        "not seen).",
     ]
 
     def plot(path: Path) -> None:

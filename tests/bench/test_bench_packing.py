@@ -53,8 +53,9 @@ def test_summary_takes_medians_ratios_and_where_each_curve_learned():
                for name, rows in {"padded": [(100, 1.0, 4.0), (120, 3.0, 6.0), (110, 2.0, 5.0)],
                                   "packed": [(50, 1.0, 1.0), (60, 1.0, 3.0), (55, 4.0, 2.0)]}.items()}
     rewards = {"padded": [0.5] + [0.95] * 10, "packed": [0.5] * 11}
-    summary = summarise(records, rewards, cfg, world_size=2, tp_size=2)
+    summary = summarise(records, rewards, cfg, world_size=2, tp_size=2, live_peaks={"padded": 12.0, "packed": 8.0})
     assert summary["variants"]["padded"]["tokens_through_model"] == 110
+    assert summary["padded_over_packed"]["live_peak_mib"] == pytest.approx(1.5)
     assert summary["variants"]["padded"]["peak_extra_mib"] == 6.0
     assert summary["padded_over_packed"]["tokens_through_model"] == pytest.approx(2.0)
     assert summary["padded_over_packed"]["step_s"] == pytest.approx(2.0)
@@ -146,9 +147,10 @@ def test_the_cli_runs_both_variants_and_reports_every_column(tmp_path):
     assert set(rows) == {"padded", "packed", "padded / packed"}
     assert all(cell for cell in rows["padded"] + rows["packed"])  # every column filled
     assert "![reward curves](packing_cpu.png)" in report
-    assert all(cell.endswith("x") for cell in rows["padded / packed"][:4])
+    assert all(cell.endswith("x") for cell in rows["padded / packed"][:5])  # the live tensors' peak's ratio too
     summary = json.loads((out / "packing_cpu.json").read_text())
     padded, packed = summary["variants"]["padded"], summary["variants"]["packed"]
     assert packed["tokens_through_model"] < padded["tokens_through_model"]  # ragged rows: packing drops padding
+    assert padded["live_peak_mib"] > 0 and packed["live_peak_mib"] > 0
     assert summary["first_rollout_identical"] and padded["rewards"] == packed["rewards"]  # one step: one rollout
     assert (out / "packing_cpu.png").stat().st_size > 0
