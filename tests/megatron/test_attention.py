@@ -232,6 +232,11 @@ def _bad_input() -> dict[str, str]:
         "local_spec_packed": lambda: model_forward(_tiny_gpt(get_gpt_layer_local_spec(), "learned_absolute"),
                                                    torch.zeros(1, 18, dtype=torch.long), cu_seqlens=cu_seqlens),
     }
+    return value_error_messages(attempts)
+
+
+def value_error_messages(attempts: dict) -> dict[str, str]:
+    """Each attempt's ValueError message, by name (each must raise one)."""
     messages = {}
     for name, attempt in attempts.items():
         with pytest.raises(ValueError) as error:

@@ -334,15 +334,12 @@ def _refusals() -> dict[str, str]:
     """The ValueErrors of bad CP settings: a world size TP × PP × CP does not divide, a size below 1, and sequences
     that the CP split or the CP attention cannot cut into 2·CP chunks."""
     from megatron.core import parallel_state
+    from test_attention import value_error_messages
 
     from megatron_grpo.megatron import ParallelParams, init_parallel
 
-    messages = {}
-    for name, params in (("indivisible", ParallelParams(context_parallel_size=3)),
-                         ("zero", ParallelParams(context_parallel_size=0))):
-        with pytest.raises(ValueError) as error:
-            init_parallel(params)
-        messages[name] = str(error.value)
+    messages = value_error_messages({"indivisible": lambda: init_parallel(ParallelParams(context_parallel_size=3)),
+                                     "zero": lambda: init_parallel(ParallelParams(context_parallel_size=0))})
     init_parallel(ParallelParams(context_parallel_size=2))
     messages.update(_packed_refusals())
     messages.update(_attention_refusals())
@@ -353,6 +350,8 @@ def _refusals() -> dict[str, str]:
 def _packed_refusals() -> dict[str, str]:
     """Under CP 2: a packed sequence whose length is not a multiple of 2·CP = 4, and a packed share's forward without
     its positions."""
+    from test_attention import value_error_messages
+
     from megatron_grpo.loss.packing import pack_rows
     from megatron_grpo.megatron import model_forward, split_for_context_parallel
 
@@ -362,12 +361,7 @@ def _packed_refusals() -> dict[str, str]:
         "ragged_split": lambda: split_for_context_parallel(ragged),
         "share_without_positions": lambda: model_forward(None, ragged["input_ids"], cu_seqlens=ragged["cu_seqlens"]),
     }
-    messages = {}
-    for name, attempt in attempts.items():
-        with pytest.raises(ValueError) as error:
-            attempt()
-        messages[name] = str(error.value)
-    return messages
+    return value_error_messages(attempts)
 
 
 ATTENTION_LENGTHS = [8, 24, 16]  # packed sequences of the core attention check: multiples of 2·CP at CP 2 and 4
@@ -415,19 +409,14 @@ def _attention_checks(rank: int, world_size: int) -> dict:
 
 def _attention_refusals() -> dict[str, str]:
     """Under CP 2: whole sequences that 2·CP = 4 chunks cannot split, packed and padded."""
-    from test_attention import core_attention, cu_seqlens_of, thd_params
+    from test_attention import core_attention, cu_seqlens_of, thd_params, value_error_messages
 
     q, k, v = torch.zeros(8, 4, 8), torch.zeros(8, 2, 8), torch.zeros(8, 2, 8)
     attention = core_attention(2, megatron_groups=True, cp=2)
     params = thd_params(cu_seqlens_of([6, 10]))
     attempts = {"packed_lengths": lambda: attention(q, k, v, None, packed_seq_params=params),
                 "padded_length": lambda: attention(q[:3, None], k[:3, None], v[:3, None], None)}
-    messages = {}
-    for name, attempt in attempts.items():
-        with pytest.raises(ValueError) as error:
-            attempt()
-        messages[name] = str(error.value)
-    return messages
+    return value_error_messages(attempts)
 
 
 def _all_checks(rank: int, world_size: int) -> dict:
