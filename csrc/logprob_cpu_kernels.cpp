@@ -37,6 +37,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "cpu_dtypes.h"
 #include "logprob_common.h"
 #include "logprob_cpu.h"
 
@@ -445,15 +446,6 @@ void backward_from_exps_kernel(T* exps, int64_t rows, int64_t cols, int64_t row_
                              prob_scale[r], target_prob[r], scale * grad_logprob[r]);
     }
   });
-}
-
-template <typename F>
-void dispatch_dtype(LogitsDType dtype, F&& f) {
-  switch (dtype) {
-    case LogitsDType::kFloat32: f(float{}); break;
-    case LogitsDType::kBFloat16: f(c10::BFloat16{}); break;
-    case LogitsDType::kFloat16: f(c10::Half{}); break;
-  }
 }
 
 // Calls f(std::integral_constant<bool, filtered>, std::integral_constant<bool, scale != 1>).

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "cpu_dtypes.h"
 #include "top_p.h"
 
 namespace megatron_grpo {
@@ -16,15 +17,6 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kMinElementsPerTask = 1 << 15;
-
-template <typename F>
-void dispatch_dtype(LogitsDType dtype, F&& f) {
-  switch (dtype) {
-    case LogitsDType::kFloat32: f(float{}); break;
-    case LogitsDType::kBFloat16: f(c10::BFloat16{}); break;
-    case LogitsDType::kFloat16: f(c10::Half{}); break;
-  }
-}
 
 // Calls visit(element) for every kept logit of each row's boundary bin (all kept logits with boundary null), rows in
 // parallel: f(row, begin_visiting) where begin_visiting(visit) streams the row.
