@@ -13,10 +13,10 @@
 //
 // logit_scale: the kernels see z = scale * x. kScaled specialises on scale != 1, so that scale 1 costs nothing.
 //
-// Exponentials of the per-element work use at::vec's exp_u20 (a degree-5 polynomial, about 20 ulp, ~2.4e-6
-// relative; Sleef's 1-ulp exp took up to a third more time per element here). It maps NaN to a finite number,
-// so NaN and +inf rows are flagged apart (forward: `poisoned`; backward: rows with a non-finite lse take the
-// exact exp) and still come out NaN. Rescaling the running sums keeps the exact exp.
+// Exponentials of the per-element work use `exp_nonpositive` (3 ulps, at most 12 vector operations; Sleef's 1-ulp
+// exp takes up to a third more time per element, at::vec's exp_u20 errs by 20 ulps and maps NaN to a number). A NaN
+// or +inf logit makes its row NaN: its exponential is NaN, and the forward also flags the row (`poisoned`). Rescaling
+// the running sums keeps the exact exp.
 //
 // The in-place exp mode (logprob_partials_writing_exps / logprob_backward_from_exps): forward takes the row max
 // first, then writes e = exp(z - m) over the logits while it sums them; backward then needs no exponential.
@@ -90,14 +90,52 @@ inline void store_step(T* p, const Vec& lo, const Vec& hi) {
 // The most negative finite float: a -inf logit's (x - shift) clamped to it makes exp(z) * z exactly 0, not NaN.
 inline Vec lowest_vec() { return Vec(std::numeric_limits<float>::lowest()); }
 
+// e^z for z <= 0 (a logit less its row's max or log-sum-exp), within 3 ulps (tests/ops/test_cpu_kernels.py):
+// z = n ln 2 + r with n = round(z log2 e) and r by two-constant Cody-Waite (n * kLn2Hi is exact), e^r by a degree-5
+// minimax polynomial on [-ln2/2, ln2/2] (relative error 9.1e-8), times 2^n: 12 vector operations with AVX-512's
+// scalef, 15 elsewhere, against 19 for at::vec's exp_u20 (20 ulps). -inf gives exactly 0 and NaN gives NaN. Below
+// e^-86 (4e-38, under the rounding of any sum it joins) AVX-512 rounds to a subnormal and the other builds give 0:
+// they build 2^n in the exponent bits, which must stay normal.
+constexpr float kExpCoefficients[6] = {1.0f, 0.999999702f, 0.499991506f, 0.166676357f, 0.0418979302f,
+                                       0.00829031412f};  // e^0 is exactly 1
+constexpr float kLog2e = 1.44269504f;
+constexpr float kLn2Hi = 0.693145752f;     // ln 2 to 16 bits: n * kLn2Hi is exact for |n| < 2^8
+constexpr float kLn2Lo = 1.42860677e-06f;  // ln 2 - kLn2Hi
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr float kExpFloor = -110.0f;  // e^-110 rounds to 0; keeps -inf - n ln 2 from being NaN
+#else
+constexpr float kExpFloor = -86.0f;  // 2^n stays a normal float
+#endif
+
+inline Vec exp_nonpositive(const Vec& z) {
+  const Vec floor(kExpFloor);
+  const Vec zc = at::vec::clamp_min(z, floor);  // NaN stays NaN
+  const Vec n = (zc * Vec(kLog2e)).round();
+  const Vec r = at::vec::fnmadd(n, Vec(kLn2Lo), at::vec::fnmadd(n, Vec(kLn2Hi), zc));
+  Vec p(kExpCoefficients[5]);
+  for (int k = 4; k >= 0; --k) p = at::vec::fmadd(p, r, Vec(kExpCoefficients[k]));
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_scalef_ps(p, n);
+#else
+  // n's integer in the exponent field (NaN's integer, 0x80000000, shifts to 0 and leaves p NaN).
+  using IntVec = at::vec::Vectorized<int32_t>;
+  const IntVec exponent = at::vec::convert_to_int_of_same_size(n) << IntVec(23);
+  return Vec::blendv(at::vec::cast<float>(at::vec::cast<int32_t>(p) + exponent), Vec(0.0f), z < floor);
+#endif
+}
+
+// max(a, b) for running maxima, in one instruction: it may drop a NaN, which the exponentials carry instead (a NaN
+// logit's exponential is NaN, and so is its row's sum).
+inline Vec running_max(const Vec& a, const Vec& b) { return at::vec::clamp_min(a, b); }
+
 // Adds exp(z) to d and exp(z) * z to s, for z = x - shift; a -inf logit (exp = 0) adds 0 to s, not NaN.
 // Returns exp(z).
 template <bool kEntropy>
 inline Vec accumulate_step(const Vec& x, const Vec& shift, Vec& d, Vec& s) {
   const Vec z = x - shift;
-  const Vec e = z.exp_u20();  // only finite rows matter: a NaN or +inf row is flagged by the caller
+  const Vec e = exp_nonpositive(z);
   d = d + e;
-  if constexpr (kEntropy) s = at::vec::fmadd(e, at::vec::maximum(z, lowest_vec()), s);
+  if constexpr (kEntropy) s = at::vec::fmadd(e, at::vec::clamp_min(z, lowest_vec()), s);
   return e;
 }
 
@@ -153,8 +191,8 @@ inline void accumulate_block(LaneState& lanes, int64_t steps, Load&& load) {
   for (int64_t j = 0; j < steps; ++j) {
     Vec lo, hi;
     load(j, lo, hi);
-    max_lo = at::vec::maximum(max_lo, lo);  // NaN-propagating
-    max_hi = at::vec::maximum(max_hi, hi);
+    max_lo = running_max(lo, max_lo);
+    max_hi = running_max(hi, max_hi);
   }
   const Vec block_max = at::vec::maximum(max_lo, max_hi);
   // Lane-wise rescale_to(new_m), as in logprob_common.h.
@@ -176,8 +214,8 @@ inline void accumulate_block(LaneState& lanes, int64_t steps, Load&& load) {
   lanes.s = lanes.s + (s_lo + s_hi);
 }
 
-// The row's partials from its lanes: one vector exponential moves every lane to the row max. The lane maxima are
-// NaN-propagating, so they flag a NaN or +inf anywhere in the row: its sum is then NaN, whatever the fast exp did.
+// The row's partials from its lanes: one vector exponential moves every lane to the row max. A lane max that is NaN
+// or +inf flags the row (its sum is then NaN); a NaN that the running maxima dropped made its lane's sum NaN.
 inline SoftmaxPartials merge_lanes(const LaneState& lanes, bool with_entropy) {
   alignas(64) float lane_m[Vec::size()];
   lanes.m.store(lane_m);
@@ -336,28 +374,24 @@ void partials_kernel(T* logits, int64_t rows, int64_t row_stride, const int64_t*
 
 // kFiltered: logits below `threshold` (the target included) get exactly 0; the caller passes target_col = -1
 // for a filtered target. g_lp and g_h already carry the logit scale (d/dx = scale * d/dz).
-// kFastExp: exp_u20, for rows with a finite lse; the others take the exact exp, which keeps NaN NaN.
-template <typename T, bool kFiltered, bool kScaled, bool kFastExp, bool kEntropy>
+// p = exp_nonpositive(z - lse): a row with a NaN lse (a NaN or +inf logit) comes out NaN.
+template <typename T, bool kFiltered, bool kScaled, bool kEntropy>
 void row_backward(const T* x, T* grad, int64_t cols, int64_t valid_cols, int64_t target_col, float lse,
                   float mean_x, float g_lp, float g_h, float threshold, float scale) {
   // Read before any write: grad may alias x.
   const float z_target = target_col >= 0 ? scaled<kScaled>(x[target_col], scale) : 0.0f;
-  const Vec vlse(lse), vmean(mean_x), vg_lp(g_lp), vg_h(g_h), zero(0.0f), vthreshold(threshold), vscale(scale);
+  const Vec vlse(lse), vmean(mean_x), vminus_g_lp(-g_lp), vg_h(g_h), zero(0.0f), vthreshold(threshold),
+      vscale(scale);
   int64_t i = 0;
   for (; i + kStep <= valid_cols; i += kStep) {
     Vec lo, hi;
     load_scaled_step<T, kScaled>(x + i, lo, hi, vscale);
     Vec out[2] = {lo, hi};
     for (Vec& v : out) {
-      Vec p;
-      if constexpr (kFastExp) {
-        p = (v - vlse).exp_u20();
-      } else {
-        p = (v - vlse).exp();
-      }
-      Vec dx = zero - vg_lp * p;
+      const Vec p = exp_nonpositive(v - vlse);
+      Vec dx = vminus_g_lp * p;
       // A -inf logit (p = 0) clamped to the lowest float adds exactly 0, not 0 * inf = NaN.
-      if constexpr (kEntropy) dx = at::vec::fmadd(vg_h * p, vmean - at::vec::maximum(v, lowest_vec()), dx);
+      if constexpr (kEntropy) dx = at::vec::fmadd(vg_h * p, vmean - at::vec::clamp_min(v, lowest_vec()), dx);
       if constexpr (kFiltered) dx = Vec::blendv(dx, zero, v < vthreshold);
       v = dx;
     }
@@ -397,18 +431,12 @@ void backward_kernel(const T* logits, int64_t rows, int64_t cols, int64_t row_st
       const float g_lp = upstream_logprob_gradient(grad_logprob, logprob, r, kScaled ? scale : 1.0f);
       const float g_h = with_entropy ? (kScaled ? scale * grad_entropy[r] : grad_entropy[r]) : 0.0f;
       const float mean = with_entropy ? mean_x[r] : 0.0f;
-      // kFastExp for a finite lse; kEntropy where backward differentiates the entropy.
-      const auto run = [&](auto fast_exp, auto entropy) {
-        row_backward<T, kFiltered, kScaled, decltype(fast_exp)::value, decltype(entropy)::value>(
-            x, grad, cols, valid_cols, target_col, lse[r], mean, g_lp, g_h, threshold, scale);
+      // kEntropy where backward differentiates the entropy.
+      const auto run = [&](auto entropy) {
+        row_backward<T, kFiltered, kScaled, decltype(entropy)::value>(x, grad, cols, valid_cols, target_col, lse[r],
+                                                                      mean, g_lp, g_h, threshold, scale);
       };
-      using True = std::true_type;
-      using False = std::false_type;
-      if (std::isfinite(lse[r])) {
-        with_entropy ? run(True{}, True{}) : run(True{}, False{});
-      } else {
-        with_entropy ? run(False{}, True{}) : run(False{}, False{});
-      }
+      with_entropy ? run(std::true_type{}) : run(std::false_type{});
     }
   });
 }

@@ -11,7 +11,7 @@ import torch
 # Gradient tolerance. A gradient element d = g_lp (1[v = y] - p) + g_H p (E[x] - x) is computed in fp32 and rounded
 # once into the logits' dtype (UNIT_ROUNDOFF of the element itself). The fp32 maths before that errs relative to the
 # terms summed into it, not to their sum, which may cancel to about 0: p = exp(x - lse) carries the kernels' exp
-# (20 ulps, 2.4e-6) and lse's rounding, E[x] errs like the entropy; MATH_RTOL = 2e-5 bounds both, relative to
+# (3 ulps, 3.6e-7) and lse's rounding, E[x] errs like the entropy; MATH_RTOL = 2e-5 bounds both, relative to
 # `Expected.grad_terms` (float64 maths: 1e-12). Below UNDERFLOW nothing is relative: far below fp32's and bf16's
 # normal range; for fp16, values under 6.1e-5 are spaced 2^-24, so a rounding errs by 2^-25 absolute, and the exp
 # mode's stored e by that times |g_lp| scale (< 8) in the gradient: 2^-21 covers both.
@@ -182,11 +182,11 @@ def _gradient_terms(x, keep, targets, p, entropy, finite, grad_logprob, grad_ent
     return terms
 
 
-# fp32 logprob: lse carries the exp's 20 ulps (2.4e-6) and the sums' rounding (chains of up to ~100 additions in
+# fp32 logprob: lse carries the exp's 3 ulps (3.6e-7) and the sums' rounding (chains of up to ~100 additions in
 # the kernels' lanes and tiles, 6e-6 at worst), then one rounding of |logprob| < 16 (1e-6).
 LOGPROB_ATOL_FP32 = 1e-5
 ENTROPY_ATOL = 1e-5  # relative to max(1, the largest entropy): the same sums, relative to log D and S / D
-# bf16/fp16 logprob: the inputs are exact in fp32, so only the fp32 maths errs, ours with the exp's 20 ulps where
+# bf16/fp16 logprob: the inputs are exact in fp32, so only the fp32 maths errs, ours with the exp's 3 ulps where
 # torch's upcast errs by one: at most torch's fp32-upcast error on the same input plus the fp32 tolerance.
 LOW_PRECISION_MARGIN = LOGPROB_ATOL_FP32
 

@@ -81,7 +81,7 @@ def test_tiny_benchmark_reports_every_candidate_for_every_case(tmp_path):
     assert "load average at the start" in text and "interleaved" in text
 
 
-# fp32: the float64 anchor's tolerances, a logprob within 1e-5 (the exp's 20 ulps and the sums) and a gradient within
+# fp32: the float64 anchor's tolerances, a logprob within 1e-5 (the exp's 3 ulps and the sums) and a gradient within
 # 1e-5 of its largest element (sums over rows or columns whose terms may cancel); bf16 rounds the logits themselves,
 # 2^-8 of each, which moves logprobs and p by a few times that
 @pytest.mark.parametrize("dtype, tolerance", [("fp32", 1e-5), ("bf16", 0.05)])

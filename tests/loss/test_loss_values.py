@@ -2,7 +2,7 @@
 
 Tolerances: fp32 maths on fp32 logits. The loss and the metrics are means of at most ~70 token terms of magnitude
 below ~4: within 1e-5 relative plus 1e-6. A logit's gradient sums the PG, KL and entropy terms of its token, which
-may cancel: within 1e-4 of itself plus 1e-6, above the op's fp32 error on p (the exp's 2.4e-6 and lse's rounding
+may cancel: within 1e-4 of itself plus 1e-6, above the op's fp32 error on p (the exp's 3.6e-7 and lse's rounding
 over at most 16 columns, ~4e-6 relative) times terms of |A| ratio / tokens, below ~0.15 here. bf16/fp16 logits add
 their own rounding (2^-8, 2^-11 relative) to the logprobs' inputs.
 """

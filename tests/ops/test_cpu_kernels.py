@@ -117,7 +117,7 @@ def run_all_modes(full, targets, true_vocab, scale):
 @pytest.mark.parametrize("scale", [1.0, 1 / 0.7])
 def test_each_isa_build_matches_the_float64_anchor(isa, dtype, scale, restore_isa):
     """Plain, filtered and exp-mode ops, forward and backward, of one build against the float64 anchor, within the
-    anchor tolerances of test_logprob_temperature (which hold for any lane count: they bound the exp's 20 ulps and
+    anchor tolerances of test_logprob_temperature (which hold for any lane count: they bound the exp's 3 ulps and
     the fp32 sums, not one build's rounding)."""
     rows, padded, true_vocab = 21, 2085, 2050  # tiles, vector steps and a scalar tail
     full, targets = make_case(rows, padded, true_vocab, dtype, seed=8)
@@ -149,19 +149,51 @@ def test_avx2_and_avx512_builds_agree(dtype, restore_isa):
                                    else 1e-5, atol=1e-6)
 
 
-@needs_fused_cpu_kernels
+def nan_with_payload() -> float:
+    """A quiet NaN whose low mantissa bits are set (not the default NaN): it must poison its row like any NaN."""
+    return torch.tensor([0x7FC00123], dtype=torch.int32).view(torch.float32).item()
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("inplace_backward", [False, "exp"])
-@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
-def test_fast_exp_keeps_a_poisoned_row_nan_in_the_gradient(poison, inplace_backward):
-    """The kernels' fast exp maps NaN to a number; a NaN or +inf row must still get a NaN gradient, alone."""
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), nan_with_payload()], ids=["nan", "inf", "nan_payload"])
+def test_a_poisoned_row_alone_comes_out_nan(isa, poison, inplace_backward, restore_isa):
+    """A NaN or +inf logit makes its row's logprob and gradient NaN, and no other row's: the running maxima may drop a
+    NaN, the exponential then carries it."""
+    assert set_cpu_kernel_isa(isa) == isa
     logits, targets = make_case(6, 300, 300, torch.float32, seed=3, ignore_every=0)
-    logits[2, 123] = poison
-    x = logits.clone().requires_grad_(True)
-    logprob = vocab_parallel_logprobs(x, targets, implementation="fused", inplace_backward=inplace_backward)
-    logprob.sum().backward()
-    assert bool(torch.isnan(x.grad[2]).any())
-    others = torch.arange(6) != 2
-    assert bool(torch.isfinite(x.grad[others]).all())
+    for column in (123, 299):  # in a vector step, and in the row's scalar tail
+        logits[2, column] = poison
+        x = logits.clone().requires_grad_(True)
+        logprob = vocab_parallel_logprobs(x, targets, implementation="fused", inplace_backward=inplace_backward)
+        logprob.sum().backward()
+        others = torch.arange(6) != 2
+        assert bool(torch.isnan(logprob[2])) and bool(torch.isnan(x.grad[2]).any())
+        assert bool(torch.isfinite(logprob[others]).all()) and bool(torch.isfinite(x.grad[others]).all())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_each_isa_builds_exponential_is_within_3_ulps(isa, restore_isa):
+    """The kernels' exponential, seen through the gradient: a row of one logit 0 and 2000 logits z <= -25 has a sum of
+    exponentials that rounds to exactly 1 (2000 e^-25 < 2^-25), so lse = 0 and each other logit's gradient is -e^z as
+    the kernel computed it. Within 3 ulps of float64's e^z, over z in [-86, -25] (every reduced argument r, and every
+    power of two down to 2^-124); -inf gives exactly 0, and below e^-86 (4e-38) the result is 0 or a subnormal
+    within 3 ulps of e^z plus half a subnormal step."""
+    assert set_cpu_kernel_isa(isa) == isa
+    z = torch.empty(2000, dtype=torch.float64).uniform_(-86, -25, generator=torch.Generator().manual_seed(5))
+    z[:4] = torch.tensor([float("-inf"), -87.5, -95.0, -103.0], dtype=torch.float64)
+    logits = torch.cat([torch.zeros(1, dtype=torch.float64), z]).float()[None].requires_grad_(True)
+    logprob = vocab_parallel_logprobs(logits, torch.zeros(1, dtype=torch.long), implementation="fused")
+    assert logprob.item() == 0.0  # lse is exactly 0
+    (grad,) = torch.autograd.grad(logprob.sum(), logits)
+    exp_z = -grad[0, 1:].double()
+    expected = torch.exp(logits[0, 1:].detach().double())
+    assert exp_z[0].item() == 0.0
+    subnormal_error = (exp_z[1:4] - expected[1:4]).abs() - 3 * 2.0**-23 * expected[1:4] - 2.0**-150
+    assert bool(((exp_z[1:4] == 0) | (subnormal_error <= 0)).all())
+    normal = expected[4:].float()
+    ulp = (torch.nextafter(normal, torch.tensor(float("inf"))) - normal).double()
+    assert ((exp_z[4:] - expected[4:]).abs() / ulp).max().item() <= 3.0
 
 
 @needs_x86
