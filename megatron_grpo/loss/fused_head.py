@@ -266,6 +266,7 @@ def run_head(hidden: torch.Tensor, weight: torch.Tensor, call: HeadCall, main_gr
     buffers = [chunk_buffer(largest, linear.valid_cols, hidden) for _ in range(call.buffers)]
     scratch = chunk_buffer(largest, linear.valid_cols, hidden) if second else None
     runs = _contiguous_runs(call.index, call.chunks)
+    row_targets = call.targets.reshape(-1).index_select(0, call.index)  # each trained row's target, in order
     streams = ChunkStreams(hidden.device, overlapped=call.buffers > 1)
     pending = None  # the chunk whose dH and dW GEMMs are still to run (CUDA: after the next chunk's logits GEMM)
     for number, (chunk, run) in enumerate(zip(call.chunks, runs, strict=True)):
@@ -278,7 +279,7 @@ def run_head(hidden: torch.Tensor, weight: torch.Tensor, call: HeadCall, main_gr
         if pending is not None:
             _hidden_and_weight_gradients(*pending, weight_valid, linear, grad_hidden, weight_gradient, streams)
         with streams.side(after=ready) as done:
-            targets = call.targets.reshape(-1).index_select(0, index)
+            targets = row_targets[sl]
             sets = None if call.kept is None else call.kept[number]
             found = _chunk_stats(buffer, targets, linear, second, call.loss.reads_unfiltered, largest, sets)
             logprob_rows[sl], entropy_rows[sl] = found.values.logprob, found.values.entropy

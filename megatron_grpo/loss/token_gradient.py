@@ -170,11 +170,11 @@ class ClosedFormGradient:
         if cfg.use_cispo:
             return negative * clamped
         unclipped, clipped = negative * ratio, negative * clamped
-        tie = (unclipped == clipped).to(ratio.dtype) * 0.5
-        through_unclipped = (unclipped > clipped).to(ratio.dtype) + tie
-        through_clipped = (unclipped < clipped).to(ratio.dtype) + tie
-        inside = ((ratio >= low) & (ratio <= high)).to(ratio.dtype)
-        grad = unclipped * (through_unclipped + through_clipped * inside)
+        # max(unclipped, clipped) passes -A r where the unclipped side wins, or where the ratio lies within the clip
+        # bounds (bounds included: the sides tie there, each carrying half of the same slope); a clipped side that
+        # wins outside them is flat. A tie outside the bounds has A = 0, a slope of 0. NaN stays NaN (times 0 or 1).
+        passes = (unclipped > clipped) | ((ratio >= low) & (ratio <= high))
+        grad = unclipped * passes.to(ratio.dtype)
         if cfg.ratio_clip_c is not None:
             loss = torch.maximum(unclipped, clipped)
             dual = negative * cfg.ratio_clip_c
