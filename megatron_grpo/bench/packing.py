@@ -256,6 +256,7 @@ def summarise(records: dict[str, list[dict]], rewards: dict[str, list[float]], c
                    "rollout_sequences": cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt,
                    "micro_batch_size": cfg.policy.train_micro_batch_size,
                    "train_mb_tokens": packing.train_mb_tokens, "logprob_mb_tokens": packing.logprob_mb_tokens,
+                   "packing_algorithm": packing.algorithm,
                    "digits": [cfg.task.min_digits or cfg.task.num_digits, cfg.task.num_digits],
                    "layers": cfg.policy.model.num_layers, "hidden": cfg.policy.model.hidden_size,
                    "response_tokens": list(response_tokens) if response_tokens else None},
@@ -301,8 +302,9 @@ def write_report(summary: dict, out: Path, config: Path, argv: list[str]) -> Pat
         f"TP={setup['tp']} over {setup['world_size']} ranks, {setup['threads_per_rank']} thread(s) per rank; "
         f"{rollouts}; {setup['rollout_sequences']} sequences per step; GPTModel of {setup['layers']} layers, hidden "
         f"{setup['hidden']}; padded: microbatches of {setup['micro_batch_size']} rows; packed: of at most "
-        f"{setup['train_mb_tokens']} tokens (logprob passes: {setup['logprob_mb_tokens'] or setup['train_mb_tokens']})."
-        f" {summary['steps']} steps per variant; times and tokens are medians of the last {summary['steps_timed']}.",
+        f"{setup['train_mb_tokens']} tokens (logprob passes: {setup['logprob_mb_tokens'] or setup['train_mb_tokens']})"
+        f", by {setup['packing_algorithm']}. {summary['steps']} steps per variant; times and tokens are medians of "
+        f"the last {summary['steps_timed']}.",
         "",
         "| variant | tokens through the model per step | step (s) | training phase (s) | "
         "peak extra memory, training phase, rank 0 (MiB) | live tensors' peak, training phase, rank 0 (MiB) |"

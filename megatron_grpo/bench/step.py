@@ -14,7 +14,8 @@ on the same rollout from the same weights:
    KL is on (`--kl-penalty 0` drops the KL from every configuration, and the plan then skips it too);
 3. `fused`: the fused linear path (`fused_linear_logprobs`, and the loss-fused head, `fused_linear_loss`, for
    every loss setting and sampling distribution, unless `--no-fused-loss`);
-4. `packed`: packed microbatches (`max_tokens_per_microbatch` = micro_batch_size × the rollout's width).
+4. `packed`: packed microbatches (`max_tokens_per_microbatch` = micro_batch_size × the rollout's width, as many
+   as first-fit decreasing needs, evened out: `packing_algorithm="balanced_first_fit_decreasing"`).
 
 The rollout is synthetic: short prompts and ragged responses of random tokens, uniform random rewards turned into
 group-relative advantages, generation logprobs from a no-grad forward of the configuration's own current weights
@@ -187,7 +188,8 @@ def plans_and_steps(setup: Setup) -> tuple[dict[str, tuple], object]:
     padded = StepConfig(global_batch_size=setup.rows, micro_batch_size=setup.micro_batch_size,
                         distribution=setup.distribution)
     fused = replace(padded, fused_linear_logprobs=True, fused_linear_loss=setup.fused_loss)
-    packed = replace(fused, max_tokens_per_microbatch=setup.micro_batch_size * setup.max_length)
+    packed = replace(fused, max_tokens_per_microbatch=setup.micro_batch_size * setup.max_length,
+                     packing_algorithm="balanced_first_fit_decreasing")
     return {"everything": (plan("compute"), padded), "plan": (plan("auto"), padded), "fused": (plan("auto"), fused),
             "packed": (plan("auto"), packed)}, loss
 
@@ -413,7 +415,8 @@ def write_report(summary: dict, out: Path, argv: list[str]) -> Path:
         f"{setup['rows']} sequences, prompts of {setup['prompt_tokens'][0]}-{setup['prompt_tokens'][1]} tokens, "
         f"responses of {setup['response_tokens'][0]}-{setup['response_tokens'][1]}; one optimizer step per rollout "
         f"(on-policy), microbatches of {setup['micro_batch_size']} rows (packed: of at most "
-        f"{setup['micro_batch_size']} × the rollout's width tokens), Adam lr {setup['lr']}, no dropout. {kl}. "
+        f"{setup['micro_batch_size']} × the rollout's width tokens, balanced first-fit decreasing), Adam lr "
+        f"{setup['lr']}, no dropout. {kl}. "
         f"Sampling distribution, trained by every configuration: temperature {setup['temperature']}, top-k "
         f"{setup['top_k']}, top-p {setup['top_p']}; configuration 3 "
         f"{'runs the loss-fused head' if setup['fused_loss'] else 'recomputes the chunks in backward (the fused op)'}. "

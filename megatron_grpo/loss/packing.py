@@ -283,20 +283,49 @@ def first_fit_decreasing(lengths: list[int], max_tokens: int) -> list[list[int]]
     return [sorted(b) for b in bins]
 
 
+def balanced_first_fit_decreasing(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """As many bins as `first_fit_decreasing` needs, the rows spread evenly over them: longest first, each into the
+    bin holding the fewest tokens (Graham's longest-processing-time rule), so that the fullest bin, which sets the
+    step's peak memory, holds about the mean instead of `max_tokens`. First-fit decreasing's own bins where a row
+    would overflow its bin, or where they are the more even. Each bin's rows in their original order."""
+    bins = first_fit_decreasing(lengths, max_tokens)
+    spread: list[list[int]] = [[] for _ in bins]
+    load = [0] * len(bins)
+    for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+        lightest = min(range(len(bins)), key=lambda index: (load[index], index))
+        if load[lightest] + lengths[row] > max_tokens:
+            return bins
+        spread[lightest].append(row)
+        load[lightest] += lengths[row]
+
+    def fullest(candidate: list[list[int]]) -> int:
+        return max((sum(lengths[r] for r in rows) for rows in candidate), default=0)
+
+    return min([sorted(rows) for rows in spread], bins, key=fullest)
+
+
+# `policy.sequence_packing.algorithm`: how a batch's rows go into token-budget microbatches.
+PACKING_ALGORITHMS = {"first_fit_decreasing": first_fit_decreasing,  # NeMo-RL's, by its name
+                      "balanced_first_fit_decreasing": balanced_first_fit_decreasing}
+
+
 class PackedMicrobatches:
     """A padded `[B, S]` batch packed into microbatches of at most `max_tokens` tokens (first-fit decreasing), and
     the way back: `unpack` puts per-token outputs of the packed microbatches at the rows' positions."""
 
     def __init__(self, batch: Mapping[str, torch.Tensor], max_tokens: int, *, pad_multiple: int = 1,
-                 same_length: bool = False) -> None:
+                 same_length: bool = False, algorithm: str = "first_fit_decreasing") -> None:
         """`pad_multiple`: each sequence spans a multiple of it. `same_length`: every microbatch holds as many
-        tokens as the longest (a pipeline's stages exchange activations of one shape)."""
+        tokens as the longest (a pipeline's stages exchange activations of one shape). `algorithm`: a name of
+        `PACKING_ALGORITHMS`."""
         if pad_multiple < 1:
             raise ValueError(f"pad_multiple: must be >= 1, got {pad_multiple}")
+        if algorithm not in PACKING_ALGORITHMS:
+            raise ValueError(f"algorithm: one of {sorted(PACKING_ALGORITHMS)}, got {algorithm!r}")
         self.shape = tuple(batch["input_ids"].shape)
         self.lengths = row_lengths(batch)
         spans = [-(-length // pad_multiple) * pad_multiple for length in self.lengths]
-        self.rows = first_fit_decreasing(spans, max_tokens)
+        self.rows = PACKING_ALGORITHMS[algorithm](spans, max_tokens)
         longest = max((sum(spans[r] for r in rows) for rows in self.rows), default=0)
         self.microbatches = [pack_rows(batch, rows, self.lengths, pad_multiple=pad_multiple,
                                        num_tokens=longest if same_length else None) for rows in self.rows]

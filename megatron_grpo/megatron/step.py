@@ -126,11 +126,12 @@ class StepConfig:
     #   policy trained): `SamplingDistribution.of_sampling(temperature, top_k, top_p)`; default softmax(logits)
     fused_linear_logprobs: bool = False  # logprobs from final hidden states (`vocab_parallel_linear_logprobs`)
     fused_linear_loss: bool = False  # the training loss's gradient in forward (`ClippedPGLoss.on_hidden_states`)
-    max_tokens_per_microbatch: int | None = None  # pack each optimizer step's sequences (first-fit decreasing)
-    #   into microbatches of at most this many tokens (`loss.packing.PackedMicrobatches`) instead of
-    #   micro_batch_size rows; None: padded microbatches
+    max_tokens_per_microbatch: int | None = None  # pack each optimizer step's sequences into microbatches of at
+    #   most this many tokens (`loss.packing.PackedMicrobatches`) instead of micro_batch_size rows; None: padded
     logprob_max_tokens_per_microbatch: int | None = None  # the same for the prev and reference passes (forward
     #   only, so they may take more); None: max_tokens_per_microbatch
+    packing_algorithm: str = "first_fit_decreasing"  # how the sequences go into those microbatches
+    #   (`loss.packing.PACKING_ALGORITHMS`); "balanced_first_fit_decreasing": as many, evened out
     defer_normalisation: bool = False  # divide the gradients once by the counts the forwards report, not by counts
     #   known before them (`make_forward_step`); the plan's sequence mask by logprob error turns it on by itself
     reference_replays_routes: bool = False  # with `routed_experts` in the batch, the reference pass replays them too;
@@ -334,14 +335,15 @@ def prev_source(plan: LogprobPlan, versions: StepVersions | None = None) -> Prev
 
 def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int, vocab: VocabShard,
                      distribution: SamplingDistribution | None = None, fused_linear: bool = False,
-                     check_inputs: bool = True, max_tokens_per_microbatch: int | None = None) -> torch.Tensor:
+                     check_inputs: bool = True, max_tokens_per_microbatch: int | None = None,
+                     packing_algorithm: str = "first_fit_decreasing") -> torch.Tensor:
     """float32 `[B, S]` logprobs of `batch["input_ids"]` under `distribution` (`SamplingDistribution`; None:
     softmax(logits); -inf outside a top-k / top-p kept set) of `model`, in eval mode; position 0 is 0.
 
     A packed batch (`batch['cu_seqlens']`, `loss.packing`) is one microbatch and gives `[1, T]` logprobs, 0 at
     each sequence's first token. `max_tokens_per_microbatch`: the padded batch's rows are packed into microbatches
-    of at most that many tokens (`loss.packing.PackedMicrobatches`), and the logprobs come back `[B, S]` (0 past
-    each row's last trained token).
+    of at most that many tokens (`loss.packing.PackedMicrobatches`, by `packing_algorithm`), and the logprobs come
+    back `[B, S]` (0 past each row's last trained token).
 
     `fused_linear`: from the final hidden states and the output weight (`vocab_parallel_linear_logprobs`),
     without materialising the logits.
@@ -369,7 +371,7 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
     context = context_shard()
     packing = None
     if max_tokens_per_microbatch is not None and CU_SEQLENS not in batch:
-        packing = _packed_microbatches(batch, max_tokens_per_microbatch)
+        packing = _packed_microbatches(batch, max_tokens_per_microbatch, packing_algorithm)
         microbatches = packing.microbatches
     else:
         microbatches = _split(batch, micro_batch_size)
@@ -431,13 +433,15 @@ def _whole_per_token(per_microbatch: list[torch.Tensor], microbatches: list[Batc
     return packing.unpack(whole) if packing is not None else torch.cat(whole)
 
 
-def _packed_microbatches(batch: Batch, max_tokens: int) -> PackedMicrobatches:
-    """`batch`'s rows packed into microbatches of at most `max_tokens` tokens; under pipeline parallelism all of
-    one length, as the stages exchange activations of one shape; under context parallelism each sequence padded to
-    a multiple of 2·CP (the split's chunks, as Megatron's `cu_seqlens_padded`)."""
+def _packed_microbatches(batch: Batch, max_tokens: int, algorithm: str) -> PackedMicrobatches:
+    """`batch`'s rows packed into microbatches of at most `max_tokens` tokens by `algorithm` (a name of
+    `loss.packing.PACKING_ALGORITHMS`); under pipeline parallelism all of one length, as the stages exchange
+    activations of one shape; under context parallelism each sequence padded to a multiple of 2·CP (the split's
+    chunks, as Megatron's `cu_seqlens_padded`)."""
     same_length = parallel_state.get_pipeline_model_parallel_world_size() > 1
     size = context_parallel_size()
-    return PackedMicrobatches(batch, max_tokens, pad_multiple=2 * size if size > 1 else 1, same_length=same_length)
+    return PackedMicrobatches(batch, max_tokens, pad_multiple=2 * size if size > 1 else 1, same_length=same_length,
+                              algorithm=algorithm)
 
 
 def _in_compute_dtype(model: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -511,6 +515,7 @@ def train_step(
     packed_tokens = step.max_tokens_per_microbatch
     logprob_tokens = (None if packed_tokens is None else
                       step.logprob_max_tokens_per_microbatch or packed_tokens)
+    packed_passes = {"max_tokens_per_microbatch": logprob_tokens, "packing_algorithm": step.packing_algorithm}
     if CU_SEQLENS in batch:
         raise ValueError("batch['cu_seqlens']: train_step takes the rollout padded, [B, S], and packs each optimizer "
                          "step itself with StepConfig.max_tokens_per_microbatch")
@@ -529,20 +534,20 @@ def train_step(
                                                                   micro_batch_size=micro_batch_size, vocab=vocab,
                                                                   distribution=distribution.unfiltered(),
                                                                   fused_linear=fused, check_inputs=False,
-                                                                  max_tokens_per_microbatch=logprob_tokens)
+                                                                  **packed_passes)
         passes_run["reference"] = 1
     if plan.compute_prev_logprobs:
         with timer.section("prev_pass"):
             batch["prev_logprobs"] = compute_logprobs(model, batch, micro_batch_size=micro_batch_size, vocab=vocab,
                                                       distribution=distribution, fused_linear=fused,
-                                                      check_inputs=False, max_tokens_per_microbatch=logprob_tokens)
+                                                      check_inputs=False, **packed_passes)
         passes_run["prev"] = 1
     natural_logprobs = None
     if step.compare_without_replay and routes is not None:
         with timer.section("natural_routing_pass"):
             natural_logprobs = compute_logprobs(model, _without_routes(batch), micro_batch_size=micro_batch_size,
                                                 vocab=vocab, distribution=distribution, fused_linear=fused,
-                                                check_inputs=False, max_tokens_per_microbatch=logprob_tokens)
+                                                check_inputs=False, **packed_passes)
     if plan.prev_approximation == "generation":  # verl's bypass: the rollout's logprobs are prev from the start
         check_generation_logprobs(batch.get("generation_logprobs"), trained_token_mask(batch),
                                   "the plan's prev from generation (logprob_passes.prev: generation)")
@@ -562,7 +567,8 @@ def train_step(
         versions = (StepVersions.of_optimizer_step(prev_version, start // step_rows, rows // step_rows)
                     if plan.needs_versions else None)
         with timer.section("forward_backward"):
-            packing = None if packed_tokens is None else _packed_microbatches(step_batch, packed_tokens)
+            packing = (None if packed_tokens is None else
+                       _packed_microbatches(step_batch, packed_tokens, step.packing_algorithm))
             microbatches = _split(step_batch, micro_batch_size) if packing is None else packing.microbatches
             outcome = _forward_backward(model, optimizer, loss_fn, plan, microbatches, vocab, distribution,
                                         fused_linear=fused, fused_loss=step.fused_linear_loss, versions=versions,

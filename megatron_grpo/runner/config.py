@@ -179,7 +179,9 @@ class SequencePackingConfig(StrictSection):
     enabled: bool
     train_mb_tokens: int  # tokens per packed microbatch of the training forward/backward
     logprob_mb_tokens: int | None  # tokens per packed microbatch of the prev and reference passes; None: train's
-    algorithm: Literal["first_fit_decreasing"]  # how sequences go into microbatches (the one of NeMo-RL's we have)
+    algorithm: Literal["first_fit_decreasing", "balanced_first_fit_decreasing"]  # how sequences go into
+    #   microbatches: NeMo-RL's first-fit decreasing (the one of its algorithms we have), or this runner's balanced
+    #   one (as many microbatches, evened out: `loss.packing.balanced_first_fit_decreasing`)
 
     def conflicts(self) -> list[str]:
         problems = _failing(self, ("train_mb_tokens",), _positive, "must be > 0")

@@ -75,6 +75,7 @@ def step_config(cfg: Config) -> StepConfig:
         fused_linear_loss=cfg.policy.fused_linear_loss,
         max_tokens_per_microbatch=packing.train_mb_tokens if packing.enabled else None,
         logprob_max_tokens_per_microbatch=packing.logprob_mb_tokens if packing.enabled else None,
+        packing_algorithm=packing.algorithm,
         reference_replays_routes=cfg.policy.router_replay.replay_in_reference,
         compare_without_replay=cfg.policy.router_replay.compare_without_replay,
     )

@@ -1,8 +1,9 @@
 """Packed (THD) microbatches through the tiny GPTModel equal padded ones: `train_step` with
-`StepConfig.max_tokens_per_microbatch` (first-fit-decreasing packing; `TorchDotProductAttention`'s THD path, one
-causal SDPA per sequence on the CPU; positions that restart per sequence) against the same rollout in padded
-microbatches, with a prev pass (`compute_logprobs` on packed microbatches) and a sequence-level loss, on the
-materialised, fused linear and loss-fused paths, at TP 1 (learned absolute positions and RoPE), TP 2 and PP 2.
+`StepConfig.max_tokens_per_microbatch` (first-fit-decreasing packing, and its balanced variant at TP 1;
+`TorchDotProductAttention`'s THD path, one causal SDPA per sequence on the CPU; positions that restart per
+sequence) against the same rollout in padded microbatches, with a prev pass (`compute_logprobs` on packed
+microbatches) and a sequence-level loss, on the materialised, fused linear and loss-fused paths, at TP 1 (learned
+absolute positions and RoPE), TP 2 and PP 2.
 
 One spawn per world size: world 1 runs TP 1; world 2 runs TP 2, then PP 2 (Megatron's 1F1B schedule over packed
 microbatches of one length). Tolerances: fp32 models whose GEMMs and attention softmaxes see other shapes (a packed
@@ -69,7 +70,10 @@ def run_layouts(rank: int, world_size: int) -> dict:
 
     layouts = {"tp1": {"policy.tensor_model_parallel_size": 1},
                "tp1_rope": {"policy.tensor_model_parallel_size": 1,
-                            "policy.model.position_embedding_type": "rope"}} if world_size == 1 else {
+                            "policy.model.position_embedding_type": "rope"},
+               "tp1_balanced": {"policy.tensor_model_parallel_size": 1,
+                                "policy.sequence_packing.algorithm": "balanced_first_fit_decreasing"},
+               } if world_size == 1 else {
         "tp2": {"policy.tensor_model_parallel_size": 2},
         "pp2": {"policy.tensor_model_parallel_size": 1, "policy.pipeline_model_parallel_size": 2}}
     outcome = {}
@@ -107,5 +111,5 @@ def test_packed_train_step_equals_padded(ranks, mode):
 
 
 def test_both_world_sizes_ran_every_layout(ranks):
-    assert {layout for rank in ranks for layout in rank} <= {"tp1", "tp1_rope", "tp2", "pp2"}
-    assert all(set(rank) in ({"tp1", "tp1_rope"}, {"tp2", "pp2"}) for rank in ranks)
+    assert {layout for rank in ranks for layout in rank} <= {"tp1", "tp1_rope", "tp1_balanced", "tp2", "pp2"}
+    assert all(set(rank) in ({"tp1", "tp1_rope", "tp1_balanced"}, {"tp2", "pp2"}) for rank in ranks)

@@ -1,5 +1,5 @@
 """The packed (THD) layout: the checks of `cu_seqlens` and per-sequence tensors, segment ids and sums, the shift
-that never crosses a sequence boundary, first-fit-decreasing packing and the way back."""
+that never crosses a sequence boundary, first-fit-decreasing packing (and its balanced variant) and the way back."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from megatron_grpo.loss import ClippedPGLoss, count_valid
 from megatron_grpo.loss.packing import (
     PackedMicrobatches,
     SequenceLayout,
+    balanced_first_fit_decreasing,
     first_fit_decreasing,
     next_token_targets_of,
     pack_rows,
@@ -103,6 +104,22 @@ def test_first_fit_decreasing_fills_the_first_bin_that_fits():
     assert first_fit_decreasing([], 8) == []
     with pytest.raises(ValueError, match="max_tokens_per_microbatch: row 1 holds 9 tokens, more than 8"):
         first_fit_decreasing([2, 9], 8)
+
+
+def test_balanced_first_fit_decreasing_evens_out_first_fit_decreasings_bins():
+    lengths = [2, 7, 2, 2, 7, 2, 2, 2]  # first-fit decreasing: 7 + 7 + 2 = 16 tokens, then the other 2s (10)
+    assert first_fit_decreasing(lengths, 16) == [[0, 1, 4], [2, 3, 5, 6, 7]]
+    balanced = balanced_first_fit_decreasing(lengths, 16)  # as many bins, 13 tokens each
+    assert balanced == [[0, 1, 3, 6], [2, 4, 5, 7]]
+    assert [sum(lengths[r] for r in rows) for rows in balanced] == [13, 13]
+    # Spreading 3, 3, 2, 2, 2 over two bins of 6 would put 7 tokens in one: first-fit decreasing's bins stay.
+    assert balanced_first_fit_decreasing([3, 3, 2, 2, 2], 6) == first_fit_decreasing([3, 3, 2, 2, 2], 6)
+    assert balanced_first_fit_decreasing([], 8) == []
+    with pytest.raises(ValueError, match="max_tokens_per_microbatch: row 1 holds 9 tokens, more than 8"):
+        balanced_first_fit_decreasing([2, 9], 8)
+    batch = {"input_ids": torch.zeros(2, 3, dtype=torch.int64), "token_mask": torch.ones(2, 3)}
+    with pytest.raises(ValueError, match="algorithm: one of .*'first_fit_decreasing'.*, got 'modified_first_fit"):
+        PackedMicrobatches(batch, 6, algorithm="modified_first_fit_decreasing")
 
 
 def test_pack_and_unpack_round_trip():
