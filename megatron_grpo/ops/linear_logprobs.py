@@ -166,7 +166,7 @@ def scattered(values: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Ten
     """Per-trained-row `values` back among `rows` rows; ignored rows are exactly 0."""
     if index.numel() == rows:
         return values
-    return values.new_zeros((rows, *values.shape[1:])).index_copy(0, index, values)
+    return values.new_zeros((rows, *values.shape[1:])).index_copy_(0, index, values)  # in place: one buffer
 
 
 # ---- the traceable op ----
