@@ -10,11 +10,15 @@ rounds. `torch / op` is the median of the rounds' ratios. "forward + backward" c
 
 On the CPU each burst is also timed in the calling thread's CPU time (`time.thread_time`: with one thread, torch and
 the op and autograd's CPU backward all run there), which a busy shared machine disturbs far less than the wall clock:
-the report gives both ratios.
+the report gives both ratios. glibc's allocator is held steady for the rows (`steady_glibc_heap`): with its dynamic
+mmap threshold a method's 4 MiB buffers came from fresh pages (a page fault per 4 KiB) or from the heap depending on
+which method ran before, and torch's time at 256 x 4096 alternated between 1.2 and 2.4 ms from one burst to the next.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import statistics
 import time
 from dataclasses import dataclass
@@ -97,8 +101,27 @@ def interleaved(runs: dict[str, Callable[[], object]], rounds: int, device: torc
     return times
 
 
+# glibc's mallopt parameters, and the values the rows run with: every buffer from the heap, which is never trimmed.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+STEADY_THRESHOLD = 2**30
+
+
+def steady_glibc_heap() -> bool:
+    """Fixes glibc's mmap and trim thresholds for this process (both methods then reuse heap memory, whatever ran
+    before); False where the C library is not glibc (nothing changed)."""
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None:
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, STEADY_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, STEADY_THRESHOLD))
+
+
 def per_call_floor(device: torch.device, rounds: int) -> list[FloorResult]:
-    """The floor rows: every shape of `SHAPES` in both `MODES`, on one thread."""
+    """The floor rows: every shape of `SHAPES` in both `MODES`, on one thread, glibc's heap held steady."""
+    steady_glibc_heap()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -131,7 +154,8 @@ def floor_report(results: list[dict], rounds: int) -> list[str]:
         "",
         f"The whole op per call (not the kernels alone), median of {rounds} interleaved rounds of about "
         f"{1e3 * BURST_S:.0f} ms of back-to-back calls each; `torch / op` is the median of the rounds' ratios "
-        "(> 1: the op is faster), in wall time and in the calling thread's CPU time. check_inputs=False.",
+        "(> 1: the op is faster), in wall time and in the calling thread's CPU time. check_inputs=False. glibc's "
+        "mmap and trim thresholds fixed (`mallopt`), so that neither method's buffers page-fault for the other's.",
         "",
         "| T x V | measures | op us per call | log_softmax + gather us | torch / op | op CPU us | torch CPU us | "
         "torch / op (CPU) |",

@@ -8,6 +8,7 @@ whole benchmark so is run by test_bench_gpu_check.py's dry run of benchmarks/gpu
 from __future__ import annotations
 
 import multiprocessing as mp
+import platform
 import sys
 import time
 
@@ -80,3 +81,21 @@ def test_collect_returns_what_a_rank_sent_before_it_exited(fork):
     assert procs[0].exitcode == 0
     results, missing = collect(queue, procs, timeout_s=30, poll_s=0.1)
     assert [r["method"] for r in results] == ["fused"] and missing == {MEGATRON: "missing"}
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt: this C library is not glibc")
+def test_per_call_rows_run_with_glibcs_heap_held_steady():
+    """The per-call rows (one round, in a child: `mallopt` changes the whole process's allocator) hold glibc's
+    thresholds fixed and report every shape and mode with positive times."""
+    import json
+    import subprocess
+
+    code = ("import json, torch; from megatron_grpo.bench.floor import per_call_floor, steady_glibc_heap; "
+            "rows = per_call_floor(torch.device('cpu'), 1); "
+            "print(json.dumps([steady_glibc_heap(), [(r.tokens, r.mode, r.op_us, r.torch_us) for r in rows]]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    steady, rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert steady is True
+    assert {(tokens, mode) for tokens, mode, _, _ in rows} == {(8, "forward + backward"), (8, "forward, no_grad"),
+                                                               (256, "forward + backward"), (256, "forward, no_grad")}
+    assert all(op > 0 and torch > 0 for _, _, op, torch in rows)
