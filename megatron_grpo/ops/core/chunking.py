@@ -16,7 +16,8 @@ cutting differently run different numbers and shapes of them, and gloo aborts, N
   piece of the chunk's rows at a time, so that its temporaries stay a fraction of the chunk buffer whatever the
   vocab: 1/16 of the rows in plain torch (20-32 bytes per logit: at most 2 bytes per chunk logit); with the fused
   kernels, whose temporaries are per row (a histogram and at most 1024 candidates), as many rows as keep them
-  within a quarter of the chunk's bf16 buffer (the whole chunk from a vocab share of 32K columns).
+  within a third of the chunk's bf16 buffer (the whole chunk from a vocab share of 24.6K columns), in as few pieces
+  of even size as that allows.
 """
 
 from __future__ import annotations
@@ -71,14 +72,16 @@ def chunk_rows_for(rows: int, shard_cols: int, dtype: torch.dtype, budget_bytes:
 
 
 def threshold_piece_rows(chunk_rows: int, cols: int, fused_row_bytes: int | None = None) -> int:
-    """Rows per piece of top-p's threshold search over a chunk of `chunk_rows` rows of `cols` columns: in plain torch
-    (`fused_row_bytes` None) 1/16 of them; with the fused kernels, whose temporaries are `fused_row_bytes` per row,
-    as many rows as keep them within a quarter of the chunk's bf16 buffer (`cols / 2` bytes per row). At least 1, at
-    most the chunk. Pass a `cols` that is the same on every TP rank (each rank's share of the true vocab), so that
-    the pieces and their collectives are too."""
+    """Rows per piece of top-p's threshold search over a chunk of `chunk_rows` rows of `cols` columns: in plain
+    torch (`fused_row_bytes` None) 1/16 of them; with the fused kernels, whose temporaries are `fused_row_bytes` per
+    row, as many rows as keep them within a third of the chunk's bf16 buffer (`2 cols / 3` bytes per row), the chunk
+    then cut into as few pieces of even size as that allows. At least 1, at most the chunk. Pass a `cols` that is
+    the same on every TP rank (each rank's share of the true vocab), so that the pieces and their collectives are
+    too."""
     if fused_row_bytes is None:
         return max(1, -(-chunk_rows // MIN_CHUNKS))
-    return max(1, min(chunk_rows, chunk_rows * cols // 2 // max(1, fused_row_bytes)))
+    most = max(1, min(chunk_rows, chunk_rows * cols * 2 // 3 // max(1, fused_row_bytes)))
+    return -(-chunk_rows // -(-chunk_rows // most))  # as few pieces as that allows, of even size
 
 
 def row_chunks(rows: int, chunk_rows: int) -> list[slice]:
