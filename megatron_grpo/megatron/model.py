@@ -9,7 +9,8 @@ vocabulary is padded as Megatron-LM pads it (to a multiple of make_vocab_size_di
 `vocab_shard_of(model, true_vocab_size)` then says which columns are padding. The TP, PP and CP sizes are the ones
 `parallel_state` was initialised with. Logits stay vocab-parallel (`parallel_output=True`):
 `[b, s, padded_vocab / tp]` per rank. Mixed precision (bf16) keeps fp32 master weights and runs the forward under
-Megatron's autocast.
+Megatron's autocast; fp64 builds a float64 model (every parameter, and what the pipeline stages exchange), for checks
+to float64 rounding on the CPU.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from megatron_grpo.megatron.attention import torch_attention_layer_spec
 from megatron_grpo.megatron.transformer_engine import transformer_engine_usable
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16}
+PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp64": torch.float64}  # bf16: fp32 master weights
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,9 @@ class GPTModelParams:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     make_vocab_size_divisible_by: int = 128  # the vocab is padded to a multiple of this times the TP size
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: fp32 master weights, the forward under autocast
+    precision: Literal["fp32", "bf16", "fp64"] = "fp32"  # bf16: fp32 master weights, the forward under autocast;
+    #   fp64: float64 weights and activations, for checks to float64 rounding (on the CPU: Megatron's CUDA optimizer
+    #   takes no float64 parameters, Megatron-Core 0.16.1 optimizer/distrib_optimizer.py:420-437)
     add_bias_linear: bool = True  # biases in the linear layers (False for an MoE model: its experts take none)
     sequence_parallel: bool = False  # split the activations outside attention and MLP along the sequence over TP;
     #   an MoE model at TP > 1 needs it in training (Megatron's MoELayer refuses TP without it)
@@ -152,7 +156,7 @@ def _moe_settings(params: GPTModelParams) -> dict[str, object]:
 
 def transformer_config(params: GPTModelParams) -> TransformerConfig:
     """Megatron's TransformerConfig for `params` at the initialised TP / PP / EP sizes; fp32 parameters (master
-    weights) in every precision."""
+    weights) and pipeline activations under fp32 and bf16, float64 ones under fp64."""
     on_cpu = not torch.cuda.is_available()  # bf16 without CUDA is rejected by the runner's pre-flight checks
     tp = parallel_state.get_tensor_model_parallel_world_size()
     return TransformerConfig(
@@ -166,8 +170,8 @@ def transformer_config(params: GPTModelParams) -> TransformerConfig:
         tensor_model_parallel_size=tp,
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        pipeline_dtype=torch.float32,
-        params_dtype=torch.float32,
+        pipeline_dtype=PARAMS_DTYPES[params.precision],  # the activations the pipeline stages exchange
+        params_dtype=PARAMS_DTYPES[params.precision],
         enable_autocast=params.precision in AUTOCAST_DTYPES,
         autocast_dtype=AUTOCAST_DTYPES.get(params.precision),
         use_cpu_initialization=on_cpu,  # CPU init is also what makes TP=1 and TP=2 start from the same weights
@@ -203,6 +207,12 @@ def build_gpt_model(params: GPTModelParams, vocab_size: int, *,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=params.position_embedding_type,
     )
+    if config.params_dtype == torch.float64:
+        # Megatron-Core builds some modules in torch's default dtype, not params_dtype: the learned position embedding
+        # (0.16.1 and 0.19.2 models/common/embeddings/language_model_embedding.py:67) and the local spec's norms
+        # (WrappedTorchNorm, transformer/torch_norm.py:51 in 0.16.1, :69 in 0.19.2): float32 modules, whose
+        # gradients would be summed in float32, in a float64 model.
+        model.to(dtype=torch.float64)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -116,7 +116,8 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     A Mixture-of-Experts model's expert parameters (Megatron marks them `allreduce=False`) live on one expert-parallel
     rank each: their squares are summed over Megatron's expert-tensor × expert × pipeline group (expert-TP
     duplicates counted once), the other parameters' over TP × PP, and the norm is the root of both sums, as
-    Megatron's optimizer computes it (one norm on every rank, so the DP-replicated weights take the same clip).
+    Megatron's optimizer computes it (one norm on every rank, so the DP-replicated weights take the same clip). The
+    squares are summed in fp32 (float64 for a float64 model).
 
     Returns the norm before clipping.
     """
@@ -124,13 +125,14 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     counted = [(p, grad) for p, grad in grads if param_is_not_shared(p)]
     expert_tp_group = parallel_state.get_expert_tensor_parallel_group() if _has_experts(model) else None
     dense_squares, expert_squares = [], []
+    dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)  # float64 for a float64 model
     for param, grad in counted:
         if not getattr(param, "allreduce", True):
             if param_is_not_tensor_parallel_duplicate(param, expert_tp_group):
-                expert_squares.append(grad.float().square().sum())
+                expert_squares.append(grad.to(dtype).square().sum())
         elif param_is_not_tensor_parallel_duplicate(param):
-            dense_squares.append(grad.float().square().sum())
-    zero = torch.zeros((), device=next(model.parameters()).device)
+            dense_squares.append(grad.to(dtype).square().sum())
+    zero = torch.zeros((), dtype=dtype, device=next(model.parameters()).device)
     dense = torch.stack(dense_squares).sum() if dense_squares else zero
     experts = torch.stack(expert_squares).sum() if expert_squares else zero.clone()
     if parallel_state.get_model_parallel_group().size() > 1:

@@ -337,8 +337,9 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
                      distribution: SamplingDistribution | None = None, fused_linear: bool = False,
                      check_inputs: bool = True, max_tokens_per_microbatch: int | None = None,
                      packing_algorithm: str = "first_fit_decreasing") -> torch.Tensor:
-    """float32 `[B, S]` logprobs of `batch["input_ids"]` under `distribution` (`SamplingDistribution`; None:
-    softmax(logits); -inf outside a top-k / top-p kept set) of `model`, in eval mode; position 0 is 0.
+    """float32 `[B, S]` logprobs (float64 from a float64 model) of `batch["input_ids"]` under `distribution`
+    (`SamplingDistribution`; None: softmax(logits); -inf outside a top-k / top-p kept set) of `model`, in eval mode;
+    position 0 is 0.
 
     A packed batch (`batch['cu_seqlens']`, `loss.packing`) is one microbatch and gives `[1, T]` logprobs, 0 at
     each sequence's first token. `max_tokens_per_microbatch`: the padded batch's rows are packed into microbatches
@@ -415,10 +416,16 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: 
         model.train(was_training)
         clear_routing(model)
     if not outputs:  # a pipeline stage that is not the last
-        logprobs = torch.empty(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+        logprobs = torch.empty(input_ids.shape, dtype=_logprob_dtype(model), device=input_ids.device)
     else:
         logprobs = _whole_per_token(outputs, microbatches, packing)
     return from_last_stage(logprobs)[:, :width]
+
+
+def _logprob_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the logprobs the last pipeline stage computes, which the other stages receive them in: the ops'
+    float32, float64 from a float64 model."""
+    return torch.promote_types(compute_dtype(model), torch.float32)
 
 
 def _whole_per_token(per_microbatch: list[torch.Tensor], microbatches: list[Batch],
@@ -588,7 +595,7 @@ def train_step(
 
     curr_logprobs = from_last_stage(
         torch.cat([m["curr_logprobs"] for m in step_logprobs]) if step_logprobs
-        else torch.empty(batch["input_ids"].shape, dtype=torch.float32, device=batch["input_ids"].device))
+        else torch.empty(batch["input_ids"].shape, dtype=_logprob_dtype(model), device=batch["input_ids"].device))
     if plan.prev_approximation in ("loglinear", "linear"):  # interpolated in the loss, microbatch by microbatch
         prev_logprobs = from_last_stage(torch.cat([m["prev_logprobs"] for m in step_logprobs]) if step_logprobs
                                         else torch.empty_like(curr_logprobs))
