@@ -22,13 +22,14 @@ from megatron.core.utils import unwrap_model
 
 
 def wrap_in_ddp(model: torch.nn.Module, *, use_distributed_optimizer: bool = False) -> DistributedDataParallel:
-    """`model` in Megatron's DDP (fp32 gradient buffers, no overlap: one reduction after the last microbatch),
-    with Megatron's `finalize_model_grads` as its config's `finalize_model_grads_func`.
+    """`model` in Megatron's DDP (fp32 gradient buffers, float64 ones for a float64 model; no overlap: one reduction
+    after the last microbatch), with Megatron's `finalize_model_grads` as its config's `finalize_model_grads_func`.
 
     `use_distributed_optimizer`: lay the buffers out for Megatron's distributed optimizer (ZeRO-1, CUDA only).
     """
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        # fp32 buffers for fp32 and bf16 parameters; Megatron's own dtype, the parameters', for float64 ones
+        grad_reduce_in_fp32=model.config.params_dtype != torch.float64,
         overlap_grad_reduce=False,
         use_distributed_optimizer=use_distributed_optimizer,
     )

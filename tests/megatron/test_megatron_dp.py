@@ -74,9 +74,27 @@ def one_train_step(rank: int, world_size: int) -> dict:
             "all_reduce_sizes": all_reduce_sizes,
             "unwrapped_error": unwrapped_error,
             **(two_backwards_around_a_step(cfg) if layout.dp_size == 1 else {}),
+            "float64_grads": float64_gradients(cfg, batch),
         }
     finally:
         destroy_parallel()
+
+
+def float64_gradients(cfg, batch) -> list[torch.Tensor]:
+    """The same step's clipped gradients from a float64 model in Megatron's DDP (float64 gradient buffers)."""
+    import dataclasses
+
+    from megatron_grpo.loss import ClippedPGLoss
+    from megatron_grpo.megatron import build_gpt_model, build_optimizer, train_step, vocab_shard_of, wrap_in_ddp
+    from megatron_grpo.megatron.ddp import gradient
+    from megatron_grpo.runner.plan_inputs import plan_for
+    from megatron_grpo.runner.plugin_params import adam_params, model_params, step_config
+
+    torch.manual_seed(cfg.seed)
+    model = wrap_in_ddp(build_gpt_model(dataclasses.replace(model_params(cfg), precision="fp64"), VOCAB))
+    train_step(step_config(cfg), model, build_optimizer(model, adam_params(cfg)), ClippedPGLoss(cfg.loss_fn),
+               plan_for(cfg), batch, vocab=vocab_shard_of(model, VOCAB))
+    return [gradient(p).detach().clone() for p in model.parameters()]
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +186,14 @@ def test_adam_over_main_grad_leaves_no_grad_alias_that_would_double_the_next_gra
     # the second backward runs on updated weights, so its gradient differs a little, but it is not doubled
     ratios = [(b.norm() / a.norm()).item() for a, b in zip(first, second) if a.norm() > 0]
     assert all(0.5 < ratio < 1.5 for ratio in ratios), ratios
+
+
+def test_dp2_halves_of_a_float64_model_give_the_full_batch_gradient(runs):
+    """Under DDP a float64 model's gradients stay float64 (Megatron's buffers in the parameters' dtype), so the halves'
+    reduced gradient is the full batch's to float64 rounding: sums of a few hundred terms, 1e-12 of the largest."""
+    (full,) = runs["dp1"]
+    scale = max(g.abs().max().item() for g in full["float64_grads"])
+    assert scale > 1e-3 and all(g.dtype == torch.float64 for g in full["float64_grads"])
+    for half in runs["dp2"]:
+        assert all(g.dtype == torch.float64 for g in half["float64_grads"])
+        assert max_difference(half["float64_grads"], full["float64_grads"]) <= 1e-12 * scale
