@@ -40,8 +40,22 @@ def check_no_deferred_aux_losses(model: torch.nn.Module) -> None:
 
 
 def clear_aux_losses() -> None:
-    """Forget the auxiliary losses of earlier forwards (call before an optimizer step's schedule)."""
+    """Forget the auxiliary losses of earlier forwards (call before an optimizer step's schedule), their layer counts
+    too: Megatron's tracker sizes each loss by the first model that logs it, and only zeros it when cleared, so a
+    later model of more MoE layers in the same process would index past it."""
     clear_aux_losses_tracker()
+    _tracked_losses().clear()
+
+
+def _tracked_losses() -> dict:
+    """Megatron's tracker's own dict of losses: `get_moe_metrics_tracker().metrics` from Megatron-Core 0.17 (where
+    `get_moe_layer_wise_logging_tracker` returns a copy), the dict `get_moe_layer_wise_logging_tracker` returns
+    before."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:
+        return get_moe_layer_wise_logging_tracker()
+    return get_moe_metrics_tracker().metrics
 
 
 def aux_losses(num_microbatches: int, num_moe_layers: int) -> dict[str, float]:

@@ -607,3 +607,18 @@ def test_an_moe_model_under_tensor_parallelism_needs_sequence_parallelism(two):
     for rank in two:
         assert rank["tp2"]["errors"]["without_sequence_parallel"].startswith(
             "sequence_parallel: an MoE model at tensor_model_parallel_size 2 needs sequence_parallel=True")
+
+
+def test_clearing_the_auxiliary_losses_forgets_an_earlier_models_layer_count():
+    """Megatron's tracker sizes a loss by the first model that logs it; after `clear_aux_losses` a model of more MoE
+    layers in the same process logs its own (it indexed past the old size: an IndexError in its forward)."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker, save_to_aux_losses_tracker
+
+    from megatron_grpo.megatron.moe_losses import clear_aux_losses
+
+    save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(1.0), layer_number=1, num_layers=1)
+    clear_aux_losses()
+    save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(2.0), layer_number=2, num_layers=2)
+    assert get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].tolist() == [0.0, 2.0]
+    clear_aux_losses()
+    assert get_moe_layer_wise_logging_tracker() == {}
