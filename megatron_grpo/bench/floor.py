@@ -17,8 +17,6 @@ which method ran before, and torch's time at 256 x 4096 alternated between 1.2 a
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import statistics
 import time
 from dataclasses import dataclass
@@ -26,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from megatron_grpo.bench.measure import glibc
 from megatron_grpo.ops import vocab_parallel_logprobs
 
 SHAPES = ((8, 64), (256, 4096))
@@ -109,14 +108,11 @@ STEADY_THRESHOLD = 2**30
 def steady_glibc_heap() -> bool:
     """Fixes glibc's mmap and trim thresholds for this process (both methods then reuse heap memory, whatever ran
     before); False where the C library is not glibc (nothing changed)."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is None:
+    libc = glibc()
+    if libc is None:
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, STEADY_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, STEADY_THRESHOLD))
+    return (bool(libc.mallopt(M_MMAP_THRESHOLD, STEADY_THRESHOLD))
+            and bool(libc.mallopt(M_TRIM_THRESHOLD, STEADY_THRESHOLD)))
 
 
 def per_call_floor(device: torch.device, rounds: int) -> list[FloorResult]:

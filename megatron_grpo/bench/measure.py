@@ -61,14 +61,22 @@ def _read_status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _malloc_trim() -> None:
-    """glibc's `malloc_trim(0)`: its free heap memory back to the system, so that RSS is what is live (a no-op
-    without glibc)."""
+def glibc() -> ctypes.CDLL | None:
+    """The process's glibc (for its allocator's `malloc_trim` and `mallopt`), or None where the C library is not
+    glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
-        return
-    libc.malloc_trim(0)
+        return None
+    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+
+
+def _malloc_trim() -> None:
+    """glibc's `malloc_trim(0)`: its free heap memory back to the system, so that RSS is what is live (a no-op
+    without glibc)."""
+    libc = glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 class PeakMemory:
