@@ -14,6 +14,7 @@ import socket
 import sys
 import traceback
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any, Callable, Iterator
 
 import torch
@@ -61,11 +62,12 @@ def _to_bytes(value: Any) -> bytes:
 
 
 def _run_task(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> tuple[int, bool, Any]:
-    """One task on one rank: a fresh gloo group for it, destroyed after with any Megatron groups the task left;
-    the rank's result or its traceback."""
+    """One task on one rank: a fresh gloo group for it on the pool's store at `port`, destroyed after with any
+    Megatron groups the task left; the rank's result or its traceback."""
     environment = dict(os.environ)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         return rank, True, _to_bytes(fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - the traceback goes back to the test
         return rank, False, traceback.format_exc()
@@ -103,7 +105,16 @@ class _RankPool:
             p.start()
 
     def run(self, fn: Callable, args: tuple) -> tuple[dict[int, Any], list[str]]:
-        port = free_port()
+        # The test process serves each call's rendezvous store on a port the OS picks while it binds it, so that
+        # no other process (a parallel test worker) can take the port between its choice and its use.
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=TIMEOUT_S))
+        try:
+            return self._collect(store.port, fn, args)
+        finally:
+            del store
+
+    def _collect(self, port: int, fn: Callable, args: tuple) -> tuple[dict[int, Any], list[str]]:
         for queue in self.tasks:
             queue.put((port, fn, args))
         results: dict[int, Any] = {}

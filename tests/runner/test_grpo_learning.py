@@ -14,6 +14,8 @@ learns in the off-policy learning tests.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from _dist import free_port
 from grpo_workers.launch import REPO, TINY_CONFIG, run, start, stop_job, torchrun_command, write_config
@@ -31,6 +33,26 @@ LAYOUTS = {  # name: base config, overrides, torchrun agents, ranks per agent
 }
 
 
+def run_agents(config, directory, *, agents: int, nproc: int, attempts: int = 3) -> tuple[list[int], list[str]]:
+    """Runs `agents` torchrun agents on a loopback rendezvous; their exit codes and logs. The endpoint's port is
+    chosen free before the agents bind it, so another process can take it in between: only then (the logs say
+    EADDRINUSE) the job runs again on another port."""
+    for _ in range(attempts):
+        shutil.rmtree(directory / "run", ignore_errors=True)  # nothing of a failed rendezvous carries over
+        rdzv = f"127.0.0.1:{free_port()}"
+        logs = [directory / f"node{i}.txt" for i in range(agents)]
+        jobs = [start(torchrun_command(config, nproc=nproc, rdzv=rdzv, nnodes=agents), log) for log in logs]
+        try:
+            codes = [job.wait(timeout=400) for job in jobs]
+        finally:
+            for job in jobs:
+                stop_job(job)
+        texts = [log.read_text() for log in logs]
+        if codes == [0] * agents or not any("EADDRINUSE" in text for text in texts):
+            return codes, texts
+    return codes, texts
+
+
 def window_means(values: list[float]) -> list[float]:
     return [sum(values[end - WINDOW:end]) / WINDOW for end in range(WINDOW, len(values) + 1)]
 
@@ -44,15 +66,8 @@ def test_reward_rises_from_at_most_0_2_to_0_9(tmp_path, name):
         code, output = run(torchrun_command(config, nproc=nproc), tmp_path / "log.txt", timeout=400)
         assert code == 0, output
     else:
-        rdzv = f"127.0.0.1:{free_port()}"
-        jobs = [start(torchrun_command(config, nproc=nproc, rdzv=rdzv, nnodes=agents), tmp_path / f"node{i}.txt")
-                for i in range(agents)]
-        try:
-            codes = [job.wait(timeout=400) for job in jobs]
-        finally:
-            for job in jobs:
-                stop_job(job)
-        assert codes == [0] * agents, [(tmp_path / f"node{i}.txt").read_text() for i in range(agents)]
+        codes, logs = run_agents(config, tmp_path, agents=agents, nproc=nproc)
+        assert codes == [0] * agents, logs
     rewards = [record["reward_mean"] for record in read_metrics(tmp_path / "run")]
     assert len(rewards) == STEPS
     means = window_means(rewards)
