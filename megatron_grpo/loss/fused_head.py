@@ -62,7 +62,7 @@ from megatron_grpo.ops.core.checks import (
     check_linear_inputs,
     check_target_ids,
 )
-from megatron_grpo.ops.core.chunking import chunk_rows_for, row_chunks, sequence_chunks
+from megatron_grpo.ops.core.chunking import chunk_rows_for, head_min_chunks, row_chunks, sequence_chunks
 from megatron_grpo.ops.core.dtypes import compute_dtype
 from megatron_grpo.ops.core.filtering import kept_threshold
 from megatron_grpo.ops.core.gemm import (
@@ -247,20 +247,40 @@ class ChunkStats:
 def run_head(hidden: torch.Tensor, weight: torch.Tensor, call: HeadCall, main_grad: torch.Tensor | None,
              need_hidden: bool = True, need_weight: bool = True
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
-    """The chunk loop: (loss, metrics, dH, dW); dW is None when it went into `main_grad`, either is None when not
-    needed."""
+    """The chunk loop, then the loss on the rows' values: (loss, metrics, dH, dW); dW is None when it went into
+    `main_grad`, either is None when not needed."""
     linear, rows = call.linear, call.index.numel()
-    hidden_flat = hidden.reshape(-1, hidden.shape[-1])
-    weight_valid = weight[:linear.valid_cols]
     logprob_rows = torch.empty(rows, dtype=compute_dtype(hidden.dtype), device=hidden.device)
     entropy_rows = torch.empty_like(logprob_rows)
     second = call.loss.reads_unfiltered and linear.filter_active  # a second distribution per chunk
     unfiltered_rows = torch.empty_like(logprob_rows) if second else None
     # dH: rows without a target get exactly 0; every trained row is written once, by its chunk.
-    grad_hidden = None if not need_hidden else (torch.empty if rows == hidden_flat.shape[0] else torch.zeros)(
+    grad_hidden = None if not need_hidden else (torch.empty if rows == hidden.shape[:-1].numel() else torch.zeros)(
         hidden.shape, dtype=hidden.dtype, device=hidden.device)
     weight_gradient = WeightGradient(weight, linear.valid_cols, rows, len(call.chunks), main_grad) \
         if need_weight else None
+    # The chunk buffers and the gradient's per-row terms are gone when the loss's own temporaries come.
+    _run_chunks(hidden, weight, call, (logprob_rows, entropy_rows, unfiltered_rows), grad_hidden, weight_gradient)
+    shape = call.targets.shape
+    with torch.no_grad():
+        unfiltered = None
+        if call.loss.reads_unfiltered:
+            unfiltered = _at_tokens(unfiltered_rows if second else logprob_rows, call.positions, shape)
+        loss, metrics = call.loss.value(_at_tokens(logprob_rows, call.positions, shape),
+                                        _at_tokens(entropy_rows, call.positions, shape), unfiltered)
+    return loss, metrics, grad_hidden, None if weight_gradient is None else weight_gradient.gradient()
+
+
+def _run_chunks(hidden: torch.Tensor, weight: torch.Tensor, call: HeadCall,
+                values: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], grad_hidden: torch.Tensor | None,
+                weight_gradient: WeightGradient | None) -> None:
+    """Per chunk: its logits, its rows' values (into `values`: logprob, entropy and, with a second distribution,
+    unfiltered logprob, `[rows]` each), its gradient in place, then its `dH` rows and its share of `dW`."""
+    linear = call.linear
+    logprob_rows, entropy_rows, unfiltered_rows = values
+    second = unfiltered_rows is not None
+    hidden_flat = hidden.reshape(-1, hidden.shape[-1])
+    weight_valid = weight[:linear.valid_cols]
     gradient = call.loss.row_gradients(call.positions, 1.0 if call.upstream is None else call.upstream)
     largest = max((c.rows.stop - c.rows.start for c in call.chunks), default=0)
     buffers = [chunk_buffer(largest, linear.valid_cols, hidden) for _ in range(call.buffers)]
@@ -293,14 +313,6 @@ def run_head(hidden: torch.Tensor, weight: torch.Tensor, call: HeadCall, main_gr
     if pending is not None:
         _hidden_and_weight_gradients(*pending, weight_valid, linear, grad_hidden, weight_gradient, streams)
     streams.join()
-    shape = call.targets.shape
-    with torch.no_grad():
-        unfiltered = None
-        if call.loss.reads_unfiltered:
-            unfiltered = _at_tokens(unfiltered_rows if second else logprob_rows, call.positions, shape)
-        loss, metrics = call.loss.value(_at_tokens(logprob_rows, call.positions, shape),
-                                        _at_tokens(entropy_rows, call.positions, shape), unfiltered)
-    return loss, metrics, grad_hidden, None if weight_gradient is None else weight_gradient.gradient()
 
 
 def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, linear: LinearCall, second: bool,
@@ -467,11 +479,13 @@ def loss_fused_linear(
     `targets` `[B, S]`: the sequences' token ids, < 0 where a token is not trained (the ops' `shift=True` targets).
     A packed batch (`layout` packed) has `[1, T, H]` hidden states and `[1, T]` targets, < 0 at every sequence's first
     token (`loss.packing.next_token_targets_of`), so no logprob crosses a boundary. `chunk_rows`: trained rows per
-    chunk (whole sequences where the loss couples a sequence's tokens); None picks one as the op does
-    (`chunk_rows_for`). `shift=False`: `targets` are each row's own (already shifted) targets, and the values stay
-    with the rows, as for a context-parallel rank's row-aligned share. `context` (`ContextShard`): whole-sequence
-    chunks are cut alike on the CP ranks, from each sequence's largest count of trained rows over the group (one
-    all-reduce), so that a loss summing over the group (`sum_over_context`) meets its peers chunk by chunk.
+    chunk (whole sequences where the loss couples a sequence's tokens); None picks one as the op does, from as
+    few chunks as keep the head's extra memory within its budget (`chunking.head_min_chunks`: 12 at a 16K-column bf16
+    shard, 15 where top-p's threshold search runs). `shift=False`: `targets` are each row's own (already shifted)
+    targets, and the values stay with the rows, as for a context-parallel rank's row-aligned share. `context`
+    (`ContextShard`): whole-sequence chunks are cut alike on the CP ranks, from each sequence's largest count of
+    trained rows over the group (one all-reduce), so that a loss summing over the group (`sum_over_context`) meets
+    its peers chunk by chunk.
     `upstream_gradient`: d(objective)/d(loss), bound up front (see the module docstring); None: 1, checked.
     `kept_set`: with `distribution.replay_kept_set`, the rollout engine's kept set of every position of `targets`
     (`ops.KeptSet`), replayed instead of a recomputed top-k / top-p (each chunk reads its rows' sets).
@@ -494,11 +508,13 @@ def loss_fused_linear(
     overlapped = overlaps_chunks(hidden.device)
     second = loss.reads_unfiltered and distribution.restricts(shard.true_vocab_size)
     buffers = (2 if overlapped else 1) + (1 if second else 0)
+    searches_top_p = distribution.uses_top_p() and not distribution.replay_kept_set
+    least = head_min_chunks(weight.shape[0], hidden.dtype, searches_top_p)
     if loss.whole_sequences:
-        chunks = _sequence_chunks(trained, layout, context, chunk_rows, weight, hidden.dtype, buffers)
+        chunks = _sequence_chunks(trained, layout, context, chunk_rows, weight, hidden.dtype, buffers, least)
     else:
-        budget = chunk_rows if chunk_rows is not None else chunk_rows_for(index.numel(), weight.shape[0],
-                                                                          hidden.dtype, buffers=buffers)
+        budget = chunk_rows if chunk_rows is not None else chunk_rows_for(
+            index.numel(), weight.shape[0], hidden.dtype, buffers=buffers, min_chunks=least)
         chunks = [Chunk(rows) for rows in row_chunks(index.numel(), budget)]
     linear = LinearCall.of(weight, index.numel(), shard, distribution, True, chunk_rows, implementation)
     kept = None if kept_set is None else RowSets.of_groups(kept_set, index, [c.rows for c in chunks], shift)
@@ -511,7 +527,8 @@ def loss_fused_linear(
 
 
 def _sequence_chunks(trained: torch.Tensor, layout: SequenceLayout, context: ContextShard | None,
-                     chunk_rows: int | None, weight: torch.Tensor, dtype: torch.dtype, buffers: int) -> list[Chunk]:
+                     chunk_rows: int | None, weight: torch.Tensor, dtype: torch.dtype, buffers: int,
+                     min_chunks: int) -> list[Chunk]:
     """Chunks of whole sequences, each a run of the trained rows (they lie in sequence order)."""
     local_counts = layout.sum(trained.to(torch.int64))
     per_sequence = local_counts.tolist()
@@ -524,7 +541,7 @@ def _sequence_chunks(trained: torch.Tensor, layout: SequenceLayout, context: Con
     # The shard's whole width, the same on every TP rank, so that every rank cuts the same chunks (its valid columns
     # are fewer on the rank with the padding).
     budget = chunk_rows if chunk_rows is not None else chunk_rows_for(sum(cut_counts), weight.shape[0], dtype,
-                                                                      buffers=buffers)
+                                                                      buffers=buffers, min_chunks=min_chunks)
     runs = sequence_chunks(cut_counts, budget)
     spans = layout.token_spans(runs)
     chunks, first = [], 0

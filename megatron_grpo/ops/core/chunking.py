@@ -10,6 +10,12 @@ cutting differently run different numbers and shapes of them, and gloo aborts, N
   reused buffer (`gemm.chunk_buffer`), at most `CHUNK_BYTES`, at least `MIN_CHUNKS` per call, so that one chunk's
   logits are at most 1/16 of the call's: 6.25% of what the materialised path holds with its gradient written in
   place, which leaves room for the per-row vectors under the fused paths' 10% budget (docs/ops.md, "Memory").
+- *The loss-fused head's chunks* (`head_min_chunks`): its baseline, the materialised loss step with the gradient
+  written over the logits, holds the call's logits once, and the head's extra memory is its chunk buffers and some
+  bytes per trained row. The chunk buffers take what `HEAD_EXTRA_SHARE` of the logits leaves beside those bytes: 12
+  chunks at a 16K-column bf16 shard, not 16, which the CPU's GEMMs need (each chunk GEMM packs the whole weight
+  again). Where top-p's threshold search runs on each chunk, its temporaries (up to a third of the chunk's bf16
+  buffer) share that budget (15 chunks there); where the vocab share is small, the op's 16.
 - *Sequence chunks* (`sequence_chunks`): where a loss term couples a sequence's tokens, the loss-fused head groups
   whole sequences into chunks of at most that many trained rows, so the term stays exact.
 - *Threshold pieces within a chunk* (`threshold_piece_rows`): top-p's search over a fused path's chunk works on a
@@ -22,6 +28,8 @@ cutting differently run different numbers and shapes of them, and gloo aborts, N
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # The plain-torch kernels and top-p's selection work on pieces of rows of about this many logits per rank.
@@ -32,6 +40,11 @@ PIECE_LOGITS = 2**23
 CHUNK_BYTES = 256 * 2**20
 MIN_CHUNKS = 16
 MIN_CHUNK_ROWS = 64
+# The loss-fused head's chunk buffers and its per-row vectors (the rows' values, indices and gradient terms: at most
+# HEAD_ROW_BYTES a trained row, tests/loss/test_fused_head_memory.py) together within this share of its baseline's
+# logits: a margin under the fused paths' 10% target for the rounding of the rows per chunk.
+HEAD_EXTRA_SHARE = 0.095
+HEAD_ROW_BYTES = 160
 # A chunk buffer's row stride is a multiple of this many elements (128 bytes of bf16), so every GEMM row starts
 # aligned whatever the shard's valid width; the kernels take any row stride.
 ROW_ALIGN = 64
@@ -54,10 +67,11 @@ def aligned_width(cols: int) -> int:
 
 
 def chunk_rows_for(rows: int, shard_cols: int, dtype: torch.dtype, budget_bytes: int | None = None,
-                   buffers: int = 1) -> int:
+                   buffers: int = 1, min_chunks: int = MIN_CHUNKS) -> int:
     """Rows per GEMM chunk when the caller gives none: a call of `rows` trained rows is cut into at least
-    `MIN_CHUNKS` chunks (so the chunk buffers' logits are at most 1/16 of the whole call's, the fused paths' extra
-    memory), each of at least `MIN_CHUNK_ROWS` rows (so each GEMM stays large) and at most `budget_bytes` (default
+    `min_chunks` chunks (`MIN_CHUNKS`: the chunk buffers' logits are at most 1/16 of the whole call's, the fused
+    paths' extra memory; the loss-fused head passes `head_min_chunks`), each of at least `MIN_CHUNK_ROWS` rows (so
+    each GEMM stays large) and at most `budget_bytes` (default
     `CHUNK_BYTES`) of logits rows of `shard_cols` columns (256 MiB: 2048 rows of a 65536-column bf16 shard, 441 of
     a 152064-column fp32 one). `buffers` chunk buffers alive at once share that budget and that 1/16 (the loss-fused
     head keeps two where chunks overlap on CUDA streams, or where a KL under a filter needs a second gradient).
@@ -67,8 +81,19 @@ def chunk_rows_for(rows: int, shard_cols: int, dtype: torch.dtype, budget_bytes:
     budget = CHUNK_BYTES if budget_bytes is None else budget_bytes
     row_bytes = max(aligned_width(shard_cols), 1) * torch.empty((), dtype=dtype).element_size() * buffers
     by_budget = max(1, budget // row_bytes)
-    by_share = max(MIN_CHUNK_ROWS, -(-rows // (MIN_CHUNKS * buffers)))
+    by_share = max(MIN_CHUNK_ROWS, -(-rows // (min_chunks * buffers)))
     return max(1, min(by_budget, by_share))
+
+
+def head_min_chunks(shard_cols: int, dtype: torch.dtype, searches_top_p: bool) -> int:
+    """The loss-fused head's least number of chunks per call, for a shard of `shard_cols` columns (its whole width,
+    the same on every TP rank) in `dtype`: as few as keep the chunk buffers and `HEAD_ROW_BYTES` per row within
+    `HEAD_EXTRA_SHARE` of the logits, at most `MIN_CHUNKS`; where top-p's threshold search runs on each chunk, its
+    temporaries take up to a third of the chunk buffer more."""
+    share = HEAD_EXTRA_SHARE - HEAD_ROW_BYTES / (max(shard_cols, 1) * torch.empty((), dtype=dtype).element_size())
+    if searches_top_p:
+        share *= 3 / 4
+    return MIN_CHUNKS if share <= 1 / MIN_CHUNKS else math.ceil(1 / share)
 
 
 def threshold_piece_rows(chunk_rows: int, cols: int, fused_row_bytes: int | None = None) -> int:
