@@ -1,7 +1,8 @@
 """Top-p's selection works on pieces of rows (`chunking.PIECE_LOGITS` logits per rank, rows per piece the same on
 every rank): cutting a call into many pieces changes nothing, bit for bit, on one rank and over TP = 2 with a last
 shard narrower than the first, where the fused search and its plain-torch twin agree too; the kept sets match the
-sorting reference of tests/logprob_reference.py."""
+sorting reference of tests/logprob_reference.py. Each radix pass keeps the highest bucket that reaches the target,
+and the prefix's lowest logit where rounding left the target above the prefix's mass."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ from logprob_reference import filtered_keep_mask
 
 from megatron_grpo.ops.core import chunking
 from megatron_grpo.ops.core.backends import TorchKernels
-from megatron_grpo.ops.core.filtering import kept_threshold
+from megatron_grpo.ops.core.filtering import (
+    BUCKET_BITS,
+    BUCKETS,
+    _radix_select,
+    _value_of_unsigned_key,
+    kept_threshold,
+)
 from megatron_grpo.ops.distribution import SamplingDistribution
 
 ROWS, TRUE_VOCAB, V_LOCAL = 13, 95, 50  # at TP 2 the second shard holds 45 real columns and 5 of padding
@@ -40,7 +47,15 @@ def test_pieces_change_nothing_on_one_rank(monkeypatch, top_k, top_p):
 
 
 def sharded_worker(rank: int, world: int, top_p: float) -> tuple[torch.Tensor, int, torch.Tensor]:
-    chunking.PIECE_LOGITS = 4 * V_LOCAL  # this process only: pieces of 4 rows on both ranks
+    default = chunking.PIECE_LOGITS
+    chunking.PIECE_LOGITS = 4 * V_LOCAL  # pieces of 4 rows on both ranks, for this task only: the rank processes
+    try:  # are the session's pool, and the next task must find the default
+        return _sharded(rank, top_p)
+    finally:
+        chunking.PIECE_LOGITS = default
+
+
+def _sharded(rank: int, top_p: float) -> tuple[torch.Tensor, int, torch.Tensor]:
     logits = logits_with_ties(seed=2)
     padded = torch.cat([logits, torch.full((ROWS, 2 * V_LOCAL - TRUE_VOCAB), 1e4)], dim=1)
     local = padded[:, rank * V_LOCAL:(rank + 1) * V_LOCAL]
@@ -65,3 +80,25 @@ def test_pieces_agree_over_tensor_parallel_ranks():
     assert torch.equal(logits >= per_rank[0][0][:, None], filtered_keep_mask(logits, None, top_p))
     assert torch.equal(per_rank[0][0], kept_threshold(logits, SamplingDistribution(top_p=top_p),
                                                      true_vocab_size=TRUE_VOCAB))
+
+
+def radix_masses(low_bit: int, prefix: torch.Tensor) -> torch.Tensor:
+    """One row of two candidates of mass 1, keys 0x03000000 and 0x05000000: the first pass finds them in buckets 3
+    and 5; each later pass finds the chosen one alone in bucket 0 and the other off the prefix (slot 256)."""
+    masses = torch.zeros(1, BUCKETS + 1, dtype=torch.float64)
+    if low_bit == 32 - BUCKET_BITS:
+        masses[0, 3] = masses[0, 5] = 1.0
+    else:
+        masses[0, 0] = masses[0, BUCKETS] = 1.0
+    return masses
+
+
+@pytest.mark.parametrize("target, first", [
+    (1.5, 3),  # 2 >= 1.5 from bucket 3 up
+    (0.5, 5),  # bucket 5 holds 0.5 alone
+    (2.0 + 1e-12, 3),  # rounding left the target above the prefix's mass: its lowest logit
+    (float("nan"), 3),
+])
+def test_each_radix_pass_keeps_the_highest_bucket_that_reaches_the_target(target, first):
+    threshold = _radix_select(radix_masses, torch.tensor([target], dtype=torch.float64), 1, 32, torch.device("cpu"))
+    assert torch.equal(threshold, _value_of_unsigned_key(torch.tensor([first << 24]), 32))

@@ -279,18 +279,20 @@ def _radix_select(bucket_masses, target: torch.Tensor, rows: int, width: int, de
     """Each row's threshold among its candidates: the smallest whose strictly larger candidates hold less than the
     row's `target` mass (see `_top_p_threshold`). `bucket_masses(low_bit, prefix)` is the all-reduced `[rows, 257]`
     float64 mass of the candidates by their bits `[low_bit, low_bit + 8)`, slot 256 for those off `prefix` (the bits
-    chosen so far)."""
+    chosen so far).
+
+    Each pass keeps the highest bucket whose mass, with the buckets above it, reaches the target. The target is first
+    lowered to the prefix's whole mass where rounding between passes left it a hair above: the highest such bucket
+    is then the lowest filled one, the prefix's lowest logit (fmin also takes a NaN target there)."""
     prefix = torch.zeros(rows, dtype=torch.int64, device=device)
-    bucket_index = torch.arange(BUCKETS, device=device)
     for low_bit in range(width - BUCKET_BITS, -1, -BUCKET_BITS):
-        masses = bucket_masses(low_bit, prefix)[:, :BUCKETS]
-        at_or_above = masses.flip(-1).cumsum(-1).flip(-1)  # mass of the buckets >= b
-        reaching = (at_or_above >= target[:, None]).sum(dim=-1) - 1  # the highest bucket that reaches it
-        lowest_filled = torch.where(masses > 0, bucket_index, BUCKETS).amin(dim=-1)
-        # Rounding between passes can leave the target a hair above the bucket's mass: then its lowest logit.
-        chosen = torch.where(reaching >= 0, reaching, lowest_filled.clamp(max=BUCKETS - 1))
-        above = at_or_above.gather(1, (chosen + 1).clamp(max=BUCKETS - 1)[:, None]).squeeze(1)
-        above = torch.where(chosen == BUCKETS - 1, torch.zeros_like(above), above)
-        target = target - above
+        masses = bucket_masses(low_bit, prefix)
+        masses[:, BUCKETS] = 0.0  # the slot off the prefix becomes the empty end of the suffix sums
+        # The mass of the buckets >= b, at column 256 - b (slot 256's zero first): the suffix sums, not flipped back.
+        at_or_above = masses.flip(-1).cumsum(-1)
+        reach = torch.fmin(target, at_or_above[:, BUCKETS])[:, None]
+        chosen = ((at_or_above[:, 1:] >= reach).sum(dim=-1) - 1).clamp_(min=0)
+        # less the mass of the buckets above the chosen one
+        target = target - at_or_above.gather(1, (BUCKETS - 1 - chosen)[:, None]).squeeze(1)
         prefix = (prefix << BUCKET_BITS) | chosen
     return _value_of_unsigned_key(prefix, width)
