@@ -2,7 +2,8 @@
 every rank): cutting a call into many pieces changes nothing, bit for bit, on one rank and over TP = 2 with a last
 shard narrower than the first, where the fused search and its plain-torch twin agree too; the kept sets match the
 sorting reference of tests/logprob_reference.py. Each radix pass keeps the highest bucket that reaches the target,
-and the prefix's lowest logit where rounding left the target above the prefix's mass."""
+and the prefix's lowest logit where rounding left the target above the prefix's mass; the passes over bits that are
+0 in every key (bf16 and fp16 logits, unscaled) are left out, with the same threshold."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ import torch.distributed as dist
 from _dist import counted_collectives, run_on_ranks
 from logprob_reference import filtered_keep_mask
 
-from megatron_grpo.ops.core import chunking
-from megatron_grpo.ops.core.backends import TorchKernels
+from megatron_grpo.ops.core import chunking, filtering
+from megatron_grpo.ops.core.backends import FusedKernels, TorchKernels, fused_supports
 from megatron_grpo.ops.core.filtering import (
     BUCKET_BITS,
     BUCKETS,
     _radix_select,
     _value_of_unsigned_key,
     kept_threshold,
+    zero_key_bits,
 )
 from megatron_grpo.ops.distribution import SamplingDistribution
 
@@ -75,7 +77,7 @@ def test_pieces_agree_over_tensor_parallel_ranks():
     pieces = -(-ROWS // 4)
     for threshold, collectives, twin in per_rank:
         assert torch.equal(threshold, per_rank[0][0]) and torch.equal(twin, threshold)
-        assert collectives == 1 + pieces * (1 + 4)  # the row max; per piece the value bins and 4 radix passes
+        assert collectives == 1 + pieces * (1 + 4)  # the row max; per piece the value bins and 4 radix passes (fp32)
     logits = logits_with_ties(seed=2)
     assert torch.equal(logits >= per_rank[0][0][:, None], filtered_keep_mask(logits, None, top_p))
     assert torch.equal(per_rank[0][0], kept_threshold(logits, SamplingDistribution(top_p=top_p),
@@ -102,3 +104,39 @@ def radix_masses(low_bit: int, prefix: torch.Tensor) -> torch.Tensor:
 def test_each_radix_pass_keeps_the_highest_bucket_that_reaches_the_target(target, first):
     threshold = _radix_select(radix_masses, torch.tensor([target], dtype=torch.float64), 1, 32, torch.device("cpu"))
     assert torch.equal(threshold, _value_of_unsigned_key(torch.tensor([first << 24]), 32))
+
+
+@pytest.mark.parametrize("kernels", ["fused", "torch"])
+@pytest.mark.parametrize("dtype, passes", [(torch.bfloat16, 2), (torch.float16, 3), (torch.float32, 4)])
+def test_radix_passes_over_bits_zero_in_every_key_are_left_out(monkeypatch, kernels, dtype, passes):
+    """bf16 / fp16 logits converted to float32 have 16 / 13 low mantissa bits of 0: the passes reading only those
+    would choose bucket 0; without them the threshold is the same, bit for bit, ties and top-k floor included."""
+    if kernels == "fused" and not fused_supports(torch.device("cpu")):
+        pytest.skip("the extension is not built")
+    chosen = FusedKernels() if kernels == "fused" else TorchKernels()
+    logits = logits_with_ties(seed=4).to(dtype)
+    radix = filtering._radix_select
+    seen = []
+
+    def counting(bucket_masses, *args):
+        return radix(lambda low_bit, prefix: seen.append(low_bit) or bucket_masses(low_bit, prefix), *args)
+
+    monkeypatch.setattr(filtering, "_radix_select", counting)
+    for sampling in (SamplingDistribution(top_p=0.8), SamplingDistribution(top_k=20, top_p=0.6)):
+        skipped = kept_threshold(logits, sampling, true_vocab_size=TRUE_VOCAB, kernels=chosen)
+        assert seen == [24, 16, 8, 0][:passes]
+        seen.clear()
+        with monkeypatch.context() as every_pass:
+            every_pass.setattr(filtering, "zero_key_bits", lambda *args: 0)
+            full = kept_threshold(logits, sampling, true_vocab_size=TRUE_VOCAB, kernels=chosen)
+        assert len(seen) == 4
+        seen.clear()
+        assert torch.equal(skipped, full)
+        reference = filtered_keep_mask(logits.double(), sampling.top_k, sampling.top_p)
+        assert torch.equal(logits.double() >= skipped[:, None].double(), reference)
+
+
+def test_a_scale_still_to_apply_keeps_every_pass():
+    """z = fl32(scale * x) has no zero bits to rely on: all 4 passes, whatever the logits' dtype."""
+    assert [zero_key_bits(dtype, 1.0) for dtype in (torch.bfloat16, torch.float16, torch.float32)] == [16, 13, 0]
+    assert zero_key_bits(torch.bfloat16, 1 / 0.7) == zero_key_bits(torch.float64, 1.0) == 0

@@ -17,7 +17,7 @@ logits at or above it. Collectives, on a TP group of more than one rank:
 - top-p: one all-reduce (max) of `[rows]`, then per piece of rows (some 2^23 logits per rank) one all-reduce of
   `[rows, 256]` float64 masses by distance below the row max, which leaves few candidates, and an exact radix
   select over the candidates' ordered bit patterns, 8 bits per pass, each pass one all-reduce of `[rows, 257]`
-  float64 masses (4 passes for fp32 logits, 8 for float64).
+  float64 masses (4 passes for fp32 logits, 2 for bf16 and 3 for fp16 ones taken unscaled, 8 for float64).
 
 Top-p runs as three fused kernels where the fused kernels serve the logits (fp32, bf16, fp16; csrc/top_p.h): the
 value histogram (one pass over the logits), the boundary bin's candidates into a compact buffer (a second pass) and
@@ -130,6 +130,19 @@ def _unsigned_keys(x: torch.Tensor) -> torch.Tensor:
     return bits ^ ((bits >> (torch.iinfo(int_dtype).bits - 1)) | torch.iinfo(int_dtype).min)
 
 
+# float32 has 23 explicit mantissa bits, bf16 7 and fp16 10.
+_ZERO_KEY_BITS = {torch.bfloat16: 23 - 7, torch.float16: 23 - 10}
+
+
+def zero_key_bits(dtype: torch.dtype, logit_scale: float) -> int:
+    """How many low bits of every float32 key are 0 when z is `dtype` logits converted (scale 1, or formed scaled):
+    a bf16 / fp16 value in float32 has 16 / 13 zero mantissa bits, so the radix passes over those bits would each
+    choose bucket 0. Other dtypes, or a scale still to apply (its product rounds to float32): none."""
+    if logit_scale != 1.0:
+        return 0
+    return _ZERO_KEY_BITS.get(dtype, 0)
+
+
 def _value_of_unsigned_key(keys: torch.Tensor, width: int) -> torch.Tensor:
     """The float whose `_unsigned_keys` bits are `keys` (int64 holding `width` bits)."""
     int_dtype, float_dtype = (torch.int64, torch.float64) if width == 64 else (torch.int32, torch.float32)
@@ -170,7 +183,8 @@ def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None, grou
        share a bin) and the bins' masses all-reduced: the boundary is in the last non-empty bin whose higher bins
        hold less than p of the row's kept mass. Every logit above that bin is kept, every logit below it is not.
     2. only that bin's logits go through an exact radix select over their ordered bit patterns, 8 bits per pass (4
-       passes for float32, 8 for float64), each pass one all-reduce of `[rows, 257]` masses: the highest bucket
+       passes for float32, 2 for bf16 and 3 for fp16 logits with no scale to apply, whose low bits are 0; 8 for
+       float64), each pass one all-reduce of `[rows, 257]` masses: the highest bucket
        whose mass, with the buckets above it, reaches what is left of p is kept, until the last bucket is one bit
        pattern: a logit of the row.
 
@@ -252,7 +266,8 @@ def _select_top_p(x: torch.Tensor, p: float, shift: torch.Tensor, floor: torch.T
             bucket = torch.where(on_prefix, bucket, BUCKETS)
         return _histogram(flat_rows + bucket, candidate_mass, rows, BUCKETS + 1, group)
 
-    return _radix_select(bucket_masses, target, rows, width, z.device)
+    zero_bits = zero_key_bits(x.dtype, logit_scale) if width == 32 else 0
+    return _radix_select(bucket_masses, target, rows, width, z.device, zero_bits)
 
 
 def _select_top_p_fused(x: torch.Tensor, p: float, shift: torch.Tensor, floor: torch.Tensor | None,
@@ -272,10 +287,11 @@ def _select_top_p_fused(x: torch.Tensor, p: float, shift: torch.Tensor, floor: t
         return _all_reduce(ops.top_p_bucket_masses(x, shift, floor, boundary, keys, masses, counts, prefix, low_bit,
                                                    scale), dist.ReduceOp.SUM, group)
 
-    return _radix_select(bucket_masses, target, x.shape[0], 32, x.device)
+    return _radix_select(bucket_masses, target, x.shape[0], 32, x.device, zero_key_bits(x.dtype, scale))
 
 
-def _radix_select(bucket_masses, target: torch.Tensor, rows: int, width: int, device: torch.device) -> torch.Tensor:
+def _radix_select(bucket_masses, target: torch.Tensor, rows: int, width: int, device: torch.device,
+                  zero_bits: int = 0) -> torch.Tensor:
     """Each row's threshold among its candidates: the smallest whose strictly larger candidates hold less than the
     row's `target` mass (see `_top_p_threshold`). `bucket_masses(low_bit, prefix)` is the all-reduced `[rows, 257]`
     float64 mass of the candidates by their bits `[low_bit, low_bit + 8)`, slot 256 for those off `prefix` (the bits
@@ -283,9 +299,14 @@ def _radix_select(bucket_masses, target: torch.Tensor, rows: int, width: int, de
 
     Each pass keeps the highest bucket whose mass, with the buckets above it, reaches the target. The target is first
     lowered to the prefix's whole mass where rounding between passes left it a hair above: the highest such bucket
-    is then the lowest filled one, the prefix's lowest logit (fmin also takes a NaN target there)."""
+    is then the lowest filled one, the prefix's lowest logit (fmin also takes a NaN target there).
+
+    `zero_bits` low bits of every candidate's key are 0 (`zero_key_bits`): the passes that read only such bits are
+    not run (each would choose bucket 0), and the prefix is shifted over them: 2 passes for bf16 logits, 3 for fp16.
+    """
     prefix = torch.zeros(rows, dtype=torch.int64, device=device)
-    for low_bit in range(width - BUCKET_BITS, -1, -BUCKET_BITS):
+    lowest = zero_bits // BUCKET_BITS * BUCKET_BITS  # the lowest pass that reads a bit which may be 1
+    for low_bit in range(width - BUCKET_BITS, lowest - 1, -BUCKET_BITS):
         masses = bucket_masses(low_bit, prefix)
         masses[:, BUCKETS] = 0.0  # the slot off the prefix becomes the empty end of the suffix sums
         # The mass of the buckets >= b, at column 256 - b (slot 256's zero first): the suffix sums, not flipped back.
@@ -295,4 +316,4 @@ def _radix_select(bucket_masses, target: torch.Tensor, rows: int, width: int, de
         # less the mass of the buckets above the chosen one
         target = target - at_or_above.gather(1, (BUCKETS - 1 - chosen)[:, None]).squeeze(1)
         prefix = (prefix << BUCKET_BITS) | chosen
-    return _value_of_unsigned_key(prefix, width)
+    return _value_of_unsigned_key(prefix << lowest, width)
