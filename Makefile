@@ -26,7 +26,7 @@ MCORE_NEW_DIR := build/megatron-core-$(MCORE_NEW)
 MEGATRON_TESTS := tests/megatron tests/runner/test_grpo_checkpoint.py
 MCORE_NEW_SLOW := tests/runner/test_grpo_layouts.py tests/megatron/test_example_training_loop.py tests/test_readme_python.py
 
-.PHONY: install demo demo-figure lint test test-fast test-avx2 test-mcore-new bench bench-linear bench-packing bench-step cuda-check gpu-wheels clean
+.PHONY: install demo demo-figure lint test test-fast test-avx2 test-mcore-new bench bench-linear bench-packing bench-step cuda-check cuda-check-bindings gpu-wheels clean
 
 $(STAMP): $(SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -112,6 +112,19 @@ cuda-check:
 	    --keep --keep-dir $(CUDA_CHECK_DIR) > $(CUDA_CHECK_DIR)/$$name.ptxas.txt 2>&1 \
 	    || { cat $(CUDA_CHECK_DIR)/$$name.ptxas.txt; exit 1; }; \
 	done
+
+# Compile-check (syntax and types, no code) the CUDA half of the torch bindings, csrc/bindings.cpp under
+# MEGATRON_GRPO_WITH_CUDA, against the installed torch's headers and nvcc's CUDA headers. The CPU torch wheel lacks the
+# one header its CUDA build generates (c10/cuda/impl/cuda_cmake_macros.h, a DLL-export macro): a stub of it stands in.
+# nvcc names its own include directory in a dry run.
+CUDA_INCLUDES = $(shell $(NVCC) --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/^\#\$$ INCLUDES="\(.*\)" *$$/\1/p')
+cuda-check-bindings: install
+	mkdir -p $(CUDA_CHECK_DIR)/stub/c10/cuda/impl
+	printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > $(CUDA_CHECK_DIR)/stub/c10/cuda/impl/cuda_cmake_macros.h
+	torch_include=$$($(BIN)/python -c "from torch.utils import cpp_extension; print(' '.join('-I' + p for p in cpp_extension.include_paths()))"); \
+	python_include=$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['include'])"); \
+	$(CXX) -std=c++17 -fsyntax-only -w -DMEGATRON_GRPO_WITH_CUDA -Icsrc -I$(CUDA_CHECK_DIR)/stub $$torch_include \
+	  $(CUDA_INCLUDES) -I$$python_include csrc/bindings.cpp
 
 # megatron-core for a GPU machine without it and without network (benchmarks/gpu_check.sh's `wheels` step): its wheel
 # for that machine's Python, downloaded here into the git-ignored .whl/, to ship with the checkout. The cp312 wheel is

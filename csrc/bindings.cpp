@@ -312,14 +312,14 @@ void check_top_p_rows(const at::Tensor& logits, const at::Tensor& shift, const c
   }
 }
 
-// The candidates of the second stage: keys int32 [rows, capacity], masses float64 [rows, capacity], counts int64
-// [rows], and the prefix chosen so far, int64 [rows].
-void check_candidates(const at::Tensor& logits, const at::Tensor& keys, const at::Tensor& masses,
-                      const at::Tensor& counts, const at::Tensor& prefix) {
+// The candidates of the second stage: keys int32 [rows, capacity], counts int64 [rows], and the prefix chosen so
+// far, int64 [rows].
+void check_candidates(const at::Tensor& logits, const at::Tensor& keys, const at::Tensor& counts,
+                      const at::Tensor& prefix) {
   const int64_t rows = logits.size(0);
   TORCH_CHECK(keys.dim() == 2 && keys.size(0) == rows && keys.scalar_type() == at::kInt && keys.is_contiguous() &&
-                  masses.sizes() == keys.sizes() && masses.scalar_type() == at::kDouble && masses.is_contiguous(),
-              "keys (int32) and masses (float64) must be contiguous [rows, capacity]");
+                  keys.device() == logits.device(),
+              "keys must be contiguous int32 [rows, capacity] on the logits' device");
   for (const at::Tensor* t : {&counts, &prefix}) {
     TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->scalar_type() == at::kLong && t->is_contiguous() &&
                     t->device() == logits.device(),
@@ -338,29 +338,28 @@ at::Tensor top_p_value_histogram_cpu(const at::Tensor& logits, const at::Tensor&
   return hist;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> top_p_candidates_cpu(const at::Tensor& logits, const at::Tensor& shift,
-                                                                    const c10::optional<at::Tensor>& floor,
-                                                                    const at::Tensor& boundary, int64_t capacity,
-                                                                    double logit_scale) {
+std::tuple<at::Tensor, at::Tensor> top_p_candidates_cpu(const at::Tensor& logits, const at::Tensor& shift,
+                                                        const c10::optional<at::Tensor>& floor,
+                                                        const at::Tensor& boundary, int64_t capacity,
+                                                        double logit_scale) {
   check_top_p_rows(logits, shift, floor, &boundary);
   TORCH_CHECK(capacity >= 0, "capacity must be >= 0");
   const float scale = checked_scale(logit_scale);
   const int64_t rows = logits.size(0);
   at::Tensor keys = at::empty({rows, capacity}, logits.options().dtype(at::kInt));
-  at::Tensor masses = at::empty({rows, capacity}, logits.options().dtype(at::kDouble));
   at::Tensor counts = at::empty({rows}, logits.options().dtype(at::kLong));
   top_p::cpu::candidates(logits.data_ptr(), logits_dtype(logits), rows, logits.size(1), logits.stride(0), scale,
                          shift.data_ptr<float>(), optional_ptr(floor), boundary.data_ptr<int64_t>(), capacity,
-                         keys.data_ptr<int32_t>(), masses.data_ptr<double>(), counts.data_ptr<int64_t>());
-  return {keys, masses, counts};
+                         keys.data_ptr<int32_t>(), counts.data_ptr<int64_t>());
+  return {keys, counts};
 }
 
 at::Tensor top_p_bucket_masses_cpu(const at::Tensor& logits, const at::Tensor& shift,
                                    const c10::optional<at::Tensor>& floor, const at::Tensor& boundary,
-                                   const at::Tensor& keys, const at::Tensor& masses, const at::Tensor& counts,
-                                   const at::Tensor& prefix, int64_t low_bit, double logit_scale) {
+                                   const at::Tensor& keys, const at::Tensor& counts, const at::Tensor& prefix,
+                                   int64_t low_bit, double logit_scale) {
   check_top_p_rows(logits, shift, floor, &boundary);
-  check_candidates(logits, keys, masses, counts, prefix);
+  check_candidates(logits, keys, counts, prefix);
   TORCH_CHECK(low_bit >= 0 && low_bit + top_p::kBucketBits <= top_p::kKeyBits && low_bit % top_p::kBucketBits == 0,
               "low_bit must be 0, 8, 16 or 24");
   const float scale = checked_scale(logit_scale);
@@ -368,8 +367,8 @@ at::Tensor top_p_bucket_masses_cpu(const at::Tensor& logits, const at::Tensor& s
   top_p::cpu::bucket_masses(logits.data_ptr(), logits_dtype(logits), logits.size(0), logits.size(1),
                             logits.stride(0), scale, shift.data_ptr<float>(), optional_ptr(floor),
                             boundary.data_ptr<int64_t>(), keys.size(1), keys.data_ptr<int32_t>(),
-                            masses.data_ptr<double>(), counts.data_ptr<int64_t>(), prefix.data_ptr<int64_t>(),
-                            static_cast<int>(low_bit), out.data_ptr<double>());
+                            counts.data_ptr<int64_t>(), prefix.data_ptr<int64_t>(), static_cast<int>(low_bit),
+                            out.data_ptr<double>());
   return out;
 }
 
@@ -516,34 +515,31 @@ at::Tensor top_p_value_histogram_cuda(const at::Tensor& logits, const at::Tensor
   return hist;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> top_p_candidates_cuda(const at::Tensor& logits,
-                                                                     const at::Tensor& shift,
-                                                                     const c10::optional<at::Tensor>& floor,
-                                                                     const at::Tensor& boundary, int64_t capacity,
-                                                                     double logit_scale) {
+std::tuple<at::Tensor, at::Tensor> top_p_candidates_cuda(const at::Tensor& logits, const at::Tensor& shift,
+                                                         const c10::optional<at::Tensor>& floor,
+                                                         const at::Tensor& boundary, int64_t capacity,
+                                                         double logit_scale) {
   check_top_p_rows(logits, shift, floor, &boundary);
   TORCH_CHECK(capacity >= 0, "capacity must be >= 0");
   const float scale = checked_scale(logit_scale);
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t rows = logits.size(0);
   at::Tensor keys = at::empty({rows, capacity}, logits.options().dtype(at::kInt));
-  at::Tensor masses = at::empty({rows, capacity}, logits.options().dtype(at::kDouble));
   at::Tensor counts = at::empty({rows}, logits.options().dtype(at::kLong));
   check_cuda(launch_top_p_candidates(logits.data_ptr(), logits_dtype(logits), rows, logits.size(1), logits.stride(0),
                                      scale, shift.data_ptr<float>(), optional_ptr(floor),
                                      boundary.data_ptr<int64_t>(), capacity, keys.data_ptr<int32_t>(),
-                                     masses.data_ptr<double>(), counts.data_ptr<int64_t>(),
-                                     c10::cuda::getCurrentCUDAStream()),
+                                     counts.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream()),
              "launch_top_p_candidates");
-  return {keys, masses, counts};
+  return {keys, counts};
 }
 
 at::Tensor top_p_bucket_masses_cuda(const at::Tensor& logits, const at::Tensor& shift,
                                     const c10::optional<at::Tensor>& floor, const at::Tensor& boundary,
-                                    const at::Tensor& keys, const at::Tensor& masses, const at::Tensor& counts,
-                                    const at::Tensor& prefix, int64_t low_bit, double logit_scale) {
+                                    const at::Tensor& keys, const at::Tensor& counts, const at::Tensor& prefix,
+                                    int64_t low_bit, double logit_scale) {
   check_top_p_rows(logits, shift, floor, &boundary);
-  check_candidates(logits, keys, masses, counts, prefix);
+  check_candidates(logits, keys, counts, prefix);
   TORCH_CHECK(low_bit >= 0 && low_bit + top_p::kBucketBits <= top_p::kKeyBits && low_bit % top_p::kBucketBits == 0,
               "low_bit must be 0, 8, 16 or 24");
   const float scale = checked_scale(logit_scale);
@@ -552,9 +548,9 @@ at::Tensor top_p_bucket_masses_cuda(const at::Tensor& logits, const at::Tensor& 
   check_cuda(launch_top_p_bucket_masses(logits.data_ptr(), logits_dtype(logits), logits.size(0), logits.size(1),
                                         logits.stride(0), scale, shift.data_ptr<float>(), optional_ptr(floor),
                                         boundary.data_ptr<int64_t>(), keys.size(1), keys.data_ptr<int32_t>(),
-                                        masses.data_ptr<double>(), counts.data_ptr<int64_t>(),
-                                        prefix.data_ptr<int64_t>(), static_cast<int>(low_bit),
-                                        out.data_ptr<double>(), c10::cuda::getCurrentCUDAStream()),
+                                        counts.data_ptr<int64_t>(), prefix.data_ptr<int64_t>(),
+                                        static_cast<int>(low_bit), out.data_ptr<double>(),
+                                        c10::cuda::getCurrentCUDAStream()),
              "launch_top_p_bucket_masses");
   return out;
 }
@@ -611,10 +607,10 @@ TORCH_LIBRARY(megatron_grpo, m) {
   m.def("top_p_value_histogram(Tensor logits, Tensor shift, Tensor? floor, float logit_scale) -> Tensor");
   m.def(
       "top_p_candidates(Tensor logits, Tensor shift, Tensor? floor, Tensor boundary, int capacity, "
-      "float logit_scale) -> (Tensor, Tensor, Tensor)");
+      "float logit_scale) -> (Tensor, Tensor)");
   m.def(
-      "top_p_bucket_masses(Tensor logits, Tensor shift, Tensor? floor, Tensor boundary, Tensor keys, Tensor masses, "
-      "Tensor counts, Tensor prefix, int low_bit, float logit_scale) -> Tensor");
+      "top_p_bucket_masses(Tensor logits, Tensor shift, Tensor? floor, Tensor boundary, Tensor keys, Tensor counts, "
+      "Tensor prefix, int low_bit, float logit_scale) -> Tensor");
   // The in-place exp mode (CPU only): forward overwrites the logits with exp(z - m_row), backward the exps
   // with the gradient.
   m.def(

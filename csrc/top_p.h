@@ -5,10 +5,12 @@
 //   1. a histogram of the kept masses exp(z - M) (M the row max over every rank; float64 sums) by value bin: the
 //      distance below M in bins of 1/8 nat, 256 bins (the last one takes every lower logit). Summed over the ranks,
 //      it fixes the bin that holds the boundary;
-//   2. the boundary bin's logits ("candidates", at most `capacity` per row kept in a compact buffer) go through an
-//      exact radix select over the ordered bit patterns of their fp32 z, 8 bits per pass, 4 passes, each a
-//      [rows, 257] histogram of masses by the next 8 bits (bucket 256: off the prefix chosen so far). A row with more
-//      candidates than the buffer holds is read again from the logits at each pass instead.
+//   2. the boundary bin's logits ("candidates", the ordered keys of at most `capacity` per row kept in a compact
+//      buffer) go through an exact radix select over the ordered bit patterns of their fp32 z, 8 bits per pass (4
+//      passes, or those of them that read a bit not 0 in every key), each a [rows, 257] histogram of masses by the
+//      next 8 bits (bucket 256: off the prefix chosen so far). A candidate's mass is computed again from its key at
+//      each pass (the key is z's bits): 4 bytes a candidate, not 12. A row with more candidates than the buffer holds
+//      is read again from the logits at each pass instead.
 // Logits below the top-k floor are neither kept nor counted. Bins, keys and masses are computed as the torch twin
 // computes them (the masses in float64); only the order of the float64 sums differs.
 #pragma once
@@ -46,6 +48,14 @@ MGRPO_HD uint32_t ordered_key(float value) {
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
+// The fp32 whose ordered_key is `key` (bit for bit, NaN included).
+MGRPO_HD float value_of_key(uint32_t key) {
+  const uint32_t bits = (key & 0x80000000u) ? (key & 0x7fffffffu) : ~key;
+  float value;
+  memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
 // What a logit contributes: its z and value bin, and whether the top-k floor keeps it.
 struct Element {
   float z;
@@ -60,6 +70,11 @@ MGRPO_HD Element element_of(float x, float scale, float shift, float floor) {
 
 // The mass of a kept logit, exp(z - shift) in float64 (the twin's torch.exp of the fp32 difference into float64).
 MGRPO_HD double mass_of(const Element& e) { return exp(static_cast<double>(e.centered)); }
+
+// The same mass of a candidate from its key: z is the key's value, z - shift rounded in fp32 as element_of does.
+MGRPO_HD double mass_of_key(uint32_t key, float shift) {
+  return exp(static_cast<double>(value_of_key(key) - shift));
+}
 
 // The slot of a candidate's key in a radix pass over bits [low_bit, low_bit + 8): its next 8 bits when its higher
 // bits are the prefix chosen so far (`prefix`, the bits above low_bit + 8), else the slot of the candidates off it.

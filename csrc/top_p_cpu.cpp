@@ -56,7 +56,7 @@ void value_histogram(const void* logits, LogitsDType dtype, int64_t rows, int64_
 
 void candidates(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride, float scale,
                 const float* shift, const float* floor, const int64_t* boundary, int64_t capacity, int32_t* keys,
-                double* masses, int64_t* counts) {
+                int64_t* counts) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     for_each_row<T>(logits, rows, cols, row_stride, scale, shift, floor, [&](int64_t r, auto&& stream) {
@@ -64,10 +64,7 @@ void candidates(const void* logits, LogitsDType dtype, int64_t rows, int64_t col
       const int bin = static_cast<int>(boundary[r]);
       stream([&](const Element& e) {
         if (value_bin(e.centered) != bin) return;
-        if (count < capacity) {
-          keys[r * capacity + count] = static_cast<int32_t>(ordered_key(e.z));
-          masses[r * capacity + count] = mass_of(e);
-        }
+        if (count < capacity) keys[r * capacity + count] = static_cast<int32_t>(ordered_key(e.z));
         ++count;
       });
       counts[r] = count;
@@ -77,8 +74,7 @@ void candidates(const void* logits, LogitsDType dtype, int64_t rows, int64_t col
 
 void bucket_masses(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,
                    float scale, const float* shift, const float* floor, const int64_t* boundary, int64_t capacity,
-                   const int32_t* keys, const double* masses, const int64_t* counts, const int64_t* prefix,
-                   int low_bit, double* out) {
+                   const int32_t* keys, const int64_t* counts, const int64_t* prefix, int low_bit, double* out) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     for_each_row<T>(logits, rows, cols, row_stride, scale, shift, floor, [&](int64_t r, auto&& stream) {
@@ -87,7 +83,7 @@ void bucket_masses(const void* logits, LogitsDType dtype, int64_t rows, int64_t 
       if (counts[r] <= capacity) {  // the compact candidates; the row is not read
         for (int64_t i = 0; i < counts[r]; ++i) {
           const auto key = static_cast<uint32_t>(keys[r * capacity + i]);
-          row_out[bucket_slot(key, low_bit, prefix[r])] += masses[r * capacity + i];
+          row_out[bucket_slot(key, low_bit, prefix[r])] += mass_of_key(key, shift[r]);
         }
         return;
       }

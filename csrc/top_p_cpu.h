@@ -16,18 +16,18 @@ namespace cpu {
 void value_histogram(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,
                      float scale, const float* shift, const float* floor, double* hist);
 
-// The kept logits of each row's `boundary` bin: their count (int64 [rows]) and the first `capacity` of them, their
-// ordered keys (int32 [rows, capacity], the uint32 bits) and masses (float64 [rows, capacity]).
+// The kept logits of each row's `boundary` bin: their count (int64 [rows]) and the ordered keys (int32 [rows,
+// capacity], the uint32 bits) of the first `capacity` of them.
 void candidates(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride, float scale,
                 const float* shift, const float* floor, const int64_t* boundary, int64_t capacity, int32_t* keys,
-                double* masses, int64_t* counts);
+                int64_t* counts);
 
-// One radix pass: out (float64 [rows, kBucketSlots], overwritten) the candidates' masses by bucket_slot(key,
-// low_bit, prefix[row]). A row with more candidates than `capacity` reads them again from the logits.
+// One radix pass: out (float64 [rows, kBucketSlots], overwritten) the candidates' masses (mass_of_key) by
+// bucket_slot(key, low_bit, prefix[row]). A row with more candidates than `capacity` reads them again from the
+// logits.
 void bucket_masses(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,
                    float scale, const float* shift, const float* floor, const int64_t* boundary, int64_t capacity,
-                   const int32_t* keys, const double* masses, const int64_t* counts, const int64_t* prefix,
-                   int low_bit, double* out);
+                   const int32_t* keys, const int64_t* counts, const int64_t* prefix, int low_bit, double* out);
 
 }  // namespace cpu
 }  // namespace top_p

@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kThreads)
     candidates_kernel(const T* __restrict__ logits, int64_t rows, int cols, int64_t row_stride, float scale,
                       const float* __restrict__ shift, const float* __restrict__ floor,
                       const int64_t* __restrict__ boundary, int64_t capacity, int32_t* __restrict__ keys,
-                      double* __restrict__ masses, int64_t* __restrict__ counts) {
+                      int64_t* __restrict__ counts) {
   __shared__ unsigned long long count;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     if (threadIdx.x == 0) count = 0;
@@ -88,10 +88,7 @@ __global__ void __launch_bounds__(kThreads)
       const top_p::Element e = top_p::element_of(to_float(x[i]), scale, in.shift, in.floor);
       if (!e.kept || top_p::value_bin(e.centered) != bin) continue;
       const auto slot = static_cast<int64_t>(atomicAdd(&count, 1ull));
-      if (slot < capacity) {
-        keys[row * capacity + slot] = static_cast<int32_t>(top_p::ordered_key(e.z));
-        masses[row * capacity + slot] = top_p::mass_of(e);
-      }
+      if (slot < capacity) keys[row * capacity + slot] = static_cast<int32_t>(top_p::ordered_key(e.z));
     }
     __syncthreads();
     if (threadIdx.x == 0) counts[row] = static_cast<int64_t>(count);
@@ -104,8 +101,8 @@ __global__ void __launch_bounds__(kThreads)
     bucket_masses_kernel(const T* __restrict__ logits, int64_t rows, int cols, int64_t row_stride, float scale,
                          const float* __restrict__ shift, const float* __restrict__ floor,
                          const int64_t* __restrict__ boundary, int64_t capacity, const int32_t* __restrict__ keys,
-                         const double* __restrict__ masses, const int64_t* __restrict__ counts,
-                         const int64_t* __restrict__ prefix, int low_bit, double* __restrict__ out) {
+                         const int64_t* __restrict__ counts, const int64_t* __restrict__ prefix, int low_bit,
+                         double* __restrict__ out) {
   __shared__ double buckets[kBucketSlots];
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     for (int i = threadIdx.x; i < kBucketSlots; i += blockDim.x) buckets[i] = 0.0;
@@ -113,9 +110,10 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t row_prefix = prefix[row];
     const int64_t count = counts[row];
     if (count <= capacity) {  // the compact candidates; the row is not read
+      const float row_shift = shift[row];
       for (int64_t i = threadIdx.x; i < count; i += blockDim.x) {
         const auto key = static_cast<uint32_t>(keys[row * capacity + i]);
-        atomicAdd(&buckets[top_p::bucket_slot(key, low_bit, row_prefix)], masses[row * capacity + i]);
+        atomicAdd(&buckets[top_p::bucket_slot(key, low_bit, row_prefix)], top_p::mass_of_key(key, row_shift));
       }
     } else {
       const RowInputs in = row_inputs(shift, floor, row);
@@ -166,15 +164,15 @@ cudaError_t launch_top_p_value_histogram(const void* logits, LogitsDType dtype, 
 
 cudaError_t launch_top_p_candidates(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols,
                                     int64_t row_stride, float scale, const float* shift, const float* floor,
-                                    const int64_t* boundary, int64_t capacity, int32_t* keys, double* masses,
-                                    int64_t* counts, cudaStream_t stream) {
+                                    const int64_t* boundary, int64_t capacity, int32_t* keys, int64_t* counts,
+                                    cudaStream_t stream) {
   if (!valid(rows, cols, scale) || capacity < 0) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     candidates_kernel<T><<<grid_for(rows), kThreads, 0, stream>>>(static_cast<const T*>(logits), rows,
                                                                   static_cast<int>(cols), row_stride, scale, shift,
-                                                                  floor, boundary, capacity, keys, masses, counts);
+                                                                  floor, boundary, capacity, keys, counts);
     return cudaGetLastError();
   });
 }
@@ -182,8 +180,8 @@ cudaError_t launch_top_p_candidates(const void* logits, LogitsDType dtype, int64
 cudaError_t launch_top_p_bucket_masses(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols,
                                        int64_t row_stride, float scale, const float* shift, const float* floor,
                                        const int64_t* boundary, int64_t capacity, const int32_t* keys,
-                                       const double* masses, const int64_t* counts, const int64_t* prefix,
-                                       int low_bit, double* out, cudaStream_t stream) {
+                                       const int64_t* counts, const int64_t* prefix, int low_bit, double* out,
+                                       cudaStream_t stream) {
   if (!valid(rows, cols, scale) || capacity < 0 || low_bit < 0 || low_bit + top_p::kBucketBits > top_p::kKeyBits) {
     return cudaErrorInvalidValue;
   }
@@ -192,7 +190,7 @@ cudaError_t launch_top_p_bucket_masses(const void* logits, LogitsDType dtype, in
     using T = decltype(tag);
     bucket_masses_kernel<T><<<grid_for(rows), kThreads, 0, stream>>>(
         static_cast<const T*>(logits), rows, static_cast<int>(cols), row_stride, scale, shift, floor, boundary,
-        capacity, keys, masses, counts, prefix, low_bit, out);
+        capacity, keys, counts, prefix, low_bit, out);
     return cudaGetLastError();
   });
 }

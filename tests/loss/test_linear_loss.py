@@ -456,13 +456,15 @@ def test_top_p_searches_a_chunk_a_piece_of_rows_at_a_time(monkeypatch, dtype):
 
 
 def test_the_fused_top_p_search_takes_a_whole_chunk_of_a_wide_vocab():
-    """From 24.6K columns per rank, the fused search's per-row temporaries (16 KiB at most) fit in a third of the
-    bf16 row they search: one search per chunk; at 16K, two of even size."""
+    """From 12.3K columns per rank, the fused search's per-row temporaries (8 KiB at most: the histograms and the
+    candidates' keys) fit in a third of the bf16 row they search: one search per chunk; at 8K, two of even size."""
     from megatron_grpo.ops.core.chunking import threshold_piece_rows
     from megatron_grpo.ops.core.filtering import _fused_search_row_bytes
 
-    for cols in (32800, 65536, 152064):
+    assert _fused_search_row_bytes(16384) == (256 + 256 + 2) * 8 + 4 * 1024
+    for cols in (12312, 16384, 32800, 65536, 152064):
         assert threshold_piece_rows(256, cols, _fused_search_row_bytes(cols)) == 256
-    assert threshold_piece_rows(256, 16384, _fused_search_row_bytes(16384)) == 128  # 170 fit: two pieces of 128
-    assert threshold_piece_rows(64, 16384, _fused_search_row_bytes(16384)) == 32  # 42 fit: two pieces of 32
+    assert threshold_piece_rows(256, 12311, _fused_search_row_bytes(12311)) == 128  # 255 fit: two pieces of 128
+    assert threshold_piece_rows(256, 8192, _fused_search_row_bytes(8192)) == 128  # 170 fit: two pieces of 128
+    assert threshold_piece_rows(64, 8192, _fused_search_row_bytes(8192)) == 32  # 42 fit: two pieces of 32
     assert threshold_piece_rows(256, 16384) == 16  # the plain-torch search

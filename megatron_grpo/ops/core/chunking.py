@@ -21,9 +21,9 @@ cutting differently run different numbers and shapes of them, and gloo aborts, N
 - *Threshold pieces within a chunk* (`threshold_piece_rows`): top-p's search over a fused path's chunk works on a
   piece of the chunk's rows at a time, so that its temporaries stay a fraction of the chunk buffer whatever the
   vocab: 1/16 of the rows in plain torch (20-32 bytes per logit: at most 2 bytes per chunk logit); with the fused
-  kernels, whose temporaries are per row (a histogram and at most 1024 candidates), as many rows as keep them
-  within a third of the chunk's bf16 buffer (the whole chunk from a vocab share of 24.6K columns), in as few pieces
-  of even size as that allows.
+  kernels, whose temporaries are per row (two histograms and the keys of at most 1024 candidates, 8 KiB), as many
+  rows as keep them within a third of the chunk's bf16 buffer (the whole chunk from a vocab share of 12.3K
+  columns), in as few pieces of even size as that allows.
 """
 
 from __future__ import annotations

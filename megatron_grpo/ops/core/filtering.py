@@ -151,15 +151,16 @@ def _value_of_unsigned_key(keys: torch.Tensor, width: int) -> torch.Tensor:
     return torch.where(signed < 0, signed ^ info.max, signed).view(float_dtype)
 
 
-# Top-p's fused path keeps up to this many candidates per row in its compact buffer (12 bytes each); a row whose
-# boundary bin holds more is read again from the logits at each radix pass.
+# Top-p's fused path keeps up to this many candidates per row in its compact buffer (their int32 keys: each pass
+# computes a candidate's mass again from its key); a row whose boundary bin holds more is read again from the logits
+# at each radix pass.
 CANDIDATE_CAPACITY = 1024
 
 
 def _fused_search_row_bytes(cols: int) -> int:
     """The fused search's temporaries per row of `cols` columns: the value histogram and the bucket masses (float64),
-    the counts, and the candidates (int32 keys, float64 masses), at most `CANDIDATE_CAPACITY` of them."""
-    return (VALUE_BINS + BUCKETS + 2) * 8 + 12 * min(cols, CANDIDATE_CAPACITY)
+    the counts, and the candidates' int32 keys, at most `CANDIDATE_CAPACITY` of them."""
+    return (VALUE_BINS + BUCKETS + 2) * 8 + 4 * min(cols, CANDIDATE_CAPACITY)
 
 
 def _histogram(index: torch.Tensor, mass: torch.Tensor, rows: int, bins: int,
@@ -273,19 +274,19 @@ def _select_top_p(x: torch.Tensor, p: float, shift: torch.Tensor, floor: torch.T
 def _select_top_p_fused(x: torch.Tensor, p: float, shift: torch.Tensor, floor: torch.Tensor | None,
                         group: dist.ProcessGroup | None, logit_scale: float) -> torch.Tensor:
     """`_top_p_threshold` of one piece of rows with the fused kernels (csrc/top_p.h): the value histogram, the
-    boundary bin's candidates (at most `CANDIDATE_CAPACITY` per row in a compact buffer), then the radix passes over
-    them. No host sync."""
+    boundary bin's candidates (the keys of at most `CANDIDATE_CAPACITY` per row in a compact buffer), then the radix
+    passes over them. No host sync."""
     ops = torch.ops.megatron_grpo
     shift = shift.to(torch.float32).contiguous()
     floor = None if floor is None else floor.to(torch.float32).contiguous()
     scale = float(logit_scale)
     boundary, target = _boundary_bin(
         _all_reduce(ops.top_p_value_histogram(x, shift, floor, scale), dist.ReduceOp.SUM, group), p)
-    keys, masses, counts = ops.top_p_candidates(x, shift, floor, boundary, min(x.shape[1], CANDIDATE_CAPACITY), scale)
+    keys, counts = ops.top_p_candidates(x, shift, floor, boundary, min(x.shape[1], CANDIDATE_CAPACITY), scale)
 
     def bucket_masses(low_bit: int, prefix: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(ops.top_p_bucket_masses(x, shift, floor, boundary, keys, masses, counts, prefix, low_bit,
-                                                   scale), dist.ReduceOp.SUM, group)
+        return _all_reduce(ops.top_p_bucket_masses(x, shift, floor, boundary, keys, counts, prefix, low_bit, scale),
+                           dist.ReduceOp.SUM, group)
 
     return _radix_select(bucket_masses, target, x.shape[0], 32, x.device, zero_key_bits(x.dtype, scale))
 
