@@ -3,7 +3,7 @@
 The C++ CPU kernels are always built. The CUDA kernels join them when the installed torch has CUDA and nvcc is
 found (a CPU torch forces CUDA_HOME to None, so CI compile-checks `csrc/*.cu` with plain nvcc instead), for the
 architectures of TORCH_CUDA_ARCH_LIST (torch's variable; default `DEFAULT_CUDA_ARCHS`).
-On x86 the CPU kernel source is compiled twice, for AVX2 + FMA (x86-64-v3) and for AVX-512, each build in its
+On x86 the CPU kernel sources are compiled twice, for AVX2 + FMA (x86-64-v3) and for AVX-512, each build in its
 own namespace (as ATen does with CPU_CAPABILITY); the extension picks one at run time. `megatron_grpo.ops` checks
 the CPU (AVX2 at least) before using them.
 """
@@ -27,12 +27,13 @@ def kernel_extensions() -> list:
     from torch.utils import cpp_extension
 
     with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
-    sources = ["csrc/bindings.cpp", "csrc/logprob_op.cpp", "csrc/logprob_cpu.cpp", "csrc/top_p_cpu.cpp"]
+    sources = ["csrc/bindings.cpp", "csrc/logprob_op.cpp", "csrc/cpu_isa.cpp", "csrc/logprob_cpu.cpp",
+               "csrc/top_p_cpu.cpp"]
     cxx = ["-O3", "-std=c++17", "-fopenmp", "-Wno-unknown-pragmas"]
     if platform.machine() in ("x86_64", "AMD64"):
         cxx.append("-DMEGATRON_GRPO_CPU_ISA_DISPATCH")  # the ISA builds are compiled by KernelBuildExt
     else:
-        sources.append(CPU_KERNELS)  # one portable build
+        sources.extend(CPU_KERNELS)  # one portable build
     extension = cpp_extension.CppExtension
     extra = {"cxx": cxx}
     if with_cuda:
@@ -70,7 +71,7 @@ def torch_cxx_runtime() -> list[str]:
     return []
 
 
-CPU_KERNELS = "csrc/logprob_cpu_kernels.cpp"
+CPU_KERNELS = ("csrc/logprob_cpu_kernels.cpp", "csrc/top_p_cpu_kernels.cpp")
 # (name, flags) of each x86 build of CPU_KERNELS. at::vec picks its implementation, and logprob_cpu_kernels.cpp
 # its namespace, from CPU_CAPABILITY; Sleef's exp comes from libtorch_cpu.
 CPU_ISA_BUILDS = (
@@ -86,7 +87,7 @@ def build_ext_class():
     base = BuildExtension.with_options(use_ninja=True)
 
     class KernelBuildExt(base):
-        """Compiles CPU_KERNELS once per CPU_ISA_BUILDS entry (one source, per-build flags, which setuptools
+        """Compiles CPU_KERNELS once per CPU_ISA_BUILDS entry (the same sources, per-build flags, which setuptools
         cannot give a single source) and links the objects after the extension's own. The AVX2 objects come
         first, so where both builds emit the same inline function (c10 helpers), the linker keeps the AVX2 one."""
 
@@ -95,7 +96,7 @@ def build_ext_class():
                 base_flags = [f for f in ext.extra_compile_args["cxx"] if f != "-DMEGATRON_GRPO_CPU_ISA_DISPATCH"]
                 for name, flags in CPU_ISA_BUILDS:
                     objects = self.compiler.compile(
-                        [CPU_KERNELS], output_dir=str(Path(self.build_temp) / f"isa_{name}"),
+                        list(CPU_KERNELS), output_dir=str(Path(self.build_temp) / f"isa_{name}"),
                         include_dirs=ext.include_dirs, extra_postargs={"cxx": base_flags + flags},
                     )
                     ext.extra_objects = [o for o in ext.extra_objects if f"isa_{name}" not in o] + objects

@@ -20,6 +20,7 @@
 #include <sys/mman.h>
 #endif
 
+#include "cpu_isa.h"
 #include "logprob_common.h"
 #include "logprob_cpu.h"
 #include "top_p.h"

@@ -66,13 +66,5 @@ MEGATRON_GRPO_CPU_KERNEL_DECLARATIONS
 void logprob_combine(const float* gathered, int64_t world, int64_t rows, const int64_t* targets, bool with_entropy,
                      float* logprob, float* entropy, float* lse, float* mean_x);
 
-// The instruction set whose kernels run: "avx512", "avx2" or "portable" (a non-x86 build).
-const char* kernel_isa();
-
-// Forces the kernels of `isa` ("avx512", "avx2", or "auto" for torch's own choice, which honours the
-// ATEN_CPU_CAPABILITY environment variable). Returns false, changing nothing, when `isa` is unknown, not
-// built, or not supported by this CPU.
-bool set_kernel_isa(const char* isa);
-
 }  // namespace cpu
 }  // namespace megatron_grpo

@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 from logprob_reference import filtered_keep_mask
+from test_cpu_kernels import ISAS, restore_isa  # noqa: F401  (the fixture the ISA tests use)
 from test_host_syncs import CountSyncs
 
 from megatron_grpo.ops.core import filtering
-from megatron_grpo.ops.core.backends import FusedKernels, TorchKernels, extension_status
+from megatron_grpo.ops.core.backends import FusedKernels, TorchKernels, extension_status, set_cpu_kernel_isa
 from megatron_grpo.ops.distribution import SamplingDistribution
 
 pytestmark = pytest.mark.skipif(not extension_status()[0], reason=extension_status()[1])
@@ -37,10 +38,14 @@ def thresholds(logits, distribution):
             for kernels in (TorchKernels(), FusedKernels())]
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, 0.9), (0.7, None, 0.3), (1.3, 40, 0.8),
                                                      (1.0, None, 0.999)])
-def test_the_fused_threshold_is_the_twins(dtype, temperature, top_k, top_p):
+@pytest.mark.usefixtures("restore_isa")
+def test_the_fused_threshold_is_the_twins(isa, dtype, temperature, top_k, top_p):
+    """In each instruction-set build of the CPU kernels."""
+    assert set_cpu_kernel_isa(isa) == isa
     logits = logits_case(dtype, seed=int(100 * top_p))
     distribution = SamplingDistribution.of_sampling(temperature, top_k=top_k, top_p=top_p)
     twin, fused = thresholds(logits, distribution)
@@ -72,3 +77,30 @@ def test_the_fused_search_reads_nothing_back():
         filtering.kept_threshold(logits, SamplingDistribution(top_p=0.9), true_vocab_size=VOCAB,
                                  kernels=TorchKernels())
     assert twin_syncs.counts["nonzero"] == 1  # the twin gathers the candidates: one sync per piece
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("scale, with_floor", [(1.0, False), (1 / 0.7, True)])
+@pytest.mark.usefixtures("restore_isa")
+def test_the_value_histogram_is_the_float64_sums_of_its_masses(isa, dtype, scale, with_floor):
+    """Each bin holds the sum of exp(z - shift) over its kept logits (bins, z and z - shift rounded as the twin
+    rounds them), within the rounding of a float64 sum of `VOCAB` positive terms each within 1 ulp: (VOCAB + 1) ulps
+    of the bin, in each instruction-set build. `VOCAB` = 333 leaves a short last block in both."""
+    assert set_cpu_kernel_isa(isa) == isa
+    logits = logits_case(dtype, seed=8)
+    z = logits.float() * scale if scale != 1.0 else logits.float()
+    shift = torch.where(torch.isfinite(z.amax(-1)), z.amax(-1), 0.0)
+    floor = z.topk(40, dim=-1).values[:, -1].contiguous() if with_floor else None
+    hist = torch.ops.megatron_grpo.top_p_value_histogram(logits, shift, floor, scale)
+    centered = z - shift[:, None]
+    bins = (centered * -filtering.VALUE_BINS_PER_NAT).nan_to_num(nan=filtering.VALUE_BINS - 1).clamp(
+        0, filtering.VALUE_BINS - 1).long()
+    mass = centered.double().exp()
+    if floor is not None:
+        mass = mass.masked_fill(z < floor[:, None], 0.0)
+    reference = torch.zeros(ROWS, filtering.VALUE_BINS, dtype=torch.float64).scatter_add_(1, bins, mass)
+    bound = (VOCAB + 1) * torch.finfo(torch.float64).eps * reference.abs()
+    clean = torch.arange(ROWS) != 9  # the NaN row: NaN in its NaN's bin, as in the reference
+    assert bool(((hist - reference)[clean].abs() <= bound[clean]).all())
+    assert torch.equal(hist[9].isnan(), reference[9].isnan())

@@ -1,0 +1,195 @@
+// CPU kernels of the top-p threshold search (see top_p_cpu.h): OpenMP over rows; a pass over a row reads it a block
+// of logits at a time, their z, z - shift and value bins on at::vec float vectors, and the value histogram's float64
+// exponentials on at::vec double vectors (Sleef's exp, 1 ulp); the sums into bins and buckets are scalar.
+//
+// Compiled once per instruction set (setup.py), with CPU_CAPABILITY naming both at::vec's implementation and this
+// file's namespace; top_p_cpu.cpp picks one at run time (cpu_isa.h).
+#ifndef CPU_CAPABILITY
+#define CPU_CAPABILITY DEFAULT
+#endif
+
+#include "top_p_cpu.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+
+#include "cpu_dtypes.h"
+#include "top_p.h"
+
+namespace megatron_grpo {
+namespace top_p {
+namespace cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+constexpr int64_t kMinElementsPerTask = 1 << 15;
+
+using Vec = at::vec::Vectorized<float>;
+using DoubleVec = at::vec::Vectorized<double>;
+constexpr int64_t kBlock = 2 * Vec::size();  // logits per block: one vector of 16-bit logits
+constexpr int kCopies = 4;  // interleaved copies of the value histogram: a run of logits in one bin adds to 4 sums
+
+// A block's logits as two float vectors (a short last block: `count` of them, the rest 0).
+template <typename T>
+inline std::tuple<Vec, Vec> load_block(const T* p, int64_t count) {
+  if constexpr (std::is_same_v<T, float>) {
+    const Vec lo = Vec::loadu(p, static_cast<int>(std::min<int64_t>(count, Vec::size())));
+    return {lo, count > Vec::size() ? Vec::loadu(p + Vec::size(), static_cast<int>(count - Vec::size())) : Vec(0.0f)};
+  } else {
+    return at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p, static_cast<int>(count)));
+  }
+}
+
+// value_bin (top_p.h) on a vector, select for select.
+inline Vec value_bins(const Vec& centered) {
+  const Vec position = centered * Vec(-kValueBinsPerNat);
+  const Vec low = Vec::blendv(Vec(0.0f), position, position > Vec(0.0f));
+  const Vec last(static_cast<float>(kValueBins - 1));
+  const Vec clamped = Vec::blendv(last, low, low < last);
+  return Vec::blendv(clamped, last, position.isnan());
+}
+
+// A block of a row's logits as the search sees them (element_of, on float vectors): z, z - shift (-inf where the
+// top-k floor drops the logit, so that its mass is 0) and the value bin; `count` of them are logits.
+struct Block {
+  alignas(64) float z[kBlock];
+  alignas(64) float centered[kBlock];
+  alignas(64) int32_t bins[kBlock];
+  int64_t count;
+};
+
+struct RowConstants {
+  Vec scale, shift, floor;
+};
+
+template <typename T>
+inline void load_elements(const T* x, int64_t count, const RowConstants& row, Block& block) {
+  block.count = count;
+  const auto [lo, hi] = load_block(x, count);
+  const Vec dropped(-std::numeric_limits<float>::infinity());
+  const auto store = [&](const Vec& logits, int64_t at) {
+    const Vec z = logits * row.scale;
+    const Vec centered = z - row.shift;
+    z.store(block.z + at);
+    at::vec::convert_to_int_of_same_size(value_bins(centered)).store(block.bins + at);
+    Vec::blendv(centered, dropped, z < row.floor).store(block.centered + at);
+  };
+  store(lo, 0);
+  store(hi, Vec::size());
+}
+
+// Calls fn(block) for each block of the row.
+template <typename T, typename Fn>
+inline void for_each_block(const T* x, int64_t cols, float scale, float shift, float floor, Fn&& fn) {
+  const RowConstants row{Vec(scale), Vec(shift), Vec(floor)};
+  Block block;
+  for (int64_t begin = 0; begin < cols; begin += kBlock) {
+    load_elements(x + begin, std::min<int64_t>(kBlock, cols - begin), row, block);
+    fn(block);
+  }
+}
+
+// One row's value histogram: per block the masses as float64 vector exponentials (Sleef's, 1 ulp, as torch's
+// float64 exp), then each mass added to its bin in one of `kCopies` copies in turn (so that consecutive logits of
+// one bin do not wait on each other's sum), the copies summed at the end of the row.
+template <typename T>
+void value_histogram_row(const T* x, int64_t cols, float scale, float shift, float floor, double* row_hist) {
+  double copies[kCopies][kValueBins] = {};
+  alignas(64) double centered[kBlock];
+  alignas(64) double mass[kBlock];
+  for_each_block(x, cols, scale, shift, floor, [&](const Block& block) {
+    for (int64_t i = 0; i < kBlock; ++i) centered[i] = static_cast<double>(block.centered[i]);
+    for (int64_t i = 0; i < kBlock; i += DoubleVec::size()) DoubleVec::loadu(centered + i).exp().store(mass + i);
+    for (int64_t i = 0; i < block.count; ++i) copies[i % kCopies][block.bins[i]] += mass[i];
+  });
+  for (int bin = 0; bin < kValueBins; ++bin) {
+    row_hist[bin] = (copies[0][bin] + copies[1][bin]) + (copies[2][bin] + copies[3][bin]);
+  }
+}
+
+// Calls row_fn(r, x, shift, floor) for each row, rows in parallel.
+template <typename T, typename RowFn>
+void for_each_row_of(const void* logits, int64_t rows, int64_t cols, int64_t row_stride, const float* shift,
+                     const float* floor, RowFn&& row_fn) {
+  const T* base = static_cast<const T*>(logits);
+  const int64_t grain = std::max<int64_t>(1, kMinElementsPerTask / std::max<int64_t>(cols, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float row_floor = floor != nullptr ? floor[r] : -std::numeric_limits<float>::infinity();
+      row_fn(r, base + r * row_stride, shift[r], row_floor);
+    }
+  });
+}
+
+}  // namespace
+
+void value_histogram(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                     float scale, const float* shift, const float* floor, double* hist) {
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    for_each_row_of<T>(logits, rows, cols, row_stride, shift, floor, [&](int64_t r, const T* x, float s, float f) {
+      value_histogram_row(x, cols, scale, s, f, hist + r * kValueBins);
+    });
+  });
+}
+
+void candidates(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride, float scale,
+                const float* shift, const float* floor, const int64_t* boundary, int64_t capacity, int32_t* keys,
+                int64_t* counts) {
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    for_each_row_of<T>(logits, rows, cols, row_stride, shift, floor, [&](int64_t r, const T* x, float s, float f) {
+      int64_t count = 0;
+      const int bin = static_cast<int>(boundary[r]);
+      int32_t* row_keys = keys + r * capacity;
+      for_each_block(x, cols, scale, s, f, [&](const Block& block) {
+        for (int64_t i = 0; i < block.count; ++i) {
+          if (block.bins[i] != bin || block.z[i] < f) continue;  // (kept: not below the top-k floor)
+          if (count < capacity) row_keys[count] = static_cast<int32_t>(ordered_key(block.z[i]));
+          ++count;
+        }
+      });
+      counts[r] = count;
+    });
+  });
+}
+
+void bucket_masses(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                   float scale, const float* shift, const float* floor, const int64_t* boundary, int64_t capacity,
+                   const int32_t* keys, const int64_t* counts, const int64_t* prefix, int low_bit, double* out) {
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    for_each_row_of<T>(logits, rows, cols, row_stride, shift, floor, [&](int64_t r, const T* x, float s, float f) {
+      double* row_out = out + r * kBucketSlots;
+      std::fill(row_out, row_out + kBucketSlots, 0.0);
+      if (counts[r] <= capacity) {  // the compact candidates; the row is not read
+        for (int64_t i = 0; i < counts[r]; ++i) {
+          const auto key = static_cast<uint32_t>(keys[r * capacity + i]);
+          row_out[bucket_slot(key, low_bit, prefix[r])] += mass_of_key(key, s);
+        }
+        return;
+      }
+      const int bin = static_cast<int>(boundary[r]);
+      for_each_block(x, cols, scale, s, f, [&](const Block& block) {
+        for (int64_t i = 0; i < block.count; ++i) {
+          if (block.bins[i] != bin || block.z[i] < f) continue;
+          const auto key = ordered_key(block.z[i]);
+          row_out[bucket_slot(key, low_bit, prefix[r])] += mass_of_key(key, s);
+        }
+      });
+    });
+  });
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace cpu
+}  // namespace top_p
+}  // namespace megatron_grpo
