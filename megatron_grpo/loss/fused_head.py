@@ -188,6 +188,9 @@ class HeadCall:
     linear: LinearCall  # shard, valid columns, distribution and kernels
     upstream: Upstream | None  # the bound d(objective)/d(loss); None: 1, checked in backward
     buffers: int  # chunk buffers alive at once (two where chunks overlap on CUDA streams)
+    # whether the loss also reads the unfiltered distribution's logprobs and the trained one keeps fewer tokens: a
+    # second distribution per chunk (its partials, and a scratch buffer for its gradient)
+    second: bool
     kept: list[RowSets] | None = None  # each chunk's kept sets, replayed (`ops.core.replay`)
 
 
@@ -252,7 +255,7 @@ def run_head(hidden: torch.Tensor, weight: torch.Tensor, call: HeadCall, main_gr
     linear, rows = call.linear, call.index.numel()
     logprob_rows = torch.empty(rows, dtype=compute_dtype(hidden.dtype), device=hidden.device)
     entropy_rows = torch.empty_like(logprob_rows)
-    second = call.loss.reads_unfiltered and linear.filter_active  # a second distribution per chunk
+    second = call.second
     unfiltered_rows = torch.empty_like(logprob_rows) if second else None
     # dH: rows without a target get exactly 0; every trained row is written once, by its chunk.
     grad_hidden = None if not need_hidden else (torch.empty if rows == hidden.shape[:-1].numel() else torch.zeros)(
@@ -520,7 +523,7 @@ def loss_fused_linear(
     kept = None if kept_set is None else RowSets.of_groups(kept_set, index, [c.rows for c in chunks], shift)
     call = HeadCall(loss=loss, layout=layout, targets=targets, index=index, positions=index + 1 if shift else index,
                     chunks=chunks, linear=linear, upstream=upstream_gradient, buffers=2 if overlapped else 1,
-                    kept=kept)
+                    second=second, kept=kept)
     metrics: dict[str, torch.Tensor] = {}
     value = LossFusedHead.apply(hidden, weight, call, metrics)
     return value, metrics
