@@ -267,8 +267,10 @@ def one_step(run: Run, rollout: dict[str, torch.Tensor], loss_fn, reference_mode
               "passes_run": sorted(result.passes_run), "loss": float(metrics["loss"]),
               "grad_norm": float(metrics["grad_norm"]), "objective": weighted_logprob(result.curr_logprobs, batch)}
     if "prev" in result.passes_run:  # the prev pass and the generation forward are the same no-grad forward
-        record["prev_vs_generation_max_abs"] = float(
-            ((result.prev_logprobs - batch["generation_logprobs"]) * batch["token_mask"]).abs().max())
+        # over the trained tokens; equal values differ by 0 (a token the filter drops is -inf in both)
+        prev, generation = result.prev_logprobs, batch["generation_logprobs"]
+        difference = torch.where((prev == generation) | ~batch["token_mask"].bool(), 0.0, prev - generation)
+        record["prev_vs_generation_max_abs"] = float(difference.abs().max())
     return record
 
 

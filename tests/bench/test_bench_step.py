@@ -114,9 +114,10 @@ def test_without_torchrun_exits_2_with_the_launch_command(monkeypatch, capsys):
 
 @pytest.mark.slow  # torchrun and a Megatron model: about 20 s
 def test_the_cli_runs_the_four_configurations_and_they_train_the_same_objective(tmp_path):
+    """Under top-p, so that every configuration trains the filtered distribution."""
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "-m", "megatron_grpo", "--nproc-per-node", "1", "bench", "step", *TINY,
-                           "--steps", "1", "--warmup", "1", "--out", str(out)],
+                           "--top-p", "0.9", "--steps", "1", "--warmup", "1", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((out / "step_cpu.json").read_text())
@@ -124,7 +125,8 @@ def test_the_cli_runs_the_four_configurations_and_they_train_the_same_objective(
     assert list(configurations) == list(CONFIGURATIONS) and (out / "step_cpu.png").stat().st_size > 0
     assert configurations["everything"]["passes_run"] == ["prev", "reference"]
     assert configurations["plan"]["passes_run"] == ["reference"]
-    # the prev pass is the generation forward again: the same no-grad forward of the same weights
+    # the prev pass is the generation forward again: the same no-grad forward of the same weights (the random
+    # tokens the filter drops are -inf in both)
     assert configurations["everything"]["prev_vs_generation_max_abs"] == 0.0
     for c in configurations.values():
         # fp32 on ≤ 24 tokens: the paths differ by summation order only, far below 1e-5 relative
