@@ -373,6 +373,23 @@ at::Tensor top_p_bucket_masses_cpu(const at::Tensor& logits, const at::Tensor& s
   return out;
 }
 
+// The whole search on one rank (top_p_cpu.h's threshold): fp32 [rows].
+at::Tensor top_p_threshold_cpu(const at::Tensor& logits, const c10::optional<at::Tensor>& floor, double top_p,
+                               double logit_scale, int64_t capacity, int64_t zero_bits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits must be 2-D with a contiguous last dim");
+  logits_dtype(logits);
+  if (floor.has_value()) check_row_vector(*floor, logits, "floor");
+  TORCH_CHECK(top_p > 0.0 && top_p < 1.0, "top_p must be in (0, 1), got ", top_p);
+  TORCH_CHECK(capacity >= 0, "capacity must be >= 0");
+  TORCH_CHECK(zero_bits >= 0 && zero_bits < top_p::kKeyBits, "zero_bits must be in [0, 32), got ", zero_bits);
+  const float scale = checked_scale(logit_scale);
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+  top_p::cpu::threshold(logits.data_ptr(), logits_dtype(logits), logits.size(0), logits.size(1), logits.stride(0),
+                        scale, optional_ptr(floor), top_p, capacity, static_cast<int>(zero_bits),
+                        out.data_ptr<float>());
+  return out;
+}
+
 std::string cpu_kernel_isa() { return cpu::kernel_isa(); }
 
 // Forces the CPU kernels of one instruction set ("avx512", "avx2", "auto"); returns the one now in use.
@@ -612,6 +629,10 @@ TORCH_LIBRARY(megatron_grpo, m) {
   m.def(
       "top_p_bucket_masses(Tensor logits, Tensor shift, Tensor? floor, Tensor boundary, Tensor keys, Tensor counts, "
       "Tensor prefix, int low_bit, float logit_scale) -> Tensor");
+  // The whole search on one rank (CPU): the stages above and their choices in one call, no [rows, ...] temporaries.
+  m.def(
+      "top_p_threshold(Tensor logits, Tensor? floor, float top_p, float logit_scale, int capacity, int zero_bits) "
+      "-> Tensor");
   // The in-place exp mode (CPU only): forward overwrites the logits with exp(z - m_row), backward the exps
   // with the gradient.
   m.def(
@@ -640,6 +661,7 @@ TORCH_LIBRARY_IMPL(megatron_grpo, CPU, m) {
   m.impl("top_p_value_histogram", &megatron_grpo::top_p_value_histogram_cpu);
   m.impl("top_p_candidates", &megatron_grpo::top_p_candidates_cpu);
   m.impl("top_p_bucket_masses", &megatron_grpo::top_p_bucket_masses_cpu);
+  m.impl("top_p_threshold", &megatron_grpo::top_p_threshold_cpu);
   m.impl("logprob_partials_writing_exps", &megatron_grpo::partials_writing_exps_cpu);
   m.impl("logprob_backward_from_exps", &megatron_grpo::backward_from_exps_cpu);
 }

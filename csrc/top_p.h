@@ -78,6 +78,44 @@ MGRPO_HD double mass_of_key(uint32_t key, float shift) {
   return exp(static_cast<double>(value_of_key(key) - shift));
 }
 
+// Stage 1's choice from a row's value histogram (summed over the ranks): the boundary bin, the last non-empty bin
+// whose higher bins hold less than p of the row's kept mass (bin 0 where none), and the mass that the boundary bin's
+// kept logits must still reach. Sums in bin order (as filtering._boundary_bin's cumsum): the same float64 operations.
+MGRPO_HD void choose_boundary(const double* value_masses, double p, int64_t* boundary, double* target) {
+  double cumulative = 0.0;
+  for (int bin = 0; bin < kValueBins; ++bin) cumulative += value_masses[bin];
+  const double wanted = p * cumulative;  // p of the whole kept mass
+  int64_t chosen = 0;  // where no bin is open
+  double chosen_higher = value_masses[0] - value_masses[0];  // bin 0's higher mass: 0 (NaN for a NaN or inf bin)
+  double running = 0.0;
+  for (int bin = 0; bin < kValueBins; ++bin) {
+    running += value_masses[bin];
+    const double higher = running - value_masses[bin];  // the mass of the bins above this one
+    if (higher < wanted && value_masses[bin] > 0.0) {
+      chosen = bin;
+      chosen_higher = higher;
+    }
+  }
+  *boundary = chosen;
+  *target = wanted - chosen_higher;
+}
+
+// One radix pass's choice from a row's `[kBucketSlots]` bucket masses (summed over the ranks; the last slot, off the
+// prefix, is ignored): the highest bucket whose mass, with the buckets above it, reaches `target` (lowered first to
+// the prefix's whole mass, fmin), appended to `prefix`; `target` less the mass of the buckets above it. The suffix
+// sums run from the top bucket down, as filtering._radix_select's cumsum of the flipped masses.
+MGRPO_HD void choose_bucket(const double* masses, double* target, int64_t* prefix) {
+  double at_or_above[kBuckets + 1];  // [j]: the mass of the buckets >= kBuckets - j; [0] = 0 (the off-prefix slot)
+  at_or_above[0] = 0.0;
+  for (int j = 1; j <= kBuckets; ++j) at_or_above[j] = at_or_above[j - 1] + masses[kBuckets - j];
+  const double reach = fmin(*target, at_or_above[kBuckets]);
+  int reaching = 0;
+  for (int j = 1; j <= kBuckets; ++j) reaching += at_or_above[j] >= reach ? 1 : 0;
+  const int64_t chosen = reaching > 0 ? reaching - 1 : 0;
+  *target = *target - at_or_above[kBuckets - 1 - chosen];
+  *prefix = (*prefix << kBucketBits) | chosen;
+}
+
 // The slot of a candidate's key in a radix pass over bits [low_bit, low_bit + 8): its next 8 bits when its higher
 // bits are the prefix chosen so far (`prefix`, the bits above low_bit + 8), else the slot of the candidates off it.
 MGRPO_HD int bucket_slot(uint32_t key, int low_bit, int64_t prefix) {

@@ -39,6 +39,11 @@ void bucket_masses(const void* logits, LogitsDType dtype, int64_t rows, int64_t 
                  counts, prefix, low_bit, out);
 }
 
+void threshold(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride, float scale,
+               const float* floor, double top_p, int64_t capacity, int zero_bits, float* out) {
+  MGRPO_CPU_CALL(threshold, logits, dtype, rows, cols, row_stride, scale, floor, top_p, capacity, zero_bits, out);
+}
+
 }  // namespace cpu
 }  // namespace top_p
 }  // namespace megatron_grpo

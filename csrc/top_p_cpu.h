@@ -21,7 +21,9 @@
   void bucket_masses(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,     \
                      float scale, const float* shift, const float* floor, const int64_t* boundary,              \
                      int64_t capacity, const int32_t* keys, const int64_t* counts, const int64_t* prefix,       \
-                     int low_bit, double* out);
+                     int low_bit, double* out);                                                                  \
+  void threshold(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,         \
+                 float scale, const float* floor, double top_p, int64_t capacity, int zero_bits, float* out);
 
 namespace megatron_grpo {
 namespace top_p {
@@ -33,6 +35,10 @@ namespace cpu {
 // bucket_masses: one radix pass: out (float64 [rows, kBucketSlots], overwritten) the candidates' masses
 //   (mass_of_key) by bucket_slot(key, low_bit, prefix[row]). A row with more candidates than `capacity` reads them
 //   again from the logits.
+// threshold: the whole search on one rank (no TP group), each row on its own with per-thread temporaries only:
+//   the row max, the value histogram, choose_boundary, the candidates (at most `capacity` keys), the radix passes
+//   down to bit `zero_bits` (rounded down to a pass; the bits below are 0 in every key) with choose_bucket, then the
+//   threshold: -inf where the row max is not finite, at least `floor` (NaN propagates). out: fp32 [rows].
 MEGATRON_GRPO_TOP_P_CPU_KERNEL_DECLARATIONS
 
 }  // namespace cpu

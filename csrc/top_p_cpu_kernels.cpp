@@ -17,9 +17,11 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "cpu_dtypes.h"
 #include "top_p.h"
@@ -129,6 +131,72 @@ void for_each_row_of(const void* logits, int64_t rows, int64_t cols, int64_t row
   });
 }
 
+// The largest logit of a row (NaN if any is NaN; -inf for an empty row), as torch's amax.
+template <typename T>
+float row_max(const T* x, int64_t cols) {
+  constexpr float kLowest = -std::numeric_limits<float>::infinity();
+  Vec best(kLowest);
+  int64_t i = 0;
+  for (; i + kBlock <= cols; i += kBlock) {
+    const auto [lo, hi] = load_block(x + i, kBlock);
+    best = at::vec::maximum(best, at::vec::maximum(lo, hi));  // (NaN propagates)
+  }
+  alignas(64) float lanes[Vec::size()];
+  best.store(lanes);
+  float m = kLowest;
+  const auto take = [&m](float v) { m = (m != m || !(v != v || v > m)) ? m : v; };
+  for (int lane = 0; lane < Vec::size(); ++lane) take(lanes[lane]);
+  for (; i < cols; ++i) take(static_cast<float>(x[i]));
+  return m;
+}
+
+// One row's whole search (see top_p_cpu.h's threshold); `keys` holds `capacity` candidates.
+template <typename T>
+float row_threshold(const T* x, int64_t cols, float scale, float floor, bool has_floor, double top_p,
+                    int64_t capacity, int zero_bits, int32_t* keys) {
+  const float row_top = cols > 0 ? row_max(x, cols) * scale : -std::numeric_limits<float>::infinity();
+  const bool finite = std::isfinite(row_top);
+  const float shift = finite ? row_top : 0.0f;
+  double hist[kValueBins];
+  value_histogram_row(x, cols, scale, shift, floor, hist);
+  int64_t boundary;
+  double target;
+  choose_boundary(hist, top_p, &boundary, &target);
+  int64_t count = 0;
+  for_each_block(x, cols, scale, shift, floor, [&](const Block& block) {
+    for (int64_t i = 0; i < block.count; ++i) {
+      if (block.bins[i] != boundary || block.z[i] < floor) continue;
+      if (count < capacity) keys[count] = static_cast<int32_t>(ordered_key(block.z[i]));
+      ++count;
+    }
+  });
+  int64_t prefix = 0;
+  const int lowest = zero_bits / kBucketBits * kBucketBits;
+  for (int low_bit = kKeyBits - kBucketBits; low_bit >= lowest; low_bit -= kBucketBits) {
+    double masses[kBucketSlots] = {};
+    if (count <= capacity) {
+      for (int64_t i = 0; i < count; ++i) {
+        const auto key = static_cast<uint32_t>(keys[i]);
+        masses[bucket_slot(key, low_bit, prefix)] += mass_of_key(key, shift);
+      }
+    } else {  // more candidates than the buffer holds: read again from the logits
+      for_each_block(x, cols, scale, shift, floor, [&](const Block& block) {
+        for (int64_t i = 0; i < block.count; ++i) {
+          if (block.bins[i] != boundary || block.z[i] < floor) continue;
+          const auto key = ordered_key(block.z[i]);
+          masses[bucket_slot(key, low_bit, prefix)] += mass_of_key(key, shift);
+        }
+      });
+    }
+    choose_bucket(masses, &target, &prefix);
+  }
+  float threshold = finite ? value_of_key(static_cast<uint32_t>(prefix << lowest))
+                           : -std::numeric_limits<float>::infinity();
+  if (!has_floor) return threshold;
+  const bool nan = threshold != threshold || floor != floor;  // torch.maximum propagates NaN
+  return nan ? std::numeric_limits<float>::quiet_NaN() : std::max(threshold, floor);
+}
+
 }  // namespace
 
 void value_histogram(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride,
@@ -185,6 +253,24 @@ void bucket_masses(const void* logits, LogitsDType dtype, int64_t rows, int64_t 
           row_out[bucket_slot(key, low_bit, prefix[r])] += mass_of_key(key, s);
         }
       });
+    });
+  });
+}
+
+void threshold(const void* logits, LogitsDType dtype, int64_t rows, int64_t cols, int64_t row_stride, float scale,
+               const float* floor, double top_p, int64_t capacity, int zero_bits, float* out) {
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const T* base = static_cast<const T*>(logits);
+    const int64_t grain = std::max<int64_t>(1, kMinElementsPerTask / std::max<int64_t>(cols, 1));
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+      std::vector<int32_t> keys(static_cast<size_t>(std::max<int64_t>(capacity, 1)));
+      for (int64_t r = begin; r < end; ++r) {
+        const bool has_floor = floor != nullptr;
+        const float row_floor = has_floor ? floor[r] : -std::numeric_limits<float>::infinity();
+        out[r] = row_threshold(base + r * row_stride, cols, scale, row_floor, has_floor, top_p, capacity, zero_bits,
+                               keys.data());
+      }
     });
   });
 }

@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from megatron_grpo.loss.packing import SequenceLayout
 from megatron_grpo.ops.context_shard import ContextShard
-from megatron_grpo.ops.core.backends import Implementation
+from megatron_grpo.ops.core.backends import FusedKernels, Implementation
 from megatron_grpo.ops.core.checks import (
     check_kept_set_argument,
     check_kept_values,
@@ -64,7 +64,7 @@ from megatron_grpo.ops.core.checks import (
 )
 from megatron_grpo.ops.core.chunking import chunk_rows_for, head_min_chunks, row_chunks, sequence_chunks
 from megatron_grpo.ops.core.dtypes import compute_dtype
-from megatron_grpo.ops.core.filtering import kept_threshold
+from megatron_grpo.ops.core.filtering import kept_threshold, searches_in_one_call
 from megatron_grpo.ops.core.gemm import (
     WeightGradient,
     added_to_main_grad,
@@ -484,8 +484,8 @@ def loss_fused_linear(
     token (`loss.packing.next_token_targets_of`), so no logprob crosses a boundary. `chunk_rows`: trained rows per
     chunk (whole sequences where the loss couples a sequence's tokens); None picks one as the op does, from as
     few chunks as keep the head's extra memory within its budget (`chunking.head_min_chunks`: 12 at a 16K-column bf16
-    shard, 15 where top-p's threshold search runs). `shift=False`: `targets` are each row's own (already shifted)
-    targets, and the values stay with the rows, as for a context-parallel rank's row-aligned share. `context`
+    shard, 15 where top-p's threshold search runs in stages). `shift=False`: `targets` are each row's own (already
+    shifted) targets, and the values stay with the rows, as for a context-parallel rank's row-aligned share. `context`
     (`ContextShard`): whole-sequence chunks are cut alike on the CP ranks, from each sequence's largest count of
     trained rows over the group (one all-reduce), so that a loss summing over the group (`sum_over_context`) meets
     its peers chunk by chunk.
@@ -511,15 +511,18 @@ def loss_fused_linear(
     overlapped = overlaps_chunks(hidden.device)
     second = loss.reads_unfiltered and distribution.restricts(shard.true_vocab_size)
     buffers = (2 if overlapped else 1) + (1 if second else 0)
-    searches_top_p = distribution.uses_top_p() and not distribution.replay_kept_set
-    least = head_min_chunks(weight.shape[0], hidden.dtype, searches_top_p)
+    linear = LinearCall.of(weight, index.numel(), shard, distribution, True, chunk_rows, implementation)
+    # top-p's search holds temporaries per chunk row where it runs in stages (not the CPU's one call on one rank)
+    search_temporaries = (distribution.uses_top_p() and not distribution.replay_kept_set
+                          and not (isinstance(linear.kernels, FusedKernels)
+                                   and searches_in_one_call(hidden.device, shard.group)))
+    least = head_min_chunks(weight.shape[0], hidden.dtype, search_temporaries)
     if loss.whole_sequences:
         chunks = _sequence_chunks(trained, layout, context, chunk_rows, weight, hidden.dtype, buffers, least)
     else:
         budget = chunk_rows if chunk_rows is not None else chunk_rows_for(
             index.numel(), weight.shape[0], hidden.dtype, buffers=buffers, min_chunks=least)
         chunks = [Chunk(rows) for rows in row_chunks(index.numel(), budget)]
-    linear = LinearCall.of(weight, index.numel(), shard, distribution, True, chunk_rows, implementation)
     kept = None if kept_set is None else RowSets.of_groups(kept_set, index, [c.rows for c in chunks], shift)
     call = HeadCall(loss=loss, layout=layout, targets=targets, index=index, positions=index + 1 if shift else index,
                     chunks=chunks, linear=linear, upstream=upstream_gradient, buffers=2 if overlapped else 1,

@@ -1,9 +1,10 @@
 """The loss-fused head's extra memory, counted deterministically (`bench.measure.LiveTensorBytes`), against the
 materialised loss step with its in-place backward (the train step's: the logits' gradient overwrites the logits), in
-bf16, at the issue's shape with a small hidden size (2 sequences of 512 tokens, H = 16, V = 16384: 12 chunks, 15 with
-top-p's search) and at V = 2048 (16 chunks, where the per-row vectors weigh most), unfiltered and with top-k and
-top-p: at most 10% of its extra peak, both less the gradients returned. The per-row vectors the chunk count reserves
-room for (`chunking.HEAD_ROW_BYTES`) are a bound in every loss setting."""
+bf16, at the issue's shape with a small hidden size (2 sequences of 512 tokens, H = 16, V = 16384: 12 chunks; 15
+where top-p's search runs in stages, as over TP ranks) and at V = 2048 (16 chunks, where the per-row
+vectors weigh most), unfiltered and with top-k and top-p: at most 10% of its extra peak, both less the gradients
+returned. The per-row vectors the chunk count reserves room for (`chunking.HEAD_ROW_BYTES`) are a bound in every loss
+setting."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import torch
 from _loss_inputs import loss_config
 
 from megatron_grpo.bench.measure import LiveTensorBytes
-from megatron_grpo.loss import ClippedPGLoss, count_valid
+from megatron_grpo.loss import ClippedPGLoss, count_valid, fused_head
 from megatron_grpo.ops import SamplingDistribution
+from megatron_grpo.ops.core import filtering
 from megatron_grpo.ops.core.chunking import HEAD_ROW_BYTES, MIN_CHUNKS, head_min_chunks
 
 B, S, H, V = 2, 512, 16, 2048
@@ -41,8 +43,12 @@ def extra_peak(loss_of, hidden, weight) -> int:
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
-@pytest.mark.parametrize("name", FILTERS)
-def test_the_loss_fused_head_holds_at_most_a_tenth_of_the_materialised_steps_extra_peak(name, vocab):
+@pytest.mark.parametrize("name", [*FILTERS, "top-p, staged"])
+def test_the_loss_fused_head_holds_at_most_a_tenth_of_the_materialised_steps_extra_peak(monkeypatch, name, vocab):
+    if name == "top-p, staged":  # the search in stages, its temporaries per chunk row, as over TP ranks
+        for module in (filtering, fused_head):
+            monkeypatch.setattr(module, "searches_in_one_call", lambda *args: False)
+        name = "top-p"
     hidden, weight, batch = problem(vocab)
     loss_fn, distribution = ClippedPGLoss(loss_config(entropy_coef=0.01)), FILTERS[name]
     tokens, seqs = count_valid(batch)
@@ -56,11 +62,11 @@ def test_the_loss_fused_head_holds_at_most_a_tenth_of_the_materialised_steps_ext
 
 
 def test_the_chunk_count_takes_what_the_budget_leaves():
-    assert head_min_chunks(16384, torch.bfloat16, searches_top_p=False) == 12  # 86 of 1022 rows: 8.4% of the logits
-    assert head_min_chunks(16384, torch.bfloat16, searches_top_p=True) == 15  # and a third of it for top-p
-    assert head_min_chunks(152064, torch.float32, searches_top_p=False) == 11
-    assert head_min_chunks(2048, torch.bfloat16, searches_top_p=False) == MIN_CHUNKS  # the per-row vectors weigh
-    assert head_min_chunks(1, torch.bfloat16, searches_top_p=False) == MIN_CHUNKS
+    assert head_min_chunks(16384, torch.bfloat16, search_temporaries=False) == 12  # 86 of 1022 rows: 8.4% of the logits
+    assert head_min_chunks(16384, torch.bfloat16, search_temporaries=True) == 15  # and a third of it for top-p
+    assert head_min_chunks(152064, torch.float32, search_temporaries=False) == 11
+    assert head_min_chunks(2048, torch.bfloat16, search_temporaries=False) == MIN_CHUNKS  # the per-row vectors weigh
+    assert head_min_chunks(1, torch.bfloat16, search_temporaries=False) == MIN_CHUNKS
 
 
 SETTINGS = {"default": {}, "kl": {"reference_policy_kl_penalty": 0.1},

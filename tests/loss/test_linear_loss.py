@@ -434,11 +434,13 @@ def test_overlapped_chunks_two_buffers_and_the_deferred_gemms_give_the_same_resu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fused search", "plain-torch search"])
 def test_top_p_searches_a_chunk_a_piece_of_rows_at_a_time(monkeypatch, dtype):
     """Top-p's threshold search over a chunk keeps its temporaries a fraction of the chunk buffer: the plain-torch
-    twin (float64 logits; 20-32 bytes per logit) on 1/16 of the chunk's rows at a time, the fused kernels (per row
-    two histograms and at most 1024 candidates) on as many rows as keep them within a third of the chunk's bf16
-    buffer."""
+    twin (float64 logits; 20-32 bytes per logit) on 1/16 of the chunk's rows at a time, the fused kernels' staged
+    search (as over TP ranks; per row two histograms and at most 1024 candidates' keys) on as many rows as keep them
+    within a third of the chunk's bf16 buffer. (On one CPU rank the fused search runs whole in one call, with
+    per-thread temporaries.)"""
     from megatron_grpo.ops.core import filtering
 
+    monkeypatch.setattr(filtering, "searches_in_one_call", lambda *args: False)
     name = "_select_top_p" if dtype == torch.float64 else "_select_top_p_fused"
     seen = []
     select = getattr(filtering, name)

@@ -1,6 +1,6 @@
-"""Top-p's fused kernels (csrc/top_p.h: the value histogram, the boundary bin's candidates, the radix passes) against
-their plain-torch twin (`filtering._select_top_p`): the same threshold, bit for bit, on one rank (over TP 2: in
-test_top_p_pieces.py), for
+"""Top-p's fused kernels (csrc/top_p.h: the value histogram, the boundary bin's candidates, the radix passes; on one
+rank the whole search in one call, elsewhere staged) against their plain-torch twin (`filtering._select_top_p`): the
+same threshold, bit for bit, on one rank (over TP 2: in test_top_p_pieces.py), for
 fp32, bf16 and fp16 logits, with a temperature, a top-k floor, exact ties, a flat row and a NaN row; also when a
 row's candidates overflow the compact buffer and are read again from the logits. The fused path reads nothing back
 to the host. (Both sum their float64 masses in another order; on these inputs no cumulative mass lies within an ulp
@@ -34,8 +34,15 @@ def logits_case(dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 
 def thresholds(logits, distribution):
-    return [filtering.kept_threshold(logits, distribution, true_vocab_size=VOCAB, kernels=kernels)
-            for kernels in (TorchKernels(), FusedKernels())]
+    """The twin's threshold, the fused kernels' (on one rank: the whole search in one call), and the fused kernels'
+    staged search (as over TP ranks: the stages' kernels, the choices in torch)."""
+    twin, fused = [filtering.kept_threshold(logits, distribution, true_vocab_size=VOCAB, kernels=kernels)
+                   for kernels in (TorchKernels(), FusedKernels())]
+    with pytest.MonkeyPatch.context() as staged:
+        staged.setattr(filtering, "searches_in_one_call", lambda *args: False)
+        stages = filtering.kept_threshold(logits, distribution, true_vocab_size=VOCAB, kernels=FusedKernels())
+    assert torch.equal(fused.nan_to_num(), stages.nan_to_num()) and torch.equal(fused.isnan(), stages.isnan())
+    return twin, fused
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -110,7 +110,9 @@ def test_each_radix_pass_keeps_the_highest_bucket_that_reaches_the_target(target
 @pytest.mark.parametrize("dtype, passes", [(torch.bfloat16, 2), (torch.float16, 3), (torch.float32, 4)])
 def test_radix_passes_over_bits_zero_in_every_key_are_left_out(monkeypatch, kernels, dtype, passes):
     """bf16 / fp16 logits converted to float32 have 16 / 13 low mantissa bits of 0: the passes reading only those
-    would choose bucket 0; without them the threshold is the same, bit for bit, ties and top-k floor included."""
+    would choose bucket 0; without them the threshold is the same, bit for bit, ties and top-k floor included. The
+    fused kernels' staged search (as over TP ranks) counts its passes here; their one-rank search takes the same
+    number of bits and gives the same threshold."""
     if kernels == "fused" and not fused_supports(torch.device("cpu")):
         pytest.skip("the extension is not built")
     chosen = FusedKernels() if kernels == "fused" else TorchKernels()
@@ -123,15 +125,18 @@ def test_radix_passes_over_bits_zero_in_every_key_are_left_out(monkeypatch, kern
 
     monkeypatch.setattr(filtering, "_radix_select", counting)
     for sampling in (SamplingDistribution(top_p=0.8), SamplingDistribution(top_k=20, top_p=0.6)):
-        skipped = kept_threshold(logits, sampling, true_vocab_size=TRUE_VOCAB, kernels=chosen)
-        assert seen == [24, 16, 8, 0][:passes]
+        one_call = kept_threshold(logits, sampling, true_vocab_size=TRUE_VOCAB, kernels=chosen)
         seen.clear()
-        with monkeypatch.context() as every_pass:
-            every_pass.setattr(filtering, "zero_key_bits", lambda *args: 0)
+        with monkeypatch.context() as staged:
+            staged.setattr(filtering, "searches_in_one_call", lambda *args: False)
+            skipped = kept_threshold(logits, sampling, true_vocab_size=TRUE_VOCAB, kernels=chosen)
+            assert seen == [24, 16, 8, 0][:passes]
+            seen.clear()
+            staged.setattr(filtering, "zero_key_bits", lambda *args: 0)
             full = kept_threshold(logits, sampling, true_vocab_size=TRUE_VOCAB, kernels=chosen)
-        assert len(seen) == 4
-        seen.clear()
-        assert torch.equal(skipped, full)
+            assert len(seen) == 4
+            seen.clear()
+        assert torch.equal(skipped, full) and torch.equal(one_call, skipped)
         reference = filtered_keep_mask(logits.double(), sampling.top_k, sampling.top_p)
         assert torch.equal(logits.double() >= skipped[:, None].double(), reference)
 

@@ -14,8 +14,9 @@ cutting differently run different numbers and shapes of them, and gloo aborts, N
   written over the logits, holds the call's logits once, and the head's extra memory is its chunk buffers and some
   bytes per trained row. The chunk buffers take what `HEAD_EXTRA_SHARE` of the logits leaves beside those bytes: 12
   chunks at a 16K-column bf16 shard, not 16, which the CPU's GEMMs need (each chunk GEMM packs the whole weight
-  again). Where top-p's threshold search runs on each chunk, its temporaries (up to a third of the chunk's bf16
-  buffer) share that budget (15 chunks there); where the vocab share is small, the op's 16.
+  again). Where top-p's threshold search runs on each chunk in stages (over TP ranks, on CUDA, in plain torch), its
+  temporaries (up to a third of the chunk's bf16 buffer) share that budget (15 chunks there); where the vocab share
+  is small, the op's 16.
 - *Sequence chunks* (`sequence_chunks`): where a loss term couples a sequence's tokens, the loss-fused head groups
   whole sequences into chunks of at most that many trained rows, so the term stays exact.
 - *Threshold pieces within a chunk* (`threshold_piece_rows`): top-p's search over a fused path's chunk works on a
@@ -85,13 +86,15 @@ def chunk_rows_for(rows: int, shard_cols: int, dtype: torch.dtype, budget_bytes:
     return max(1, min(by_budget, by_share))
 
 
-def head_min_chunks(shard_cols: int, dtype: torch.dtype, searches_top_p: bool) -> int:
+def head_min_chunks(shard_cols: int, dtype: torch.dtype, search_temporaries: bool) -> int:
     """The loss-fused head's least number of chunks per call, for a shard of `shard_cols` columns (its whole width,
     the same on every TP rank) in `dtype`: as few as keep the chunk buffers and `HEAD_ROW_BYTES` per row within
-    `HEAD_EXTRA_SHARE` of the logits, at most `MIN_CHUNKS`; where top-p's threshold search runs on each chunk, its
-    temporaries take up to a third of the chunk buffer more."""
+    `HEAD_EXTRA_SHARE` of the logits, at most `MIN_CHUNKS`; with `search_temporaries` (top-p's threshold search runs
+    on each chunk in stages, over TP ranks, on CUDA or in plain torch, and holds temporaries per row of the chunk)
+    they take up to a third of the chunk buffer more. (The CPU's one-call search on one rank holds per-thread
+    temporaries only.)"""
     share = HEAD_EXTRA_SHARE - HEAD_ROW_BYTES / (max(shard_cols, 1) * torch.empty((), dtype=dtype).element_size())
-    if searches_top_p:
+    if search_temporaries:
         share *= 3 / 4
     return MIN_CHUNKS if share <= 1 / MIN_CHUNKS else math.ceil(1 / share)
 

@@ -194,6 +194,8 @@ def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None, grou
     (`_select_top_p_fused`), else in plain torch (`_select_top_p`); the same on every rank, since it sets the pieces
     within a chunk (a rank holding only padding searches in plain torch, in the same pieces).
     """
+    if fused and x.shape[1] > 0 and searches_in_one_call(x.device, group):
+        return _top_p_threshold_on_one_rank(x, p, floor, logit_scale)
     rows, dtype = x.shape[0], compute_dtype(x.dtype)
     local_max = (_scaled(x.amax(dim=-1), logit_scale) if x.shape[1]
                  else torch.full((rows,), float("-inf"), dtype=dtype, device=x.device))
@@ -214,12 +216,31 @@ def _top_p_threshold(x: torch.Tensor, p: float, floor: torch.Tensor | None, grou
     return threshold if floor is None else torch.maximum(threshold, floor)
 
 
+def searches_in_one_call(device: torch.device, group: dist.ProcessGroup | None) -> bool:
+    """Whether top-p's fused search runs whole in one call (`_top_p_threshold_on_one_rank`): on one rank (no
+    all-reduce between its stages), on the CPU (CUDA runs the stages). Its temporaries are then per thread, none per
+    row of the call."""
+    return _world(group) == 1 and device.type == "cpu"
+
+
+def _top_p_threshold_on_one_rank(x: torch.Tensor, p: float, floor: torch.Tensor | None,
+                                 logit_scale: float) -> torch.Tensor:
+    """`_top_p_threshold` on one rank with the fused CPU kernels: the whole search of every row in one call
+    (`top_p_threshold`: the same stages and choices, with no all-reduce between them), each row with per-thread
+    temporaries only, so no pieces; its threshold is the staged search's, bit for bit."""
+    floor = None if floor is None else floor.to(torch.float32).contiguous()
+    return torch.ops.megatron_grpo.top_p_threshold(x, floor, p, float(logit_scale),
+                                                   min(x.shape[1], CANDIDATE_CAPACITY),
+                                                   zero_key_bits(x.dtype, logit_scale))
+
+
 def _boundary_bin(value_masses: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1's choice from the rows' all-reduced value histograms `[rows, 256]`: the boundary bin (int64 `[rows]`)
     and the mass that the boundary bin's kept logits must still reach (p of the row's kept mass, less the bins
     above it)."""
-    target = p * value_masses.sum(dim=-1)  # p of the whole kept mass
-    higher = value_masses.cumsum(dim=-1) - value_masses  # the mass of the bins above each bin
+    cumulative = value_masses.cumsum(dim=-1)  # in bin order (top_p.h's choose_boundary sums in the same order)
+    target = p * cumulative[:, -1]  # p of the whole kept mass
+    higher = cumulative - value_masses  # the mass of the bins above each bin
     open_bins = (higher < target[:, None]) & (value_masses > 0)
     bin_index = torch.arange(VALUE_BINS, device=value_masses.device)
     boundary = torch.where(open_bins, bin_index, -1).amax(dim=-1).clamp(min=0)
