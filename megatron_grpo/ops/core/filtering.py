@@ -20,9 +20,11 @@ logits at or above it. Collectives, on a TP group of more than one rank:
   float64 masses (4 passes for fp32 logits, 2 for bf16 and 3 for fp16 ones taken unscaled, 8 for float64).
 
 Top-p runs as three fused kernels where the fused kernels serve the logits (fp32, bf16, fp16; csrc/top_p.h): the
-value histogram (one pass over the logits), the boundary bin's candidates into a compact buffer (a second pass) and
-the radix passes over that buffer; no host synchronisation. Elsewhere (float64 logits, the plain-torch kernels) the
-same algorithm runs in plain torch, which gathers the candidates with one host sync per piece.
+value histogram (one pass over the logits), the boundary bin's candidates' keys into a compact buffer (a second
+pass) and the radix passes over that buffer; no host synchronisation. On one CPU rank, with no all-reduce between
+the stages, they and the choices between them run as one call (`top_p_threshold`), each row with per-thread
+temporaries, to the same threshold bit for bit. Elsewhere (float64 logits, the plain-torch kernels) the same
+algorithm runs in plain torch, which gathers the candidates with one host sync per piece.
 """
 
 from __future__ import annotations
