@@ -150,6 +150,44 @@ float row_max(const T* x, int64_t cols) {
   return m;
 }
 
+// A row's candidates (its kept logits in the boundary `bin`): their count, and the keys of the first `capacity`.
+template <typename T>
+int64_t row_candidates(const T* x, int64_t cols, float scale, float shift, float floor, int64_t bin,
+                       int64_t capacity, int32_t* keys) {
+  int64_t count = 0;
+  for_each_block(x, cols, scale, shift, floor, [&](const Block& block) {
+    for (int64_t i = 0; i < block.count; ++i) {
+      if (block.bins[i] != bin || block.z[i] < floor) continue;  // (kept: not below the top-k floor)
+      if (count < capacity) keys[count] = static_cast<int32_t>(ordered_key(block.z[i]));
+      ++count;
+    }
+  });
+  return count;
+}
+
+// One radix pass over a row's `count` candidates: `masses` ([kBucketSlots], overwritten) by bucket_slot; from the
+// keys where they all fit in `capacity`, else read again from the logits.
+template <typename T>
+void row_bucket_masses(const T* x, int64_t cols, float scale, float shift, float floor, int64_t bin,
+                       int64_t capacity, const int32_t* keys, int64_t count, int64_t prefix, int low_bit,
+                       double* masses) {
+  std::fill(masses, masses + kBucketSlots, 0.0);
+  if (count <= capacity) {  // the compact candidates; the row is not read
+    for (int64_t i = 0; i < count; ++i) {
+      const auto key = static_cast<uint32_t>(keys[i]);
+      masses[bucket_slot(key, low_bit, prefix)] += mass_of_key(key, shift);
+    }
+    return;
+  }
+  for_each_block(x, cols, scale, shift, floor, [&](const Block& block) {
+    for (int64_t i = 0; i < block.count; ++i) {
+      if (block.bins[i] != bin || block.z[i] < floor) continue;
+      const auto key = ordered_key(block.z[i]);
+      masses[bucket_slot(key, low_bit, prefix)] += mass_of_key(key, shift);
+    }
+  });
+}
+
 // One row's whole search (see top_p_cpu.h's threshold); `keys` holds `capacity` candidates.
 template <typename T>
 float row_threshold(const T* x, int64_t cols, float scale, float floor, bool has_floor, double top_p,
@@ -162,32 +200,12 @@ float row_threshold(const T* x, int64_t cols, float scale, float floor, bool has
   int64_t boundary;
   double target;
   choose_boundary(hist, top_p, &boundary, &target);
-  int64_t count = 0;
-  for_each_block(x, cols, scale, shift, floor, [&](const Block& block) {
-    for (int64_t i = 0; i < block.count; ++i) {
-      if (block.bins[i] != boundary || block.z[i] < floor) continue;
-      if (count < capacity) keys[count] = static_cast<int32_t>(ordered_key(block.z[i]));
-      ++count;
-    }
-  });
+  const int64_t count = row_candidates(x, cols, scale, shift, floor, boundary, capacity, keys);
   int64_t prefix = 0;
   const int lowest = zero_bits / kBucketBits * kBucketBits;
   for (int low_bit = kKeyBits - kBucketBits; low_bit >= lowest; low_bit -= kBucketBits) {
-    double masses[kBucketSlots] = {};
-    if (count <= capacity) {
-      for (int64_t i = 0; i < count; ++i) {
-        const auto key = static_cast<uint32_t>(keys[i]);
-        masses[bucket_slot(key, low_bit, prefix)] += mass_of_key(key, shift);
-      }
-    } else {  // more candidates than the buffer holds: read again from the logits
-      for_each_block(x, cols, scale, shift, floor, [&](const Block& block) {
-        for (int64_t i = 0; i < block.count; ++i) {
-          if (block.bins[i] != boundary || block.z[i] < floor) continue;
-          const auto key = ordered_key(block.z[i]);
-          masses[bucket_slot(key, low_bit, prefix)] += mass_of_key(key, shift);
-        }
-      });
-    }
+    double masses[kBucketSlots];
+    row_bucket_masses(x, cols, scale, shift, floor, boundary, capacity, keys, count, prefix, low_bit, masses);
     choose_bucket(masses, &target, &prefix);
   }
   float threshold = finite ? value_of_key(static_cast<uint32_t>(prefix << lowest))
@@ -215,17 +233,7 @@ void candidates(const void* logits, LogitsDType dtype, int64_t rows, int64_t col
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     for_each_row_of<T>(logits, rows, cols, row_stride, shift, floor, [&](int64_t r, const T* x, float s, float f) {
-      int64_t count = 0;
-      const int bin = static_cast<int>(boundary[r]);
-      int32_t* row_keys = keys + r * capacity;
-      for_each_block(x, cols, scale, s, f, [&](const Block& block) {
-        for (int64_t i = 0; i < block.count; ++i) {
-          if (block.bins[i] != bin || block.z[i] < f) continue;  // (kept: not below the top-k floor)
-          if (count < capacity) row_keys[count] = static_cast<int32_t>(ordered_key(block.z[i]));
-          ++count;
-        }
-      });
-      counts[r] = count;
+      counts[r] = row_candidates(x, cols, scale, s, f, boundary[r], capacity, keys + r * capacity);
     });
   });
 }
@@ -236,23 +244,8 @@ void bucket_masses(const void* logits, LogitsDType dtype, int64_t rows, int64_t 
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     for_each_row_of<T>(logits, rows, cols, row_stride, shift, floor, [&](int64_t r, const T* x, float s, float f) {
-      double* row_out = out + r * kBucketSlots;
-      std::fill(row_out, row_out + kBucketSlots, 0.0);
-      if (counts[r] <= capacity) {  // the compact candidates; the row is not read
-        for (int64_t i = 0; i < counts[r]; ++i) {
-          const auto key = static_cast<uint32_t>(keys[r * capacity + i]);
-          row_out[bucket_slot(key, low_bit, prefix[r])] += mass_of_key(key, s);
-        }
-        return;
-      }
-      const int bin = static_cast<int>(boundary[r]);
-      for_each_block(x, cols, scale, s, f, [&](const Block& block) {
-        for (int64_t i = 0; i < block.count; ++i) {
-          if (block.bins[i] != bin || block.z[i] < f) continue;
-          const auto key = ordered_key(block.z[i]);
-          row_out[bucket_slot(key, low_bit, prefix[r])] += mass_of_key(key, s);
-        }
-      });
+      row_bucket_masses(x, cols, scale, s, f, boundary[r], capacity, keys + r * capacity, counts[r], prefix[r],
+                        low_bit, out + r * kBucketSlots);
     });
   });
 }
